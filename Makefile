@@ -1,0 +1,30 @@
+# make test / make demo create or refresh .venv themselves; a second run reinstalls nothing
+# unless pyproject.toml changed (the stamp file tracks it).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# torch is pinned only here, in the set-up step: 2.13.0 is the CPU wheel on this machine's disk
+# (elsewhere the normal release). The library itself asks for a range (pyproject.toml).
+TORCH_PIN := torch==2.13.0
+DATA_DIR ?= $(if $(FSD_DATA_DIR),$(FSD_DATA_DIR),$(abspath ../shared/data))
+
+.PHONY: setup test demo clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(VENV)/bin/fsd compare-estimators --data-dir "$(DATA_DIR)"
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,27 @@
+"""fsd — compact, differentiable estimates of function space distance (LAFTR / BGLN).
+
+Every estimator follows one interface::
+
+    est = fsd.BGLN(deterministic=True).fit(reference_model, data)
+    d = est.distance(model)          # differentiable 0-dim tensor
+    est.save("summary.pt"); est2 = fsd.load("summary.pt")
+"""
+
+from .estimator import Estimator, NotFittedError, iter_batches, load
+from .ewc import EWC
+from .exact import ExactFSD
+from .interpreter import ArchitectureMismatchError, trace
+from .linearized import BGLN, LAFTR
+from .metrics import METRICS, pointwise_distance
+from .ntk import NTK
+from .rules import LayerRule, UnsupportedModuleError, register_rule
+from .statistics import GateAccumulator, MomentAccumulator, Statistics, StatisticsCollector
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArchitectureMismatchError", "BGLN", "EWC", "Estimator", "ExactFSD", "GateAccumulator",
+    "LAFTR", "LayerRule", "METRICS", "MomentAccumulator", "NTK", "NotFittedError", "Statistics",
+    "StatisticsCollector", "UnsupportedModuleError", "iter_batches", "load", "pointwise_distance",
+    "register_rule", "trace",
+]

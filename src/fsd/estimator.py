@@ -1,0 +1,306 @@
+"""The estimator interface shared by every FSD estimator, and safe save/load of summaries.
+
+An estimator is configured by keyword arguments, ``fit`` on a reference model and data
+(snapshotting θ0 and collecting its statistics), then ``distance(model)`` estimates the FSD
+between the snapshot and the model's current parameters, differentiably.
+
+Summaries are saved with ``torch.save`` as plain tensors plus JSON strings and read back
+with ``torch.load(weights_only=True)``, so loading a file runs no pickled code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from typing import Any, ClassVar, Iterable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .interpreter import check_signature, parameter_signature
+
+FORMAT = "fsd-summary"
+FORMAT_VERSION = 1
+
+ESTIMATORS: dict[str, type["Estimator"]] = {}
+
+Data = Iterable[Any] | Tensor
+"""What ``fit`` accepts: an iterable of batches (``x`` or ``(x, y, ...)``), e.g. a
+``DataLoader``, or one tensor holding a single batch."""
+
+
+class NotFittedError(RuntimeError):
+    """``distance`` or ``save`` was called before ``fit``."""
+
+
+def iter_batches(
+    data: Data | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool = False,
+    desc: str | None = None,
+) -> Iterator[tuple[Tensor, Tensor | None]]:
+    """Yield ``(x, y)`` batches cast to ``dtype``/``device``, validating them on the way.
+
+    ``y`` is ``None`` for unlabelled batches. Raises ``ValueError`` for empty data, inputs
+    without a batch dimension, or NaN/infinite inputs (naming the batch).
+    """
+    if data is None:
+        raise ValueError("no data given: fit needs data (or statistics=... for moment methods)")
+    batches = [data] if isinstance(data, Tensor) else data
+    total = len(batches) if hasattr(batches, "__len__") else None
+    seen = 0
+    for index, batch in enumerate(tqdm(batches, disable=not progress, desc=desc, total=total,
+                                       leave=False)):
+        if isinstance(batch, (tuple, list)):
+            if not batch:
+                raise ValueError(f"batch {index} is empty")
+            x, y = batch[0], (batch[1] if len(batch) > 1 else None)
+        else:
+            x, y = batch, None
+        x = torch.as_tensor(x)
+        if x.dim() < 2:
+            raise ValueError(f"batch {index} has shape {tuple(x.shape)}: expected "
+                             f"(batch, *features)")
+        x = x.to(device=device, dtype=dtype)
+        if not torch.isfinite(x).all():
+            raise ValueError(f"batch {index} contains NaN or infinite inputs")
+        if y is not None:
+            y = torch.as_tensor(y).to(device)
+            if y.shape[0] != x.shape[0]:
+                raise ValueError(f"batch {index}: {y.shape[0]} labels for {x.shape[0]} inputs")
+        seen += x.shape[0]
+        yield x, y
+    if seen == 0:
+        raise ValueError("data is empty: fit needs at least one example")
+
+
+def model_dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device of the model's first floating-point parameter."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype, p.device
+    raise ValueError("the model has no floating-point parameters")
+
+
+@contextlib.contextmanager
+def evaluation_mode(model: nn.Module) -> Iterator[None]:
+    """Temporarily put every submodule in eval mode (Dropout off), restoring flags after."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
+class Reservoir:
+    """Uniform random subset of a stream (reservoir sampling), or all of it if size is None."""
+
+    def __init__(self, size: int | None, generator: torch.Generator) -> None:
+        if size is not None and size < 1:
+            raise ValueError(f"coreset_size must be a positive int or None, got {size}")
+        self.size, self.generator, self.seen = size, generator, 0
+        self.x: list[Tensor] = []
+        self.y: list[Tensor | None] = []
+
+    def add(self, x: Tensor, y: Tensor | None) -> None:
+        """Offer a batch to the reservoir."""
+        for i in range(x.shape[0]):
+            item_y = None if y is None else y[i]
+            if self.size is None or len(self.x) < self.size:
+                self.x.append(x[i].clone())
+                self.y.append(item_y)
+            else:
+                j = int(torch.randint(self.seen + 1, (1,), generator=self.generator))
+                if j < self.size:
+                    self.x[j], self.y[j] = x[i].clone(), item_y
+            self.seen += 1
+
+    def tensors(self) -> tuple[Tensor, Tensor | None]:
+        """The kept inputs (N, *shape) and labels (N,) or None."""
+        xs = torch.stack(self.x)
+        ys = None if any(v is None for v in self.y) else torch.stack(self.y)
+        return xs, ys
+
+
+def _normalize(obj: Any) -> Any:
+    # JSON round trip so tuples become lists and saved/fresh signatures compare equal.
+    return json.loads(json.dumps(obj))
+
+
+class Estimator:
+    """Base class of all FSD estimators.
+
+    Subclasses implement ``_fit`` and ``_distance`` and declare their JSON-able
+    configuration in ``__init__`` via ``self.config``.
+    """
+
+    name: ClassVar[str] = "estimator"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        ESTIMATORS[cls.__name__] = cls
+
+    def __init__(self, **config: Any) -> None:
+        self.config: dict[str, Any] = _normalize(config)
+        self._state: dict[str, Tensor] = {}
+        self._meta: dict[str, Any] = {}
+        self._cache: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+        return f"{type(self).__name__}({args})"
+
+    # ----- public API -------------------------------------------------------------------
+    def fit(
+        self,
+        model: nn.Module,
+        data: Data | None = None,
+        *,
+        outputs: Sequence[int] | slice | None = None,
+        statistics: Any = None,
+        progress: bool = False,
+    ) -> "Estimator":
+        """Snapshot θ0 = the model's current parameters and collect the summary's statistics.
+
+        Args:
+            model: the reference network. Its dtype and device are used throughout.
+            data: iterable of ``x`` or ``(x, y)`` batches (e.g. a ``DataLoader``), or one
+                tensor batch. Labels are needed only for class-conditional summaries.
+            outputs: restrict the distance to these output units (e.g. one task's head).
+            statistics: a :class:`fsd.StatisticsCollector` that recorded the data already
+                (e.g. during the last training epoch); used by moment/gate based estimators.
+            progress: show a progress bar over the data.
+
+        Returns:
+            ``self``.
+        """
+        dtype, device = model_dtype_device(model)
+        self._state, self._meta, self._cache = {}, {}, {}
+        self._meta["signature"] = _normalize(self._signature(model))
+        for name, p in model.named_parameters():
+            self._state[f"theta0.{name}"] = p.detach().clone()
+        for name, b in model.named_buffers():
+            self._state[f"buffer0.{name}"] = b.detach().clone()
+        if isinstance(outputs, slice):
+            self._meta["output_slice"] = [outputs.start, outputs.stop, outputs.step]
+        elif outputs is not None:
+            index = torch.as_tensor(list(outputs), dtype=torch.long, device=device)
+            if index.numel() == 0 or index.dim() != 1:
+                raise ValueError("outputs must be a non-empty list of output indices or a slice")
+            self._state["outputs"] = index
+        with evaluation_mode(model):
+            self._fit(model, data, statistics=statistics, dtype=dtype, device=device,
+                      progress=progress)
+        self._meta["fitted"] = True
+        return self
+
+    def distance(self, model: nn.Module) -> Tensor:
+        """Estimated FSD between the fitted reference θ0 and ``model``'s current parameters.
+
+        Returns a 0-dim tensor, differentiable w.r.t. the model's parameters.
+        """
+        self._require_fitted()
+        check_signature(self._meta["signature"], _normalize(self._signature(model)))
+        dtype, device = model_dtype_device(model)
+        self._move(dtype, device)
+        with evaluation_mode(model):
+            return self._distance(model)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the summary: the θ0 copy plus the stored statistics/data."""
+        return sum(t.numel() * t.element_size() for t in self._state.values())
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the summary to ``path`` atomically (temporary file, then rename)."""
+        self._require_fitted()
+        payload = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "estimator": type(self).__name__,
+            "config": json.dumps(self.config),
+            "meta": json.dumps(self._meta),
+            "tensors": {k: v.detach().cpu() for k, v in self._state.items()},
+        }
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fsd-", suffix=".tmp")
+        os.close(fd)
+        try:
+            torch.save(payload, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    # ----- helpers for subclasses -------------------------------------------------------
+    def _signature(self, model: nn.Module) -> Any:
+        return parameter_signature(model)
+
+    def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
+             dtype: torch.dtype, device: torch.device, progress: bool) -> None:
+        raise NotImplementedError
+
+    def _distance(self, model: nn.Module) -> Tensor:
+        raise NotImplementedError
+
+    def _require_fitted(self) -> None:
+        if not self._meta.get("fitted"):
+            raise NotFittedError(f"{type(self).__name__} is not fitted: call fit(model, data)")
+
+    def _move(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Bring stored floating tensors to the model's dtype/device (once, then cached)."""
+        if self._meta.get("_placement") == [str(dtype), str(device)]:
+            return
+        for k, v in self._state.items():
+            self._state[k] = v.to(device=device, dtype=dtype) if v.is_floating_point() \
+                else v.to(device)
+        self._cache.clear()
+        self._meta["_placement"] = [str(dtype), str(device)]
+
+    def _theta0(self) -> dict[str, Tensor]:
+        return {k[len("theta0."):]: v for k, v in self._state.items() if k.startswith("theta0.")}
+
+    def _reference_state(self) -> dict[str, Tensor]:
+        """θ0 parameters and buffers, as ``functional_call`` wants them."""
+        out = self._theta0()
+        out.update({k[len("buffer0."):]: v for k, v in self._state.items()
+                    if k.startswith("buffer0.")})
+        return out
+
+    def _select(self, z: Tensor) -> Tensor:
+        """Restrict outputs (n, k) to the units given as ``outputs`` at fit time."""
+        if "output_slice" in self._meta:
+            z = z[..., slice(*self._meta["output_slice"])]
+            if z.shape[-1] == 0:
+                raise ValueError("outputs slice selects no output unit of this model")
+            return z
+        index = self._state.get("outputs")
+        if index is not None and int(index.max()) >= z.shape[-1]:
+            raise ValueError(f"outputs index {int(index.max())} out of range for a model with "
+                             f"{z.shape[-1]} outputs")
+        return z if index is None else z.index_select(-1, index)
+
+
+def load(path: str | os.PathLike, map_location: str | torch.device | None = None) -> Estimator:
+    """Load a summary written by :meth:`Estimator.save`. Runs no pickled code."""
+    payload = torch.load(os.fspath(path), map_location=map_location, weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ValueError(f"{os.fspath(path)} is not an fsd summary file")
+    if payload.get("version") != FORMAT_VERSION:
+        raise ValueError(f"unsupported fsd summary version {payload.get('version')}")
+    cls = ESTIMATORS.get(payload["estimator"])
+    if cls is None:
+        raise ValueError(f"unknown estimator {payload['estimator']!r} in {os.fspath(path)}")
+    estimator = cls(**json.loads(payload["config"]))
+    estimator._state = dict(payload["tensors"])
+    estimator._meta = json.loads(payload["meta"])
+    estimator._meta.pop("_placement", None)
+    return estimator

