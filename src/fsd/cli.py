@@ -1,2 +1,91 @@
-def main(argv=None):
+"""The ``fsd`` command line (also ``python -m fsd``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from . import __version__
+
+
+def _add_data_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", default=None,
+                        help="data directory (default: $FSD_DATA_DIR, else ~/.cache/fsd/data)")
+
+
+def _cmd_data_fetch(args: argparse.Namespace) -> int:
+    from .data import fetch
+    where = fetch(args.name, args.data_dir, source=args.source)
+    print(f"{args.name}: ready in {where}")
     return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    import torch
+
+    from .compare import compare_estimators, format_rows
+    torch.set_num_threads(args.threads) if args.threads else None
+    rows = compare_estimators(args.data_dir, width=args.width, depth=args.depth,
+                              epochs=args.epochs, finetune_epochs=args.finetune_epochs,
+                              seed=args.seed, repeats=args.repeats)
+    table = format_rows(rows)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare_estimators.md").write_text(table + "\n")
+        (out / "compare_estimators.json").write_text(
+            json.dumps([asdict(r) for r in rows], indent=2))
+        print(f"wrote {out / 'compare_estimators.md'} and .json")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``fsd`` command and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="fsd", description="Function space distance estimators (LAFTR / BGLN).")
+    parser.add_argument("--version", action="version", version=f"fsd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    data = sub.add_parser("data", help="obtain and check data sets")
+    data_sub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    fetch = data_sub.add_parser("fetch", help="put a data set into the data directory")
+    fetch.add_argument("name", help="mnist, fashion-mnist (cifar10/cifar100/uci: manual steps)")
+    fetch.add_argument("--source", default=None,
+                       help="copy from this folder instead of downloading (e.g. a local mirror)")
+    _add_data_dir(fetch)
+    fetch.set_defaults(func=_cmd_data_fetch)
+
+    compare = sub.add_parser(
+        "compare-estimators",
+        help="every estimator vs the true FSD on an MNIST 0/1 → 2/3 pair of networks")
+    _add_data_dir(compare)
+    compare.add_argument("--width", type=int, default=100, help="hidden width (default 100)")
+    compare.add_argument("--depth", type=int, default=2, help="hidden layers (default 2)")
+    compare.add_argument("--epochs", type=int, default=1, help="epochs on digits 0/1")
+    compare.add_argument("--finetune-epochs", type=int, default=1, help="epochs on digits 2/3")
+    compare.add_argument("--seed", type=int, default=0)
+    compare.add_argument("--repeats", type=int, default=5,
+                         help="timed distance+backward calls per estimator (median reported)")
+    compare.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    compare.add_argument("--out", default=None, help="also write the table as .md/.json here")
+    compare.set_defaults(func=_cmd_compare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fsd`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    from .data import DataNotFoundError
+    try:
+        return args.func(args)
+    except DataNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import os
 import pickle
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -532,15 +532,16 @@ def _canonical_fetch_name(name: str) -> str:
 def _write_atomic(dest: Path, payload: bytes) -> None:
     """Write ``payload`` to ``dest`` via a temporary file in the same folder and ``os.replace``."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    # A unique name opened with "xb" (not mkstemp) so the file gets umask-based permissions.
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, dest)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

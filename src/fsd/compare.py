@@ -1,0 +1,133 @@
+"""``fsd compare-estimators``: every estimator against the true FSD on a real MNIST pair.
+
+Trains a small MLP on digits 0/1 (θ0), fine-tunes a copy on 2/3 (θ), fits every estimator
+on the 0/1 training data at θ0 and reports its estimate of the FSD between θ0 and θ next to
+the true empirical FSD over the same 0/1 training images.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .data import TensorBatches, load_mnist, split_by_classes
+from .estimator import Estimator
+from .ewc import EWC
+from .exact import ExactFSD
+from .linearized import BGLN, LAFTR
+from .ntk import NTK
+
+
+def mlp(input_dim: int, width: int, depth: int, outputs: int) -> nn.Sequential:
+    """ReLU MLP: Flatten, ``depth`` hidden Linear+ReLU layers of ``width``, Linear head."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    last = input_dim
+    for _ in range(depth):
+        layers += [nn.Linear(last, width), nn.ReLU()]
+        last = width
+    layers.append(nn.Linear(last, outputs))
+    return nn.Sequential(*layers)
+
+
+def train(model: nn.Module, batches: TensorBatches, epochs: int, lr: float,
+          desc: str = "training", progress: bool = True) -> None:
+    """Plain Adam + cross-entropy training (used to make the reference and moved networks)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    model.train()
+    for epoch in range(epochs):
+        for x, y in tqdm(batches, desc=f"{desc} epoch {epoch + 1}/{epochs}", leave=False,
+                         disable=not progress):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    model.eval()
+
+
+def default_estimators(coreset_size: int = 40, num_samples: int = 128
+                       ) -> dict[str, Callable[[], Estimator]]:
+    """The estimators compared, by display name (factories, so each run is fresh)."""
+    return {
+        "LAFTR (coreset)": lambda: LAFTR(inputs="coreset", coreset_size=coreset_size),
+        "LAFTR (gaussian)": lambda: LAFTR(inputs="gaussian", num_samples=num_samples),
+        "BGLN-S": lambda: BGLN(num_samples=num_samples),
+        "BGLN-S-Var": lambda: BGLN(covariance="diag", num_samples=num_samples),
+        "BGLN-S-CW": lambda: BGLN(classwise=True, num_samples=num_samples),
+        "BGLN-S (coreset)": lambda: BGLN(inputs="coreset", coreset_size=coreset_size),
+        "BGLN-D": lambda: BGLN(deterministic=True),
+        "BGLN-D-Var": lambda: BGLN(deterministic=True, covariance="diag"),
+        "BGLN-D-CW": lambda: BGLN(deterministic=True, classwise=True),
+        "NTK (coreset)": lambda: NTK(coreset_size=coreset_size),
+        "EWC": lambda: EWC(fisher="true", metric="euclidean"),
+    }
+
+
+@dataclass
+class Row:
+    """One line of the comparison table."""
+
+    estimator: str
+    estimate: float
+    true_fsd: float
+    relative_error: float
+    nbytes: int
+    ms_per_call: float
+
+
+def time_distance(estimator: Estimator, model: nn.Module, repeats: int) -> tuple[float, float]:
+    """First estimate and median milliseconds of ``distance`` + backward over ``repeats``."""
+    times, value = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        d = estimator.distance(model)
+        d.backward()
+        times.append((time.perf_counter() - start) * 1e3)
+        model.zero_grad()
+        value = float(d.detach()) if value is None else value
+    times.sort()
+    return value, times[len(times) // 2]
+
+
+def compare_estimators(data_dir: str | None = None, *, width: int = 100, depth: int = 2,
+                       epochs: int = 1, finetune_epochs: int = 1, lr: float = 1e-3,
+                       batch_size: int = 64, seed: int = 0, repeats: int = 5,
+                       progress: bool = True) -> list[Row]:
+    """Run the comparison; returns one :class:`Row` per estimator (first row: ExactFSD)."""
+    torch.manual_seed(seed)
+    x, y = load_mnist(data_dir, "train")
+    x01, y01 = split_by_classes(x, y, [0, 1])
+    x23, y23 = split_by_classes(x, y, [2, 3])
+    generator = torch.Generator().manual_seed(seed)
+    model = mlp(28 * 28, width, depth, 2)
+    train(model, TensorBatches(x01, y01, batch_size, shuffle=True, generator=generator),
+          epochs, lr, "task 0/1", progress)
+    moved = copy.deepcopy(model)
+    train(moved, TensorBatches(x23, y23, batch_size, shuffle=True, generator=generator),
+          finetune_epochs, lr, "task 2/3", progress)
+
+    reference_data = TensorBatches(x01, y01, 1024)
+    exact = ExactFSD().fit(model, reference_data)
+    true_fsd, exact_ms = time_distance(exact, moved, repeats)
+    rows = [Row("ExactFSD (all 0/1 images)", true_fsd, true_fsd, 0.0, exact.nbytes, exact_ms)]
+    for name, make in tqdm(default_estimators().items(), desc="estimators", leave=False,
+                           disable=not progress):
+        estimator = make().fit(model, reference_data)
+        estimate, ms = time_distance(estimator, moved, repeats)
+        rows.append(Row(name, estimate, true_fsd, abs(estimate - true_fsd) / true_fsd,
+                        estimator.nbytes, ms))
+    return rows
+
+
+def format_rows(rows: list[Row]) -> str:
+    """Markdown table of the comparison."""
+    lines = ["| estimator | estimated FSD | true FSD | rel. error | bytes stored | ms / call |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.estimator} | {r.estimate:.4g} | {r.true_fsd:.4g} | "
+                     f"{r.relative_error:.3f} | {r.nbytes:,} | {r.ms_per_call:.2f} |")
+    return "\n".join(lines)
