@@ -1,0 +1,63 @@
+"""The command line: help, data fetch, and the compare-estimators job on real MNIST."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsd.cli import main
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
+HAS_MNIST = (DATA_DIR / "mnist").is_dir()
+
+
+def test_help_lists_commands(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "compare-estimators" in out and "data" in out
+
+
+def test_python_dash_m_fsd_runs():
+    result = subprocess.run([sys.executable, "-m", "fsd", "--help"], capture_output=True,
+                            text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "usage: fsd" in result.stdout
+
+
+def test_missing_data_is_a_clear_error(tmp_path, capsys):
+    code = main(["compare-estimators", "--data-dir", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "fsd data fetch mnist" in err and str(tmp_path) in err
+
+
+@pytest.mark.skipif(not HAS_MNIST, reason="MNIST not available")
+def test_data_fetch_from_local_source(tmp_path, capsys):
+    assert main(["data", "fetch", "mnist", "--data-dir", str(tmp_path),
+                 "--source", str(DATA_DIR / "mnist")]) == 0
+    assert sorted(p.name for p in (tmp_path / "mnist").iterdir()) == sorted(
+        f"{n}.gz" for n in ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
+                            "train-images-idx3-ubyte", "train-labels-idx1-ubyte"))
+
+
+@pytest.mark.skipif(not HAS_MNIST, reason="MNIST not available")
+def test_compare_estimators_end_to_end(tmp_path, capsys):
+    assert main(["compare-estimators", "--data-dir", str(DATA_DIR), "--width", "16",
+                 "--repeats", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "compare_estimators.json").read_text())
+    names = [r["estimator"] for r in rows]
+    assert names[0].startswith("ExactFSD") and "BGLN-D" in names and "NTK (coreset)" in names
+    true_fsd = rows[0]["true_fsd"]
+    assert true_fsd > 0
+    for row in rows:
+        assert row["true_fsd"] == true_fsd and row["nbytes"] > 0 and row["estimate"] >= 0
+    # the oracle keeps ~12.7k images; every parametric summary must be far smaller
+    assert all(r["nbytes"] < rows[0]["nbytes"] / 5 for r in rows[1:])
