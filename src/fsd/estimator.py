@@ -65,7 +65,8 @@ def iter_batches(
         x = torch.as_tensor(x)
         if x.dim() < 2:
             raise ValueError(f"batch {index} has shape {tuple(x.shape)}: expected "
-                             f"(batch, *features)")
+                             f"(batch, *features). Data is an iterable of batches; one "
+                             f"labelled batch is passed as [(x, y)]")
         x = x.to(device=device, dtype=dtype)
         if not torch.isfinite(x).all():
             raise ValueError(f"batch {index} contains NaN or infinite inputs")

@@ -5,10 +5,10 @@
   nonlinearity. Differences are propagated directly (Δs = ΔW a0 + W1 Δa + Δb), which avoids
   the cancellation of subtracting two nearly equal outputs. The gates are supplied by the
   caller: the reference's own 1{s0 > 0} (LAFTR) or Bernoulli draws (BGLN-S).
-- :func:`reference_moments` / :func:`delta_moments` — BGLN-D (paper Algorithm 2): means and
-  covariances pushed through the Bernoulli-gated linear network, batched over mixture
-  components. The reference side depends only on θ0 and the stored statistics, so callers
-  compute it once and reuse it.
+- :func:`reference_moments` / :func:`delta_moments` — BGLN-D (paper Algorithm 2): the
+  moments of the Bernoulli-gated linear network, batched over mixture components. The
+  reference side depends only on θ0 and the stored statistics, so callers compute it once
+  and reuse it; the difference side is accumulated backwards from the outputs.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
+from .covariance import Covariance, quadratic_trace, sandwich
+from .covariance import gate as gate_covariance
 from .rules import LayerRule, UnsupportedModuleError, rule_for
 
 
@@ -179,35 +181,23 @@ def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]
             )
 
 
-def _sandwich(weight: Tensor, cov: Tensor) -> Tensor:
-    """W C Wᵀ for a batch of covariances, full (G, d, d) or diagonal (G, d)."""
-    if cov.dim() == 2:
-        return (weight * cov.unsqueeze(1)) @ weight.T
-    return weight @ cov @ weight.T
-
-
-def _gate_moments(mean: Tensor, cov: Tensor, mu: Tensor) -> tuple[Tensor, Tensor]:
-    # Algorithm 2 gates means by μ and covariances by μμᵀ (dropping the gates' own variance).
-    return mean * mu, cov * (mu.unsqueeze(-1) * mu.unsqueeze(-2))
-
-
 def reference_moments(
     layers: list[TracedLayer],
     params0: Mapping[str, Tensor],
     mean: Tensor,
-    cov: Tensor,
+    cov: Covariance,
     gate_means: Mapping[str, Tensor],
-) -> list[tuple[Tensor, Tensor]]:
+) -> list[tuple[Tensor, Covariance]]:
     """Mean and covariance of the reference activations a0 entering every affine layer.
 
     Args:
         mean: input means, (G, d) for G mixture components.
-        cov: input covariances, (G, d, d), or variances (G, d) for a diagonal model.
+        cov: input covariances in any form of :mod:`fsd.covariance`.
         gate_means: Bernoulli means μ per ReLU path, each (G, units).
 
     Returns:
-        One ``(mean, cov)`` per affine layer, in order; covariances are full after the first
-        layer.
+        One ``(mean, cov)`` per affine layer, in order; the first keeps the input's form,
+        later ones are full.
     """
     out = []
     for layer in layers:
@@ -215,9 +205,11 @@ def reference_moments(
             out.append((mean, cov))
             w0, b0 = _weight_bias(params0, layer.path)
             mean = mean @ w0.T + (0 if b0 is None else b0)
-            cov = _sandwich(w0, cov)
+            cov = sandwich(w0, cov)
         elif layer.rule.kind == "gate":
-            mean, cov = _gate_moments(mean, cov, gate_means[layer.path])
+            # Algorithm 2 gates means by μ and covariances by μμᵀ
+            mu = gate_means[layer.path]
+            mean, cov = mean * mu, gate_covariance(cov, mu)
     return out
 
 
@@ -225,33 +217,58 @@ def delta_moments(
     layers: list[TracedLayer],
     params0: Mapping[str, Tensor],
     params1: Mapping[str, Tensor],
-    reference: list[tuple[Tensor, Tensor]],
+    reference: list[tuple[Tensor, Covariance]],
     gate_means: Mapping[str, Tensor],
+    output_rows: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    """Mean (G, k) and covariance (G, k, k) of the output difference Δz (Algorithm 2).
+    """BGLN-D (paper Algorithm 2): E[Δz] and tr Cov(Δz) on the selected outputs.
 
-    As in the paper, Cov(a0, Δa) is taken to be zero.
+    Algorithm 2 is linear in the covariances (μμᵀ ⊙ C = diag(μ) C diag(μ)), so with
+    Cov(a0, Δa) = 0 as in the paper,
+    tr Cov(Δz) = Σ_l tr(M_l ΔW_l C0_l ΔW_lᵀ M_lᵀ), M_l = W1_L diag(μ) ⋯ W1_{l+1} diag(μ_l)
+    the map from layer l's Δs to the outputs. Accumulating M_l backwards from the k selected
+    outputs costs O(k·Σ o_l²) instead of pushing o×o covariances forwards — the same number,
+    far cheaper for few outputs.
+
+    Args:
+        reference: output of :func:`reference_moments` (fixed after fit).
+        output_rows: (k', k) matrix selecting outputs (rows of the identity).
+
+    Returns:
+        ``(mean (G, k'), trace (G,))``.
     """
+    affine = [layer for layer in layers if layer.rule.kind == "affine"]
+    if not affine:
+        raise UnsupportedModuleError("the model has no parameterized layer")
+    deltas = {}
     mean_d: Tensor | None = None
-    cov_d: Tensor | None = None
-    affine_index = 0
+    index = 0
     for layer in layers:
         if layer.rule.kind == "affine":
-            mean0, cov0 = reference[affine_index]
-            affine_index += 1
+            mean0 = reference[index][0]
+            index += 1
             w0, b0 = _weight_bias(params0, layer.path)
             w1, b1 = _weight_bias(params1, layer.path)
             dw = w1 - w0
+            deltas[layer.path] = (dw, w1)
             new_mean = mean0 @ dw.T
             if b0 is not None:
                 new_mean = new_mean + (b1 - b0)
-            new_cov = _sandwich(dw, cov0)
             if mean_d is not None:
                 new_mean = new_mean + mean_d @ w1.T
-                new_cov = new_cov + _sandwich(w1, cov_d)
-            mean_d, cov_d = new_mean, new_cov
+            mean_d = new_mean
         elif layer.rule.kind == "gate" and mean_d is not None:
-            mean_d, cov_d = _gate_moments(mean_d, cov_d, gate_means[layer.path])
-    if mean_d is None:
-        raise UnsupportedModuleError("the model has no parameterized layer")
-    return mean_d, cov_d
+            mean_d = mean_d * gate_means[layer.path]
+    groups = mean_d.shape[0]
+    rows = output_rows.to(mean_d.dtype).expand(groups, *output_rows.shape)
+    trace = mean_d.new_zeros(groups)
+    for layer in reversed(layers):
+        if layer.rule.kind == "gate":
+            rows = rows * gate_means[layer.path].unsqueeze(-2)
+        elif layer.rule.kind == "affine":
+            index -= 1
+            dw, w1 = deltas[layer.path]
+            trace = trace + quadratic_trace(rows @ dw, reference[index][1])
+            if index > 0:
+                rows = rows @ w1
+    return mean_d @ output_rows.to(mean_d.dtype).T, trace

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from .covariance import Covariance, low_rank_plus_diagonal, sample, sampling_factor
 from .estimator import Data, Estimator, Reservoir, iter_batches
 from .interpreter import (
     check_moment_support,
@@ -30,7 +31,7 @@ from .metrics import check_metric, pointwise_distance
 from .statistics import StatisticsCollector
 
 INPUTS = ("coreset", "gaussian")
-COVARIANCES = ("full", "diag")
+COVARIANCES = ("full", "diag", "lowrank")
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
@@ -38,22 +39,13 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
-def sampling_factor(covariance: Tensor) -> Tensor:
-    """A d × r matrix L with L Lᵀ = covariance, r = numerical rank.
-
-    Data covariances are often singular (MNIST has constant pixels), so Cholesky fails.
-    The symmetric eigendecomposition never does: negative round-off eigenvalues are clamped
-    to zero and null directions dropped, so mean + L z, z ~ N(0, I_r), samples exactly the
-    Gaussian on its support (and costs r instead of d per sample).
-    """
-    values, vectors = torch.linalg.eigh(covariance.to(torch.float64))
-    values = values.clamp_min(0)
-    # directions below the stored dtype's resolution are noise, not variance
-    tol = values.max() * covariance.shape[-1] * torch.finfo(covariance.dtype).eps
-    keep = values > tol
-    if not keep.any():
-        return covariance.new_zeros(covariance.shape[-1], 1)
-    return (vectors[:, keep] * values[keep].sqrt()).to(covariance.dtype)
+def _check_common(inputs: str, covariance: str, rank: int, num_samples: int) -> None:
+    _check_choice("inputs", inputs, INPUTS)
+    _check_choice("covariance", covariance, COVARIANCES)
+    if int(rank) < 1:
+        raise ValueError(f"rank must be ≥ 1, got {rank}")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be ≥ 1, got {num_samples}")
 
 
 class _LinearizedEstimator(Estimator):
@@ -81,9 +73,10 @@ class _LinearizedEstimator(Estimator):
         own = needs_stats and statistics is None
         collector = statistics
         if own:
+            # low rank is computed from the full covariance at the end of the pass
+            moments = "diag" if self.config["covariance"] == "diag" else "full"
             collector = StatisticsCollector(
-                model, moments=self.config["covariance"] if gaussian else None,
-                gates=self.bernoulli)
+                model, moments=moments if gaussian else None, gates=self.bernoulli)
         reservoir = None if gaussian else Reservoir(
             self.config["coreset_size"], torch.Generator().manual_seed(self.config["seed"]))
         if own or reservoir is not None:
@@ -128,12 +121,18 @@ class _LinearizedEstimator(Estimator):
             if stats.means is None:
                 raise ValueError("the statistics hold no input moments (collector moments=None)")
             covariances = stats.covariances
-            if self.config["covariance"] == "diag" and covariances.dim() == 3:
-                covariances = covariances.diagonal(dim1=-2, dim2=-1)
-            elif self.config["covariance"] == "full" and covariances.dim() == 2:
-                raise ValueError("covariance='full' needs a collector with moments='full'")
+            form = self.config["covariance"]
+            if form != "diag" and covariances.dim() == 2:
+                raise ValueError(f"covariance={form!r} needs a collector with moments='full'")
             self._state["input.mean"] = stats.means.to(device=device, dtype=dtype)
-            self._state["input.cov"] = covariances.to(device=device, dtype=dtype)
+            if form == "diag" and covariances.dim() == 3:
+                covariances = covariances.diagonal(dim1=-2, dim2=-1)
+            if form == "lowrank":
+                factor, residual = low_rank_plus_diagonal(covariances, self.config["rank"])
+                self._state["input.cov_factor"] = factor.to(device=device, dtype=dtype)
+                self._state["input.cov_residual"] = residual.to(device=device, dtype=dtype)
+            else:
+                self._state["input.cov"] = covariances.to(device=device, dtype=dtype)
         if self.bernoulli:
             if not stats.gate_means:
                 raise ValueError("the statistics hold no gate frequencies (collector gates=False)")
@@ -160,24 +159,28 @@ class _LinearizedEstimator(Estimator):
             if group is None:
                 group = torch.zeros(n, dtype=torch.long, device=x.device)
             return x, group, x.new_full((n,), 1.0 / n)
-        mean, cov, weights = (self._state["input.mean"], self._state["input.cov"],
-                              self._state["weights"])
+        mean, weights = self._state["input.mean"], self._state["weights"]
         generator = self._generator(mean.device)
-        if "factors" not in self._cache:
-            self._cache["factors"] = [c.sqrt() if c.dim() == 1 else sampling_factor(c)
-                                      for c in cov]
+        cov = self._input_covariance()
+        if not isinstance(cov, tuple) and cov.dim() == 3 and "factors" not in self._cache:
+            self._cache["factors"] = [sampling_factor(c) for c in cov]
         shape = tuple(self._meta["input_shape"])
         xs, groups, sample_weights = [], [], []
         # stratified over mixture components: unbiased, lower variance than drawing classes
-        for g, factor in enumerate(self._cache["factors"]):
+        for g in range(mean.shape[0]):
             n = max(1, round(self.config["num_samples"] * float(weights[g])))
-            width = factor.shape[0] if factor.dim() == 1 else factor.shape[1]
-            z = torch.randn(n, width, generator=generator, device=mean.device, dtype=mean.dtype)
-            x = mean[g] + (z * factor if factor.dim() == 1 else z @ factor.T)
+            component = tuple(c[g] for c in cov) if isinstance(cov, tuple) else cov[g]
+            factor = self._cache["factors"][g] if "factors" in self._cache else None
+            x = sample(mean[g], component, n, generator, full_factor=factor)
             xs.append(x.reshape(n, *shape))
             groups.append(torch.full((n,), g, dtype=torch.long, device=mean.device))
             sample_weights.append(weights[g].expand(n) / n)
         return torch.cat(xs), torch.cat(groups), torch.cat(sample_weights)
+
+    def _input_covariance(self) -> Covariance:
+        if "input.cov_factor" in self._state:
+            return self._state["input.cov_factor"], self._state["input.cov_residual"]
+        return self._state["input.cov"]
 
     def _distance(self, model: nn.Module) -> Tensor:
         layers = trace(model)
@@ -206,14 +209,22 @@ class _LinearizedEstimator(Estimator):
             # depends only on θ0 and the stored statistics: computed once
             with torch.no_grad():
                 self._cache["reference_moments"] = reference_moments(
-                    layers, params0, self._state["input.mean"], self._state["input.cov"],
+                    layers, params0, self._state["input.mean"], self._input_covariance(),
                     gate_means)
-        mean_d, cov_d = delta_moments(layers, params0, params1,
-                                      self._cache["reference_moments"], gate_means)
-        mean_d = self._select(mean_d)
-        cov_d = self._select(self._select(cov_d).transpose(-1, -2))
-        per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * cov_d.diagonal(dim1=-2, dim2=-1).sum(-1)
+                outputs = self._output_size(layers, params0)
+                eye = torch.eye(outputs, dtype=self._state["input.mean"].dtype,
+                                device=self._state["input.mean"].device)
+                self._cache["output_rows"] = self._select(eye).T.contiguous()
+        mean_d, trace = delta_moments(layers, params0, params1,
+                                      self._cache["reference_moments"], gate_means,
+                                      self._cache["output_rows"])
+        per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace
         return (self._state["weights"] * per_group).sum()
+
+    @staticmethod
+    def _output_size(layers, params0) -> int:
+        last = [layer for layer in layers if layer.rule.kind == "affine"][-1]
+        return params0[f"{last.path}.weight" if last.path else "weight"].shape[0]
 
 
 class LAFTR(_LinearizedEstimator):
@@ -224,21 +235,20 @@ class LAFTR(_LinearizedEstimator):
     Args:
         inputs: ``"coreset"`` — a stored random subset of the data; ``"gaussian"`` —
             samples from a Gaussian with the stored data mean and covariance.
-        covariance: ``"full"`` or ``"diag"`` (Gaussian inputs only).
+        covariance: ``"full"``, ``"diag"`` or ``"lowrank"`` (Gaussian inputs only).
+        rank: eigenpairs kept by ``covariance="lowrank"`` (plus a diagonal residual).
         coreset_size: inputs kept by ``"coreset"``; ``None`` keeps all.
         num_samples: Gaussian samples per ``distance`` call.
         metric: ``"euclidean"``, ``"softmax_euclidean"`` or ``"kl"``.
         seed: seeds coreset selection and sampling.
     """
 
-    def __init__(self, inputs: str = "coreset", covariance: str = "full",
+    def __init__(self, inputs: str = "coreset", covariance: str = "full", rank: int = 64,
                  coreset_size: int | None = None, num_samples: int = 128,
                  metric: str = "euclidean", seed: int = 0) -> None:
-        _check_choice("inputs", inputs, INPUTS)
-        _check_choice("covariance", covariance, COVARIANCES)
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be ≥ 1, got {num_samples}")
-        super().__init__(inputs=inputs, covariance=covariance, coreset_size=coreset_size,
+        _check_common(inputs, covariance, rank, num_samples)
+        super().__init__(inputs=inputs, covariance=covariance, rank=int(rank),
+                         coreset_size=coreset_size,
                          num_samples=int(num_samples), metric=check_metric(metric), seed=seed)
 
 
@@ -250,7 +260,9 @@ class BGLN(_LinearizedEstimator):
             ``True`` — BGLN-D, moment propagation (Euclidean metric, MLPs, Gaussian inputs).
         inputs: ``"gaussian"`` (stored mean/covariance) or ``"coreset"`` (stored inputs with
             Bernoulli gates; BGLN-S only).
-        covariance: ``"full"`` or ``"diag"`` (the paper's "Var" variant).
+        covariance: ``"full"``, ``"diag"`` (the paper's "Var" variant) or ``"lowrank"``
+            (top-``rank`` eigenpairs plus a diagonal residual: memory d·(rank + 1)).
+        rank: eigenpairs kept by ``covariance="lowrank"``.
         classwise: ``False``; ``True`` — one mixture component per class (moments and gate
             frequencies per class, mixed by class frequency; the paper's CW variant); an int
             k — sorted class labels grouped into k contiguous clusters.
@@ -263,11 +275,10 @@ class BGLN(_LinearizedEstimator):
     bernoulli = True
 
     def __init__(self, deterministic: bool = False, inputs: str = "gaussian",
-                 covariance: str = "full", classwise: bool | int = False,
+                 covariance: str = "full", rank: int = 64, classwise: bool | int = False,
                  coreset_size: int | None = None, num_samples: int = 128,
                  metric: str = "euclidean", seed: int = 0) -> None:
-        _check_choice("inputs", inputs, INPUTS)
-        _check_choice("covariance", covariance, COVARIANCES)
+        _check_common(inputs, covariance, rank, num_samples)
         check_metric(metric)
         if deterministic and metric != "euclidean":
             raise ValueError(f"BGLN-D (deterministic=True) computes the Euclidean metric only; "
@@ -277,8 +288,6 @@ class BGLN(_LinearizedEstimator):
                              "inputs='gaussian'")
         if not isinstance(classwise, bool) and (not isinstance(classwise, int) or classwise < 1):
             raise ValueError(f"classwise must be True, False or a positive int, got {classwise!r}")
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be ≥ 1, got {num_samples}")
         super().__init__(deterministic=bool(deterministic), inputs=inputs, covariance=covariance,
-                         classwise=classwise, coreset_size=coreset_size,
+                         rank=int(rank), classwise=classwise, coreset_size=coreset_size,
                          num_samples=int(num_samples), metric=metric, seed=seed)

@@ -1,0 +1,100 @@
+"""Batched covariance representations used by the moment-based estimators.
+
+A batch of G covariances (one per mixture component) is stored in one of three forms:
+
+- full: a tensor (G, d, d);
+- diagonal: a tensor (G, d) of variances (the paper's "Var" variant);
+- low rank + diagonal: a pair ``(factor (G, d, r), residual (G, d))`` meaning
+  F Fᵀ + diag(residual) — the top-r eigenpairs of the data covariance plus the variance they
+  leave unexplained (memory d·(r + 1) instead of d²).
+
+Every function here accepts all three, so estimators never branch on the form.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+from torch import Tensor
+
+Covariance = Union[Tensor, tuple[Tensor, Tensor]]
+
+
+def sandwich(weight: Tensor, cov: Covariance) -> Tensor:
+    """W C Wᵀ for each component, returned full (G, o, o)."""
+    if isinstance(cov, tuple):
+        factor, residual = cov
+        projected = weight @ factor
+        return projected @ projected.transpose(-1, -2) + (weight * residual.unsqueeze(1)) @ weight.T
+    if cov.dim() == 2:
+        return (weight * cov.unsqueeze(1)) @ weight.T
+    return weight @ cov @ weight.T
+
+
+def quadratic_trace(rows: Tensor, cov: Covariance) -> Tensor:
+    """tr(P C Pᵀ) per component for P of shape (G, k, d): the output variance that the
+    directions in P pick up from C. Returns (G,)."""
+    if isinstance(cov, tuple):
+        factor, residual = cov
+        return (rows @ factor).pow(2).sum((-1, -2)) + (rows.pow(2) * residual.unsqueeze(1)).sum(
+            (-1, -2))
+    if cov.dim() == 2:
+        return (rows.pow(2) * cov.unsqueeze(1)).sum((-1, -2))
+    return ((rows @ cov) * rows).sum((-1, -2))
+
+
+def gate(cov: Tensor, mu: Tensor) -> Tensor:
+    """μμᵀ ⊙ C = diag(μ) C diag(μ) for full (G, o, o) covariances and means μ (G, o)."""
+    return cov * (mu.unsqueeze(-1) * mu.unsqueeze(-2))
+
+
+def sampling_factor(covariance: Tensor) -> Tensor:
+    """A d × r matrix L with L Lᵀ = covariance, r = numerical rank.
+
+    Data covariances are often singular (MNIST has constant pixels), so Cholesky fails.
+    The symmetric eigendecomposition never does: negative round-off eigenvalues are clamped
+    to zero and null directions dropped, so mean + L z, z ~ N(0, I_r), samples exactly the
+    Gaussian on its support (and costs r instead of d per sample).
+    """
+    values, vectors = torch.linalg.eigh(covariance.to(torch.float64))
+    values = values.clamp_min(0)
+    # directions below the stored dtype's resolution are noise, not variance
+    tol = values.max() * covariance.shape[-1] * torch.finfo(covariance.dtype).eps
+    keep = values > tol
+    if not keep.any():
+        return covariance.new_zeros(covariance.shape[-1], 1)
+    return (vectors[:, keep] * values[keep].sqrt()).to(covariance.dtype)
+
+
+def low_rank_plus_diagonal(covariance: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    """Top-``rank`` eigenpairs of each (G, d, d) covariance as a factor (G, d, r), plus the
+    diagonal residual diag(C − F Fᵀ) ≥ 0 (G, d), so the variance of every feature is kept."""
+    values, vectors = torch.linalg.eigh(covariance.to(torch.float64))
+    values = values.clamp_min(0)
+    r = min(rank, covariance.shape[-1])
+    top_values, top_vectors = values[..., -r:], vectors[..., -r:]
+    factor = top_vectors * top_values.sqrt().unsqueeze(-2)
+    residual = (covariance.diagonal(dim1=-2, dim2=-1) - factor.pow(2).sum(-1)).clamp_min(0)
+    return factor.to(covariance.dtype), residual.to(covariance.dtype)
+
+
+def sample(mean: Tensor, cov: Covariance | Tensor, n: int, generator: torch.Generator,
+           full_factor: Tensor | None = None) -> Tensor:
+    """n Gaussian samples (n, d) of one component.
+
+    Args:
+        mean: (d,).
+        cov: that component's covariance in any form above (without the G dimension).
+        full_factor: for a full covariance, its :func:`sampling_factor` (callers cache it).
+    """
+    def normal(width: int) -> Tensor:
+        return torch.randn(n, width, generator=generator, device=mean.device, dtype=mean.dtype)
+
+    if isinstance(cov, tuple):
+        factor, residual = cov
+        return mean + normal(factor.shape[-1]) @ factor.T + normal(mean.shape[0]) * residual.sqrt()
+    if cov.dim() == 1:
+        return mean + normal(mean.shape[0]) * cov.sqrt()
+    factor = sampling_factor(cov) if full_factor is None else full_factor
+    return mean + normal(factor.shape[-1]) @ factor.T
