@@ -231,14 +231,16 @@ def delta_moments(
     far cheaper for few outputs.
 
     Args:
+        params0: reference parameters; each may carry a leading component dimension G, so
+            summaries of several reference networks are evaluated in one batched pass.
         reference: output of :func:`reference_moments` (fixed after fit).
-        output_rows: (k', k) matrix selecting outputs (rows of the identity).
+        output_rows: (k', k) or per component (G, k', k) matrix selecting outputs (rows of
+            the identity; zero rows pad components with fewer outputs).
 
     Returns:
         ``(mean (G, k'), trace (G,))``.
     """
-    affine = [layer for layer in layers if layer.rule.kind == "affine"]
-    if not affine:
+    if not any(layer.rule.kind == "affine" for layer in layers):
         raise UnsupportedModuleError("the model has no parameterized layer")
     deltas = {}
     mean_d: Tensor | None = None
@@ -249,9 +251,9 @@ def delta_moments(
             index += 1
             w0, b0 = _weight_bias(params0, layer.path)
             w1, b1 = _weight_bias(params1, layer.path)
-            dw = w1 - w0
+            dw = w1 - w0  # (o, in) or (G, o, in)
             deltas[layer.path] = (dw, w1)
-            new_mean = mean0 @ dw.T
+            new_mean = (mean0.unsqueeze(-2) @ dw.transpose(-1, -2)).squeeze(-2)
             if b0 is not None:
                 new_mean = new_mean + (b1 - b0)
             if mean_d is not None:
@@ -260,7 +262,8 @@ def delta_moments(
         elif layer.rule.kind == "gate" and mean_d is not None:
             mean_d = mean_d * gate_means[layer.path]
     groups = mean_d.shape[0]
-    rows = output_rows.to(mean_d.dtype).expand(groups, *output_rows.shape)
+    output_rows = output_rows.to(mean_d.dtype)
+    rows = output_rows.expand(groups, *output_rows.shape[-2:])
     trace = mean_d.new_zeros(groups)
     for layer in reversed(layers):
         if layer.rule.kind == "gate":
@@ -271,4 +274,6 @@ def delta_moments(
             trace = trace + quadratic_trace(rows @ dw, reference[index][1])
             if index > 0:
                 rows = rows @ w1
-    return mean_d @ output_rows.to(mean_d.dtype).T, trace
+    selected = (output_rows.expand(groups, *output_rows.shape[-2:])
+                @ mean_d.unsqueeze(-1)).squeeze(-1)
+    return selected, trace

@@ -203,23 +203,28 @@ class _LinearizedEstimator(Estimator):
         rho = pointwise_distance(self.config["metric"], reference, self._select(dz))
         return (sample_weights * rho).sum()
 
-    def _moment_distance(self, layers, params0, params1) -> Tensor:
-        gate_means = self._gate_means()
-        if "reference_moments" not in self._cache:
-            # depends only on θ0 and the stored statistics: computed once
+    def _moment_parts(self, layers, params0) -> dict[str, Any]:
+        """What BGLN-D needs besides θ: fixed after fit, so computed once and cached."""
+        if "moment_parts" not in self._cache:
+            gate_means = self._gate_means()
+            mean = self._state["input.mean"]
             with torch.no_grad():
-                self._cache["reference_moments"] = reference_moments(
-                    layers, params0, self._state["input.mean"], self._input_covariance(),
-                    gate_means)
-                outputs = self._output_size(layers, params0)
-                eye = torch.eye(outputs, dtype=self._state["input.mean"].dtype,
-                                device=self._state["input.mean"].device)
-                self._cache["output_rows"] = self._select(eye).T.contiguous()
-        mean_d, trace = delta_moments(layers, params0, params1,
-                                      self._cache["reference_moments"], gate_means,
-                                      self._cache["output_rows"])
+                reference = reference_moments(layers, params0, mean, self._input_covariance(),
+                                              gate_means)
+            eye = torch.eye(self._output_size(layers, params0), dtype=mean.dtype,
+                            device=mean.device)
+            self._cache["moment_parts"] = {
+                "reference": reference, "gate_means": gate_means,
+                "output_rows": self._select(eye).T.contiguous(),
+                "weights": self._state["weights"]}
+        return self._cache["moment_parts"]
+
+    def _moment_distance(self, layers, params0, params1) -> Tensor:
+        parts = self._moment_parts(layers, params0)
+        mean_d, trace = delta_moments(layers, params0, params1, parts["reference"],
+                                      parts["gate_means"], parts["output_rows"])
         per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace
-        return (self._state["weights"] * per_group).sum()
+        return (parts["weights"] * per_group).sum()
 
     @staticmethod
     def _output_size(layers, params0) -> int:

@@ -1,0 +1,141 @@
+"""Several fitted summaries (e.g. one per previous task) evaluated as one penalty.
+
+Continual learning sums D(θ, θ_i, p_i) over all previous tasks i at every step.
+:class:`SummarySet` returns that (weighted) sum; BGLN-D summaries of the same architecture
+and covariance form are evaluated in one batched pass — their reference networks and
+mixture components are stacked along the component dimension of
+:func:`fsd.interpreter.delta_moments` — so the cost grows much slower than the number of
+tasks. Other estimators are evaluated one by one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .estimator import Estimator, evaluation_mode, model_dtype_device
+from .interpreter import check_signature, delta_moments, trace
+from .linearized import BGLN
+
+
+def _form(estimator: Estimator) -> tuple:
+    """Estimators whose stored input covariances can be concatenated share this key."""
+    state = estimator._state
+    if "input.cov_factor" in state:
+        return ("lowrank", state["input.cov_factor"].shape[-1])
+    return ("full" if state["input.cov"].dim() == 3 else "diag",)
+
+
+def _cat_covariance(covs: list[Any]) -> Any:
+    if isinstance(covs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*covs))
+    return torch.cat(covs)
+
+
+class SummarySet:
+    """Weighted sum of fitted estimators' distances, batched where the math allows.
+
+    Args:
+        estimators: fitted estimators (any mix of types) for the same model architecture.
+        weights: one weight per estimator (default 1 each).
+    """
+
+    def __init__(self, estimators: Sequence[Estimator], weights: Sequence[float] | None = None
+                 ) -> None:
+        self.estimators = list(estimators)
+        if weights is None:
+            weights = [1.0] * len(self.estimators)
+        if len(weights) != len(self.estimators):
+            raise ValueError(f"{len(weights)} weights for {len(self.estimators)} estimators")
+        for e in self.estimators:
+            e._require_fitted()
+        self.weights = [float(w) for w in weights]
+        self._cache: dict[Any, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.estimators)
+
+    def __iter__(self) -> Iterator[Estimator]:
+        return iter(self.estimators)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all summaries."""
+        return sum(e.nbytes for e in self.estimators)
+
+    def distance(self, model: nn.Module) -> Tensor:
+        """Σ_i weight_i · D_i(model): a differentiable 0-dim tensor (0 for an empty set)."""
+        dtype, device = model_dtype_device(model)
+        batches: dict[tuple, list[int]] = {}
+        singles: list[int] = []
+        for i, e in enumerate(self.estimators):
+            if isinstance(e, BGLN) and e.config["deterministic"]:
+                batches.setdefault(_form(e), []).append(i)
+            else:
+                singles.append(i)
+        total = torch.zeros((), dtype=dtype, device=device)
+        for members in batches.values():
+            if len(members) == 1:
+                singles.extend(members)
+            else:
+                total = total + self._batched_moment_distance(model, members, dtype, device)
+        for i in singles:
+            total = total + self.weights[i] * self.estimators[i].distance(model)
+        return total
+
+    def _batched_moment_distance(self, model: nn.Module, members: list[int],
+                                 dtype: torch.dtype, device: torch.device) -> Tensor:
+        layers = trace(model)
+        for i in members:
+            estimator = self.estimators[i]
+            check_signature(estimator._meta["signature"], estimator._signature(model))
+            estimator._move(dtype, device)
+        key = (tuple(members), str(dtype), str(device))
+        if key not in self._cache:
+            self._cache[key] = self._stack(layers, members)
+        stacked = self._cache[key]
+        with evaluation_mode(model):
+            params1 = dict(model.named_parameters())
+            mean_d, trace_d = delta_moments(layers, stacked["params0"], params1,
+                                            stacked["reference"], stacked["gate_means"],
+                                            stacked["output_rows"])
+        per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace_d
+        return (stacked["weights"] * per_group).sum()
+
+    def _stack(self, layers, members: list[int]) -> dict[str, Any]:
+        """Concatenate the members' fixed parts along the component dimension."""
+        parts, params0, counts = [], [], []
+        for i in members:
+            estimator = self.estimators[i]
+            theta0 = estimator._theta0()
+            part = estimator._moment_parts(layers, theta0)
+            parts.append(part)
+            params0.append(theta0)
+            counts.append(part["weights"].shape[0])
+        stacked_params = {
+            name: torch.cat([p[name].expand(c, *p[name].shape) for p, c in zip(params0, counts)])
+            for name in params0[0]}
+        reference = [
+            (torch.cat([p["reference"][j][0] for p in parts]),
+             _cat_covariance([p["reference"][j][1] for p in parts]))
+            for j in range(len(parts[0]["reference"]))]
+        gate_means = {path: torch.cat([p["gate_means"][path] for p in parts])
+                      for path in parts[0]["gate_means"]}
+        widest = max(p["output_rows"].shape[0] for p in parts)
+        rows = []
+        for p, c in zip(parts, counts):
+            r = p["output_rows"]
+            padded = r.new_zeros(widest, r.shape[1])
+            padded[: r.shape[0]] = r  # zero rows select nothing
+            rows.append(padded.expand(c, *padded.shape))
+        weights = torch.cat([self.weights[i] * p["weights"] for i, p in zip(members, parts)])
+        return {"params0": stacked_params, "reference": reference, "gate_means": gate_means,
+                "output_rows": torch.cat(rows), "weights": weights}
+
+
+def combine(estimators: Sequence[Estimator], weights: Sequence[float] | None = None
+            ) -> SummarySet:
+    """A :class:`SummarySet` of ``estimators`` (sum of their distances, batched)."""
+    return SummarySet(estimators, weights)

@@ -1,0 +1,113 @@
+"""Low-rank input moments and batched summary sets against their dense / one-by-one truths."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import fsd
+from fsd.covariance import low_rank_plus_diagonal, sample, sandwich
+
+torch.manual_seed(0)
+
+
+def _mlp(d=6, width=7, outputs=4):
+    return nn.Sequential(nn.Linear(d, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, outputs)).double()
+
+
+def _data(n=300, d=6, classes=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(d, d, generator=g, dtype=torch.float64)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64) @ mix
+    x[:, 0] = 1.0  # a constant feature: rank-deficient covariance, like MNIST's border pixels
+    return [(x, torch.randint(0, classes, (n,), generator=g))]
+
+
+def _moved(model, scale=0.2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    moved = _mlp()
+    moved.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return moved
+
+
+def test_low_rank_plus_diagonal_keeps_variances_and_is_exact_at_full_rank():
+    a = torch.randn(5, 5, dtype=torch.float64)
+    cov = (a @ a.T).unsqueeze(0)
+    factor, residual = low_rank_plus_diagonal(cov, 2)
+    approx = factor @ factor.transpose(-1, -2) + torch.diag_embed(residual)
+    torch.testing.assert_close(approx.diagonal(dim1=-2, dim2=-1), cov.diagonal(dim1=-2, dim2=-1))
+    factor, residual = low_rank_plus_diagonal(cov, 5)
+    torch.testing.assert_close(factor @ factor.transpose(-1, -2), cov)
+    assert residual.abs().max() < 1e-10
+    w = torch.randn(3, 5, dtype=torch.float64)
+    torch.testing.assert_close(sandwich(w, (factor, residual)), w @ cov @ w.T)
+
+
+def test_low_rank_sampling_has_the_stored_covariance():
+    a = torch.randn(4, 4, dtype=torch.float64)
+    cov = a @ a.T + torch.eye(4, dtype=torch.float64)
+    factor, residual = low_rank_plus_diagonal(cov.unsqueeze(0), 2)
+    target = factor[0] @ factor[0].T + torch.diag(residual[0])
+    x = sample(torch.zeros(4, dtype=torch.float64), (factor[0], residual[0]), 400_000,
+               torch.Generator().manual_seed(0))
+    empirical = x.T @ x / x.shape[0]
+    # entries' standard error ~ sqrt(2/n)·max variance; 6 standard errors
+    tolerance = 6 * (2 / x.shape[0]) ** 0.5 * float(target.diagonal().max())
+    assert (empirical - target).abs().max() < tolerance
+
+
+def test_lowrank_bgln_d_equals_full_when_rank_is_the_dimension():
+    model, data = _mlp(), _data()
+    moved = _moved(model)
+    for classwise in (False, True):
+        full = fsd.BGLN(deterministic=True, classwise=classwise).fit(model, data)
+        low = fsd.BGLN(deterministic=True, covariance="lowrank", rank=6,
+                       classwise=classwise).fit(model, data)
+        torch.testing.assert_close(low.distance(moved), full.distance(moved), rtol=1e-10,
+                                   atol=0)
+        assert low.nbytes < full.nbytes + 7 * 8 * (2 if not classwise else 8)
+
+
+def test_lowrank_error_shrinks_with_rank():
+    model, data = _mlp(), _data()
+    moved = _moved(model)
+    full = float(fsd.BGLN(deterministic=True).fit(model, data).distance(moved))
+    errors = [abs(float(fsd.BGLN(deterministic=True, covariance="lowrank", rank=r)
+                        .fit(model, data).distance(moved)) - full) for r in (1, 3, 6)]
+    assert errors[2] < 1e-10 and errors[1] <= errors[0] + 1e-12
+
+
+def test_summary_set_equals_sum_of_distances_with_gradients():
+    model, data = _mlp(), _data()
+    estimators, weights = [], [1.0, 2.0, 0.5, 1.5, 3.0, 0.7]
+    for t in range(4):
+        reference = _moved(model, 0.1, seed=10 + t)
+        outputs = [t % 4, (t + 1) % 4] if t < 3 else None  # heads of different width
+        estimators.append(fsd.BGLN(deterministic=True, classwise=(t % 2 == 0))
+                          .fit(reference, data, outputs=outputs))
+    estimators.append(fsd.BGLN(deterministic=True, covariance="diag").fit(model, data))
+    estimators.append(fsd.EWC(metric="euclidean").fit(model, data))
+    moved = _moved(model, 0.3, seed=99)
+    batched = fsd.combine(estimators, weights).distance(moved)
+    one_by_one = sum(w * e.distance(moved) for w, e in zip(weights, estimators))
+    torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=0)
+    g_batched = torch.autograd.grad(batched, list(moved.parameters()))
+    g_single = torch.autograd.grad(one_by_one, list(moved.parameters()))
+    for a, b in zip(g_batched, g_single):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+
+
+def test_summary_set_checks_architecture():
+    model, data = _mlp(), _data()
+    estimators = [fsd.BGLN(deterministic=True).fit(model, data) for _ in range(2)]
+    other = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 7), nn.ReLU(),
+                          nn.Linear(7, 4)).double()
+    try:
+        fsd.combine(estimators).distance(other)
+    except fsd.ArchitectureMismatchError:
+        return
+    raise AssertionError("a summary set accepted a model of another architecture")
