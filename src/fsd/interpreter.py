@@ -187,6 +187,7 @@ def reference_moments(
     mean: Tensor,
     cov: Covariance,
     gate_means: Mapping[str, Tensor],
+    layer_moments: Mapping[str, tuple[Tensor, Tensor]] | None = None,
 ) -> list[tuple[Tensor, Covariance]]:
     """Mean and covariance of the reference activations a0 entering every affine layer.
 
@@ -194,6 +195,8 @@ def reference_moments(
         mean: input means, (G, d) for G mixture components.
         cov: input covariances in any form of :mod:`fsd.covariance`.
         gate_means: Bernoulli means μ per ReLU path, each (G, units).
+        layer_moments: optional real (mean, covariance) at each affine layer after the
+            first, used instead of propagating (``reference="layerwise"``).
 
     Returns:
         One ``(mean, cov)`` per affine layer, in order; the first keeps the input's form,
@@ -202,6 +205,8 @@ def reference_moments(
     out = []
     for layer in layers:
         if layer.rule.kind == "affine":
+            if out and layer_moments is not None:
+                mean, cov = layer_moments[layer.path]
             out.append((mean, cov))
             w0, b0 = _weight_bias(params0, layer.path)
             mean = mean @ w0.T + (0 if b0 is None else b0)

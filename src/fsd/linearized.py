@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .covariance import Covariance, low_rank_plus_diagonal, sample, sampling_factor
+from .exact_moments import delta_second_moment, reference_blocks
 from .estimator import Data, Estimator, Reservoir, iter_batches
 from .interpreter import (
     check_moment_support,
@@ -76,7 +77,8 @@ class _LinearizedEstimator(Estimator):
             # low rank is computed from the full covariance at the end of the pass
             moments = "diag" if self.config["covariance"] == "diag" else "full"
             collector = StatisticsCollector(
-                model, moments=moments if gaussian else None, gates=self.bernoulli)
+                model, moments=moments if gaussian else None, gates=self.bernoulli,
+                layer_moments=self.config.get("reference") == "layerwise")
         reservoir = None if gaussian else Reservoir(
             self.config["coreset_size"], torch.Generator().manual_seed(self.config["seed"]))
         if own or reservoir is not None:
@@ -95,6 +97,12 @@ class _LinearizedEstimator(Estimator):
         groups: list[list[int]] = []
         if needs_stats:
             groups = self._store_statistics(collector, gaussian, dtype, device)
+        if self.bernoulli:
+            missing = [layer.path for layer in layers
+                       if layer.rule.kind == "gate" and f"gate.{layer.path}" not in self._state]
+            if missing:
+                raise ValueError(f"the statistics hold no gate frequencies for the ReLU(s) at "
+                                 f"{missing} (a collector made with gates=False?)")
         if reservoir is not None:
             xs, ys = reservoir.tensors()
             self._state["coreset.x"] = xs
@@ -133,9 +141,14 @@ class _LinearizedEstimator(Estimator):
                 self._state["input.cov_residual"] = residual.to(device=device, dtype=dtype)
             else:
                 self._state["input.cov"] = covariances.to(device=device, dtype=dtype)
+        if self.config.get("reference") == "layerwise":
+            if not stats.layer_moments:
+                raise ValueError("reference='layerwise' needs a collector with "
+                                 "layer_moments=True")
+            for path, (mean, cov) in stats.layer_moments.items():
+                self._state[f"layer.{path}.mean"] = mean.to(device=device, dtype=dtype)
+                self._state[f"layer.{path}.cov"] = cov.to(device=device, dtype=dtype)
         if self.bernoulli:
-            if not stats.gate_means:
-                raise ValueError("the statistics hold no gate frequencies (collector gates=False)")
             for path, mu in stats.gate_means.items():
                 self._state[f"gate.{path}"] = mu.to(device=device, dtype=dtype)
         return stats.groups
@@ -203,14 +216,23 @@ class _LinearizedEstimator(Estimator):
         rho = pointwise_distance(self.config["metric"], reference, self._select(dz))
         return (sample_weights * rho).sum()
 
+    def _layer_moments(self) -> dict[str, tuple[Tensor, Tensor]] | None:
+        if self.config.get("reference") != "layerwise":
+            return None
+        paths = [k[len("layer."):-len(".mean")] for k in self._state
+                 if k.startswith("layer.") and k.endswith(".mean")]
+        return {p: (self._state[f"layer.{p}.mean"], self._state[f"layer.{p}.cov"]) for p in paths}
+
     def _moment_parts(self, layers, params0) -> dict[str, Any]:
         """What BGLN-D needs besides θ: fixed after fit, so computed once and cached."""
         if "moment_parts" not in self._cache:
             gate_means = self._gate_means()
             mean = self._state["input.mean"]
+            propagate = reference_blocks if self.config.get("moments") == "exact" \
+                else reference_moments
             with torch.no_grad():
-                reference = reference_moments(layers, params0, mean, self._input_covariance(),
-                                              gate_means)
+                reference = propagate(layers, params0, mean, self._input_covariance(),
+                                      gate_means, self._layer_moments())
             eye = torch.eye(self._output_size(layers, params0), dtype=mean.dtype,
                             device=mean.device)
             self._cache["moment_parts"] = {
@@ -221,9 +243,14 @@ class _LinearizedEstimator(Estimator):
 
     def _moment_distance(self, layers, params0, params1) -> Tensor:
         parts = self._moment_parts(layers, params0)
-        mean_d, trace = delta_moments(layers, params0, params1, parts["reference"],
-                                      parts["gate_means"], parts["output_rows"])
-        per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace
+        if self.config.get("moments") == "exact":
+            per_group = 0.5 * delta_second_moment(
+                layers, params0, params1, parts["reference"], parts["gate_means"],
+                parts["output_rows"])
+        else:
+            mean_d, trace = delta_moments(layers, params0, params1, parts["reference"],
+                                          parts["gate_means"], parts["output_rows"])
+            per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace
         return (parts["weights"] * per_group).sum()
 
     @staticmethod
@@ -268,6 +295,12 @@ class BGLN(_LinearizedEstimator):
         covariance: ``"full"``, ``"diag"`` (the paper's "Var" variant) or ``"lowrank"``
             (top-``rank`` eigenpairs plus a diagonal residual: memory d·(rank + 1)).
         rank: eigenpairs kept by ``covariance="lowrank"``.
+        moments: BGLN-D only. ``"paper"`` — Algorithm 2 (drops Cov(a0, Δa) and the gates'
+            variance); ``"exact"`` — joint raw second moments of (a0, Δa) propagated exactly,
+            equal to the expectation of BGLN-S (see :mod:`fsd.exact_moments`).
+        reference: BGLN-D only. ``"propagated"`` — reference-side moments pushed through the
+            gated network from the input moments; ``"layerwise"`` — the reference network's
+            real input mean and covariance stored at every affine layer at ``fit``.
         classwise: ``False``; ``True`` — one mixture component per class (moments and gate
             frequencies per class, mixed by class frequency; the paper's CW variant); an int
             k — sorted class labels grouped into k contiguous clusters.
@@ -280,7 +313,8 @@ class BGLN(_LinearizedEstimator):
     bernoulli = True
 
     def __init__(self, deterministic: bool = False, inputs: str = "gaussian",
-                 covariance: str = "full", rank: int = 64, classwise: bool | int = False,
+                 covariance: str = "full", rank: int = 64, moments: str = "paper",
+                 reference: str = "propagated", classwise: bool | int = False,
                  coreset_size: int | None = None, num_samples: int = 128,
                  metric: str = "euclidean", seed: int = 0) -> None:
         _check_common(inputs, covariance, rank, num_samples)
@@ -288,11 +322,18 @@ class BGLN(_LinearizedEstimator):
         if deterministic and metric != "euclidean":
             raise ValueError(f"BGLN-D (deterministic=True) computes the Euclidean metric only; "
                              f"got metric={metric!r}. Use deterministic=False for it.")
+        _check_choice("moments", moments, ("paper", "exact"))
+        _check_choice("reference", reference, ("propagated", "layerwise"))
+        if not deterministic and (moments != "paper" or reference != "propagated"):
+            raise ValueError("moments= and reference= choose how BGLN-D (deterministic=True) "
+                             "propagates moments; BGLN-S samples and already has the exact "
+                             "expectation of moments='exact'")
         if deterministic and inputs != "gaussian":
             raise ValueError("BGLN-D (deterministic=True) propagates input moments: use "
                              "inputs='gaussian'")
         if not isinstance(classwise, bool) and (not isinstance(classwise, int) or classwise < 1):
             raise ValueError(f"classwise must be True, False or a positive int, got {classwise!r}")
         super().__init__(deterministic=bool(deterministic), inputs=inputs, covariance=covariance,
-                         rank=int(rank), classwise=classwise, coreset_size=coreset_size,
+                         rank=int(rank), moments=moments, reference=reference,
+                         classwise=classwise, coreset_size=coreset_size,
                          num_samples=int(num_samples), metric=metric, seed=seed)

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -138,6 +138,8 @@ class Statistics:
         gate_means: Bernoulli means per ReLU path, each (G, *units), or empty.
         groups: for each component, the class labels it pools (empty when not class-wise).
         input_shape: shape of one input example.
+        layer_moments: per affine layer after the first, the (means (G, o), covariances
+            (G, o, o)) of the reference network's real inputs to it (``layer_moments=True``).
     """
 
     weights: Tensor
@@ -146,6 +148,7 @@ class Statistics:
     gate_means: dict[str, Tensor]
     groups: list[list[int]]
     input_shape: tuple[int, ...]
+    layer_moments: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
 def group_classes(classes: Sequence[int], classwise: bool | int) -> list[list[int]]:
@@ -187,10 +190,12 @@ class StatisticsCollector:
         moments: collect input moments (``"full"``, ``"diag"``) or not (``None``).
         gates: collect ReLU gate frequencies.
         momentum: ``None`` (running mean) or EMA momentum for the gates.
+        layer_moments: also collect the mean and covariance of the input to every affine
+            layer after the first (for ``BGLN(reference="layerwise")``).
     """
 
     def __init__(self, model: nn.Module, *, moments: str | None = "full", gates: bool = True,
-                 momentum: float | None = None) -> None:
+                 momentum: float | None = None, layer_moments: bool = False) -> None:
         if moments not in ("full", "diag", None):
             raise ValueError(f"moments must be 'full', 'diag' or None, got {moments!r}")
         self.moments = moments
@@ -198,6 +203,7 @@ class StatisticsCollector:
         self.input_shape: tuple[int, ...] | None = None
         self._moment_acc: dict[int, MomentAccumulator] = {}
         self._gate_acc: dict[int, dict[str, GateAccumulator]] = {}
+        self._layer_acc: dict[int, dict[str, MomentAccumulator]] = {}
         self._labels: Tensor | None = None
         self._active = False
         self._handles = []
@@ -206,6 +212,10 @@ class StatisticsCollector:
         if moments is not None:
             self._handles.append(model.register_forward_pre_hook(self._input_hook))
         modules = dict(model.named_modules())
+        self.layer_paths = [layer.path for layer in trace(model)
+                            if layer.rule.kind == "affine"][1:] if layer_moments else []
+        for path in self.layer_paths:
+            self._handles.append(modules[path].register_forward_pre_hook(self._layer_hook(path)))
         seen: set[int] = set()
         for path in self.gate_paths:
             module = modules[path]
@@ -271,6 +281,15 @@ class StatisticsCollector:
                 per_path.setdefault(path, GateAccumulator(self.momentum)).update(part)
         return hook
 
+    def _layer_hook(self, path: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            if not self._active:
+                return
+            for key, part in self._split(args[0].detach()):
+                per_path = self._layer_acc.setdefault(key, {})
+                per_path.setdefault(path, MomentAccumulator()).update(part)
+        return hook
+
     @property
     def count(self) -> int:
         """Number of examples recorded."""
@@ -290,6 +309,7 @@ class StatisticsCollector:
         groups = group_classes([] if keys == [_POOLED] else keys, classwise) \
             if keys != [_POOLED] else [[_POOLED]]
         counts, means, covs, gates = [], [], [], {p: [] for p in self.gate_paths}
+        layers: dict[str, list[tuple[Tensor, Tensor]]] = {p: [] for p in self.layer_paths}
         for group in groups:
             moment = MomentAccumulator(self.moments == "diag") if self.moments else None
             gate = {p: GateAccumulator(self.momentum) for p in self.gate_paths}
@@ -307,6 +327,12 @@ class StatisticsCollector:
                 counts.append(next(iter(gate.values())).count if gate else 0)
             for p in self.gate_paths:
                 gates[p].append(gate[p].value)
+            for p in self.layer_paths:
+                merged = MomentAccumulator()
+                for key in group:
+                    if p in self._layer_acc.get(key, {}):
+                        merged.merge(self._layer_acc[key][p])
+                layers[p].append((merged.mean, merged.covariance()))
         weights = torch.tensor(counts, dtype=torch.float64)
         weights = weights / weights.sum()
         return Statistics(
@@ -316,4 +342,6 @@ class StatisticsCollector:
             gate_means={p: torch.stack(v) for p, v in gates.items()},
             groups=[] if groups == [[_POOLED]] else groups,
             input_shape=self.input_shape or (),
+            layer_moments={p: (torch.stack([m for m, _ in v]), torch.stack([c for _, c in v]))
+                           for p, v in layers.items()},
         )

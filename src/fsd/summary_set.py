@@ -5,7 +5,7 @@ Continual learning sums D(θ, θ_i, p_i) over all previous tasks i at every step
 and covariance form are evaluated in one batched pass — their reference networks and
 mixture components are stacked along the component dimension of
 :func:`fsd.interpreter.delta_moments` — so the cost grows much slower than the number of
-tasks. Other estimators are evaluated one by one.
+tasks. Other estimators (and BGLN-D with ``moments="exact"``) are evaluated one by one.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ class SummarySet:
         batches: dict[tuple, list[int]] = {}
         singles: list[int] = []
         for i, e in enumerate(self.estimators):
-            if isinstance(e, BGLN) and e.config["deterministic"]:
+            # the batched pass implements Algorithm 2's moments; others go one by one
+            if isinstance(e, BGLN) and e.config["deterministic"] and \
+                    e.config["moments"] == "paper":
                 batches.setdefault(_form(e), []).append(i)
             else:
                 singles.append(i)

@@ -1,0 +1,223 @@
+"""How much an FSD penalty costs next to a training step (issue: performance).
+
+Run:  .venv/bin/python benchmarks/penalty.py [--data-dir D] [--threads 1] [--repeats 30]
+
+Prints, in one process, medians of repeated timings:
+ (a) step-with-penalty / plain-step at batch 32 and 128 for each estimator;
+ (b) one BGLN-D distance vs one ExactFSD over the 60k MNIST training inputs;
+ (c) K = 1, 3, 9 previous tasks' BGLN-D summaries in one fsd.combine call;
+ (d) the library's BGLN-D vs a dense float64 transcription of paper Algorithm 2 (value, speed);
+ (e) low-rank (r = 16, 64, 128) vs full-covariance BGLN-D on MNIST-trained networks.
+Model: MLP 784-256-256-10, Adam. Moments are real MNIST moments when the data is found
+(--data-dir / $FSD_DATA_DIR), else random inputs (said in the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import fsd
+from fsd.compare import mlp, train
+from fsd.data import DataNotFoundError, TensorBatches, load_mnist, split_by_classes
+
+
+def median_ms(fn, repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def load_inputs(data_dir: str | None) -> tuple[torch.Tensor, torch.Tensor, str]:
+    try:
+        x, y = load_mnist(data_dir, "train")
+        return x, y, "real MNIST (60,000 training images)"
+    except DataNotFoundError:
+        g = torch.Generator().manual_seed(0)
+        return (torch.rand(60_000, 1, 28, 28, generator=g),
+                torch.randint(0, 10, (60_000,), generator=g), "random inputs (MNIST not found)")
+
+
+def perturbed(model: nn.Module, scale: float, seed: int) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return moved
+
+
+def algorithm2_dense(model0: nn.Sequential, model1: nn.Sequential, mean: torch.Tensor,
+                     cov: torch.Tensor, gates: list[torch.Tensor]) -> torch.Tensor:
+    """Paper Algorithm 2 written out densely in float64 (covariances pushed forwards)."""
+    lin0 = [m for m in model0 if isinstance(m, nn.Linear)]
+    lin1 = [m for m in model1 if isinstance(m, nn.Linear)]
+    e_a0, c_a0 = mean, cov
+    e_da, c_da = torch.zeros_like(mean), torch.zeros_like(cov)
+    for layer, (l0, l1) in enumerate(zip(lin0, lin1)):
+        w0, b0, w1, b1 = l0.weight, l0.bias, l1.weight, l1.bias
+        dw, db = w1 - w0, b1 - b0
+        e_s0, e_ds = w0 @ e_a0 + b0, dw @ e_a0 + w1 @ e_da + db
+        c_s0, c_ds = w0 @ c_a0 @ w0.T, dw @ c_a0 @ dw.T + w1 @ c_da @ w1.T
+        if layer == len(lin0) - 1:
+            return 0.5 * e_ds.pow(2).sum() + 0.5 * torch.trace(c_ds)
+        mu = gates[layer]
+        outer = torch.outer(mu, mu)
+        e_a0, e_da, c_a0, c_da = mu * e_s0, mu * e_ds, outer * c_s0, outer * c_ds
+    raise AssertionError("unreachable")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--fit-examples", type=int, default=10_000,
+                        help="examples used to fit the summaries in (a)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    x, y, source = load_inputs(args.data_dir)
+    print(f"# machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s); inputs: {source}")
+    model = mlp(784, 256, 2, 10)
+
+    # (a) penalty cost relative to a plain Adam step
+    fit_data = TensorBatches(x[: args.fit_examples], y[: args.fit_examples], 1000)
+    estimators = {
+        "BGLN-D full": fsd.BGLN(deterministic=True),
+        "BGLN-D diag": fsd.BGLN(deterministic=True, covariance="diag"),
+        "BGLN-D lowrank r=64": fsd.BGLN(deterministic=True, covariance="lowrank", rank=64),
+        "BGLN-S (128 samples)": fsd.BGLN(num_samples=128),
+        "LAFTR gaussian (128)": fsd.LAFTR(inputs="gaussian", num_samples=128),
+        "NTK (coreset 40)": fsd.NTK(coreset_size=40),
+        "EWC": fsd.EWC(),
+    }
+    for est in estimators.values():
+        est.fit(model, fit_data)
+    moved = perturbed(model, 0.01, 1)
+    optimizer = torch.optim.Adam(moved.parameters(), lr=1e-4)
+    print("\n## (a) step with penalty / plain step (MLP 784-256-256-10, Adam)")
+    print("| penalty | batch 32: ms | ratio | batch 128: ms | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    results = {}
+    for batch in (32, 128):
+        xb, yb = x[:batch], y[:batch]
+
+        def step(est=None):
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(moved(xb), yb)
+            if est is not None:
+                loss = loss + est.distance(moved)
+            loss.backward()
+            optimizer.step()
+
+        # interleave plain and penalized runs so drifting machine load hits both alike
+        plain, penal = [], {name: [] for name in estimators}
+        for _ in range(3):
+            plain.append(median_ms(step, args.repeats // 3 or 1))
+            for name, est in estimators.items():
+                penal[name].append(median_ms(lambda e=est: step(e), args.repeats // 3 or 1))
+        results[batch] = (statistics.median(plain),
+                          {k: statistics.median(v) for k, v in penal.items()})
+    print(f"| none (plain step) | {results[32][0]:.2f} | 1.00 | {results[128][0]:.2f} | 1.00 |")
+    for name in estimators:
+        a, b = results[32][1][name], results[128][1][name]
+        print(f"| {name} | {a:.2f} | {a / results[32][0]:.2f} | {b:.2f} | "
+              f"{b / results[128][0]:.2f} |")
+
+    # (b) one BGLN-D evaluation vs ExactFSD over all 60k training inputs
+    all_data = TensorBatches(x, y, 2000)
+    bgln_d = fsd.BGLN(deterministic=True).fit(model, all_data)
+    exact = fsd.ExactFSD().fit(model, all_data)
+    with torch.no_grad():
+        exact.distance(moved)  # caches f(x, θ0), as a user's repeated calls would
+        t_exact = median_ms(lambda: exact.distance(moved), 5, warmup=1)
+        t_bgln = median_ms(lambda: bgln_d.distance(moved), args.repeats)
+    print("\n## (b) one distance call (no backward), 60k MNIST training inputs")
+    print(f"ExactFSD: {t_exact:.1f} ms, BGLN-D: {t_bgln:.3f} ms, ratio {t_exact / t_bgln:.0f}x")
+
+    # (c) K previous tasks in one call
+    print("\n## (c) K previous tasks' BGLN-D summaries in one fsd.combine call (distance+backward)")
+    summaries = [fsd.BGLN(deterministic=True).fit(perturbed(model, 0.02, 10 + k), fit_data)
+                 for k in range(9)]
+
+    def penalty(summary_set):
+        moved.zero_grad()
+        summary_set.distance(moved).backward()
+
+    times = {}
+    for k in (1, 3, 9):
+        times[k] = median_ms(lambda s=fsd.combine(summaries[:k]): penalty(s), args.repeats)
+    for k in (1, 3, 9):
+        print(f"K={k}: {times[k]:.2f} ms ({times[k] / times[1]:.2f}x K=1)")
+
+    # (d) the library vs a dense float64 transcription of Algorithm 2
+    model64, moved64 = copy.deepcopy(model).double(), copy.deepcopy(moved).double()
+    est64 = fsd.BGLN(deterministic=True).fit(model64, TensorBatches(
+        x[: args.fit_examples].double(), y[: args.fit_examples], 1000))
+    mean, cov = est64._state["input.mean"][0], est64._state["input.cov"][0]
+    gates = [est64._state[f"gate.{p}"][0] for p in ("2", "4")]
+    dense_value = algorithm2_dense(model64[1:], moved64[1:], mean, cov, gates)
+    with torch.no_grad():
+        lib_value = est64.distance(moved64)
+    t_dense = median_ms(lambda: algorithm2_dense(model64[1:], moved64[1:], mean, cov, gates),
+                        max(5, args.repeats // 3))
+    t_lib = median_ms(lambda: est64.distance(moved64), args.repeats)
+    rel = abs(float(lib_value) - float(dense_value)) / abs(float(dense_value))
+    print("\n## (d) library BGLN-D vs dense float64 Algorithm 2 (forward only)")
+    print(f"dense {float(dense_value):.10g}, library {float(lib_value):.10g}, relative "
+          f"difference {rel:.1e}; dense {t_dense:.2f} ms, library {t_lib:.2f} ms, "
+          f"speed-up {t_dense / t_lib:.1f}x")
+
+    # (e) low rank vs full on MNIST-trained networks
+    print("\n## (e) low-rank vs full-covariance BGLN-D on networks trained on MNIST 0/1 -> 2/3")
+    x01, y01 = split_by_classes(x, y, [0, 1])
+    x23, y23 = split_by_classes(x, y, [2, 3])
+    g = torch.Generator().manual_seed(0)
+    trained = mlp(784, 256, 2, 2)
+    train(trained, TensorBatches(x01, y01, 64, shuffle=True, generator=g), 1, 1e-3,
+          progress=False)
+    data01 = TensorBatches(x01, y01, 2000)
+    full = fsd.BGLN(deterministic=True).fit(trained, data01)
+    lowrank = {r: fsd.BGLN(deterministic=True, covariance="lowrank", rank=r).fit(trained, data01)
+               for r in (16, 64, 128)}
+    finetuned = copy.deepcopy(trained)
+    print("| fine-tuning steps on 2/3 | full | r=16 | r=64 | r=128 |")
+    print("|---:|---:|---:|---:|---:|")
+    def endless(batches):
+        while True:
+            yield from batches
+
+    batches = endless(TensorBatches(x23, y23, 64, shuffle=True, generator=g))
+    optimizer = torch.optim.Adam(finetuned.parameters(), lr=1e-3)
+    done = 0
+    for target in (10, 50, 200):
+        while done < target:
+            xb, yb = next(batches)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(finetuned(xb), yb).backward()
+            optimizer.step()
+            done += 1
+        with torch.no_grad():
+            f = float(full.distance(finetuned))
+            rels = [abs(float(lowrank[r].distance(finetuned)) - f) / f for r in (16, 64, 128)]
+        print(f"| {target} | {f:.4g} | " + " | ".join(f"{e:.2%}" for e in rels) + " |")
+    print(f"\nbytes: full {full.nbytes:,}, " + ", ".join(
+        f"r={r} {lowrank[r].nbytes:,}" for r in (16, 64, 128)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Exact moment propagation for BGLN (beyond the paper's Algorithm 2).
+
+Algorithm 2 drops Cov(a0, Δa) and gates covariances by μμᵀ, ignoring the gates' own
+variance. Neither is needed: with one Bernoulli mask m shared by a0 and Δa and drawn
+independently of the inputs, E[(m⊙u)(m⊙v)ᵀ] = Q ⊙ E[u vᵀ] with Q = E[m mᵀ] = μμᵀ + diag(μ(1−μ)),
+and affine layers map raw second moments linearly. So the joint raw second moments of the
+homogeneous reference activations ã0 = [a0; 1] and of Δa propagate *exactly*:
+
+    s0 = W̃0 ã0,  Δs = ΔW̃ ã0 + W1 Δa       (W̃ = [W b], ΔW̃ = W̃1 − W̃0)
+    E[s0 Δsᵀ] = W̃0 R00 ΔW̃ᵀ + W̃0 R0Δ W1ᵀ
+    E[Δs Δsᵀ] = ΔW̃ R00 ΔW̃ᵀ + ΔW̃ R0Δ W1ᵀ + W1 R0Δᵀ ΔW̃ᵀ + W1 RΔΔ W1ᵀ
+
+with R00 = E[ã0 ã0ᵀ], R0Δ = E[ã0 Δaᵀ], RΔΔ = E[Δa Δaᵀ]. The result, ½ tr E[Δz Δzᵀ], equals
+the expectation of BGLN-S with Gaussian inputs to machine precision, with no sampling.
+
+The reference blocks R00 depend only on θ0 and the stored statistics — computed once. With
+``layerwise`` statistics they are not propagated at all but the reference network's real
+input moments at every affine layer, collected at ``fit``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from .covariance import Covariance, sampling_factor
+from .interpreter import TracedLayer, UnsupportedModuleError, _weight_bias
+
+
+def _homogeneous(weight: Tensor, bias: Tensor | None) -> Tensor:
+    """W̃ = [W b] (o, in + 1); a missing bias is a zero column."""
+    column = weight.new_zeros(weight.shape[0]) if bias is None else bias
+    return torch.cat([weight, column.unsqueeze(-1)], dim=-1)
+
+
+def gate_second_moment(mu: Tensor) -> Tensor:
+    """Q = E[m mᵀ] = μμᵀ + diag(μ(1 − μ)) for independent Bernoulli gates, (G, o, o)."""
+    return mu.unsqueeze(-1) * mu.unsqueeze(-2) + torch.diag_embed(mu * (1 - mu))
+
+
+def input_factor(mean: Tensor, cov: Covariance) -> Tensor:
+    """Φ (G, d + 1, q) with Φ Φᵀ = E[x̃ x̃ᵀ] for x̃ = [x; 1]: [[L, m], [0, 1]] with L Lᵀ = Cov."""
+    if isinstance(cov, tuple):
+        factor, residual = cov
+        root = torch.cat([factor, torch.diag_embed(residual.sqrt())], dim=-1)
+    elif cov.dim() == 2:
+        root = torch.diag_embed(cov.sqrt())
+    else:
+        factors = [sampling_factor(c) for c in cov]
+        width = max(f.shape[1] for f in factors)
+        root = torch.stack([torch.nn.functional.pad(f, (0, width - f.shape[1])) for f in factors])
+    groups, d, q = root.shape
+    top = torch.cat([root, mean.unsqueeze(-1)], dim=-1)
+    bottom = torch.cat([root.new_zeros(groups, 1, q), root.new_ones(groups, 1, 1)], dim=-1)
+    return torch.cat([top, bottom], dim=1)
+
+
+def raw_second_moment(mean: Tensor, cov: Tensor) -> Tensor:
+    """E[ã ãᵀ] (G, o + 1, o + 1) for ã = [a; 1] from a mean (G, o) and covariance (G, o, o)."""
+    second = cov + mean.unsqueeze(-1) * mean.unsqueeze(-2)
+    top = torch.cat([second, mean.unsqueeze(-1)], dim=-1)
+    bottom = torch.cat([mean, mean.new_ones(mean.shape[0], 1)], dim=-1).unsqueeze(1)
+    return torch.cat([top, bottom], dim=1)
+
+
+def _gated_homogeneous(second: Tensor, mean: Tensor, mu: Tensor | None) -> Tensor:
+    """R00 after a ReLU gate (μ) or directly after an affine layer (μ = None: no gate):
+    [[Q ⊙ E[s sᵀ], μ ⊙ E s], [(μ ⊙ E s)ᵀ, 1]]."""
+    if mu is not None:
+        second, mean = gate_second_moment(mu) * second, mu * mean
+    return raw_second_moment(mean, second - mean.unsqueeze(-1) * mean.unsqueeze(-2))
+
+
+def reference_blocks(
+    layers: list[TracedLayer],
+    params0: Mapping[str, Tensor],
+    mean: Tensor,
+    cov: Covariance,
+    gate_means: Mapping[str, Tensor],
+    layer_moments: Mapping[str, tuple[Tensor, Tensor]] | None = None,
+) -> list[dict[str, Tensor]]:
+    """Per affine layer, the fixed reference quantities the Δ-side needs.
+
+    Args:
+        layer_moments: optional real (mean, covariance) of the reference network's input to
+            each affine layer after the first (``reference="layerwise"``); without it the
+            reference moments are propagated through the Bernoulli-gated network.
+
+    Returns:
+        For each affine layer a dict with either ``"factor"`` Φ (first layer, R00 = ΦΦᵀ) and
+        ``"p0"`` = W̃0 Φ, or ``"r00"`` (dense R00) and ``"w0r00"`` = W̃0 R00; plus ``"mean"``
+        = E[ã0] (G, in + 1).
+    """
+    out: list[dict[str, Tensor]] = []
+    phi: Tensor | None = input_factor(mean, cov)
+    r00: Tensor | None = None
+    pending: tuple[Tensor, Tensor] | None = None  # (E[s0 s0ᵀ], E[s0]) not yet gated
+    for layer in layers:
+        kind = layer.rule.kind
+        if kind == "affine":
+            if pending is not None:  # affine after affine: no gate in between
+                r00, pending = _gated_homogeneous(*pending, None), None
+            if out and layer_moments is not None:
+                r00 = raw_second_moment(*layer_moments[layer.path])
+            w0 = _homogeneous(*_weight_bias(params0, layer.path))
+            if phi is not None:
+                p0 = w0 @ phi
+                # Φ = [[L, m], [0, 1]]: its last column is E[ã0] = [m; 1]
+                out.append({"factor": phi, "p0": p0, "mean": phi[..., :, -1]})
+                pending = (p0 @ p0.transpose(-1, -2), p0[..., -1])
+                phi = None
+            else:
+                w0r00 = w0 @ r00
+                out.append({"r00": r00, "w0r00": w0r00, "mean": r00[..., -1, :]})
+                pending = (w0r00 @ w0.T, w0r00[..., -1])
+        elif kind == "gate":
+            if pending is None:
+                raise UnsupportedModuleError(
+                    f"exact moments need an affine layer right before the ReLU at '{layer.path}'")
+            r00, pending = _gated_homogeneous(*pending, gate_means[layer.path]), None
+    return out
+
+
+def delta_second_moment(
+    layers: list[TracedLayer],
+    params0: Mapping[str, Tensor],
+    params1: Mapping[str, Tensor],
+    reference: list[dict[str, Tensor]],
+    gate_means: Mapping[str, Tensor],
+    output_rows: Tensor,
+) -> Tensor:
+    """tr(P E[Δz Δzᵀ] Pᵀ) per component (G,) for output-selecting rows P ((G,) k', k).
+
+    Half of it is E[½‖Δz‖²] under the Bernoulli-gated linear network, exactly.
+    """
+    r0d: Tensor | None = None  # E[ã0 Δaᵀ] at the current affine layer's input
+    rdd: Tensor | None = None  # E[Δa Δaᵀ]
+    mean_d: Tensor | None = None  # E[Δa]
+    pending: tuple[Tensor, Tensor, Tensor] | None = None  # (E[s0 Δsᵀ], E[Δs Δsᵀ], E[Δs])
+
+    def gated(mu: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        s0d, sdd, ed = pending
+        if mu is None:
+            mean = ed
+        else:
+            q = gate_second_moment(mu)
+            s0d, sdd, mean = q * s0d, q * sdd, mu * ed
+        return torch.cat([s0d, mean.unsqueeze(-2)], dim=-2), sdd, mean
+
+    index = 0
+    for layer in layers:
+        kind = layer.rule.kind
+        if kind == "affine":
+            if pending is not None:  # affine after affine: no gate in between
+                r0d, rdd, mean_d = gated(None)
+            block = reference[index]
+            index += 1
+            w0, b0 = _weight_bias(params0, layer.path)
+            w1, b1 = _weight_bias(params1, layer.path)
+            w0h = _homogeneous(w0, b0)
+            dwh = _homogeneous(w1, b1) - w0h
+            if "factor" in block:
+                projected = dwh @ block["factor"]
+                s0d = block["p0"] @ projected.transpose(-1, -2)
+                sdd = projected @ projected.transpose(-1, -2)
+            else:
+                s0d = block["w0r00"] @ dwh.T
+                sdd = dwh @ block["r00"] @ dwh.T
+            ed = block["mean"] @ dwh.T
+            if r0d is not None:
+                cross = dwh @ r0d @ w1.T
+                s0d = s0d + w0h @ r0d @ w1.T
+                sdd = sdd + cross + cross.transpose(-1, -2) + w1 @ rdd @ w1.T
+                ed = ed + mean_d @ w1.T
+            pending, r0d, rdd, mean_d = (s0d, sdd, ed), None, None, None
+        elif kind == "gate" and pending is not None:
+            r0d, rdd, mean_d = gated(gate_means[layer.path])
+            pending = None
+    final = pending[1] if pending is not None else rdd
+    rows = output_rows.to(final.dtype)
+    return ((rows @ final) * rows).sum((-1, -2))
