@@ -8,10 +8,8 @@ from torch import nn
 import fsd
 from fsd.covariance import low_rank_plus_diagonal, sample, sandwich
 
-torch.manual_seed(0)
-
-
-def _mlp(d=6, width=7, outputs=4):
+def _mlp(d=6, width=7, outputs=4, seed=0):
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(d, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                          nn.Linear(width, outputs)).double()
 
@@ -70,15 +68,6 @@ def test_lowrank_bgln_d_equals_full_when_rank_is_the_dimension():
         torch.testing.assert_close(low.distance(moved), full.distance(moved), rtol=1e-10,
                                    atol=0)
         assert low.nbytes < full.nbytes + 7 * 8 * (2 if not classwise else 8)
-
-
-def test_lowrank_error_shrinks_with_rank():
-    model, data = _mlp(), _data()
-    moved = _moved(model)
-    full = float(fsd.BGLN(deterministic=True).fit(model, data).distance(moved))
-    errors = [abs(float(fsd.BGLN(deterministic=True, covariance="lowrank", rank=r)
-                        .fit(model, data).distance(moved)) - full) for r in (1, 3, 6)]
-    assert errors[2] < 1e-10 and errors[1] <= errors[0] + 1e-12
 
 
 def test_summary_set_equals_sum_of_distances_with_gradients():

@@ -150,7 +150,10 @@ class Estimator:
 
     def __init__(self, **config: Any) -> None:
         self.config: dict[str, Any] = _normalize(config)
-        self._state: dict[str, Tensor] = {}
+        # _stored: the summary as fitted/loaded (saved, counted by nbytes); _state: the view
+        # used for computing, converted to the calling model's dtype/device when they differ
+        self._stored: dict[str, Tensor] = {}
+        self._state: dict[str, Tensor] = self._stored
         self._meta: dict[str, Any] = {}
         self._cache: dict[str, Any] = {}
 
@@ -183,7 +186,8 @@ class Estimator:
             ``self``.
         """
         dtype, device = model_dtype_device(model)
-        self._state, self._meta, self._cache = {}, {}, {}
+        self._stored, self._meta, self._cache = {}, {}, {}
+        self._state = self._stored
         self._meta["signature"] = _normalize(self._signature(model))
         for name, p in model.named_parameters():
             self._state[f"theta0.{name}"] = p.detach().clone()
@@ -217,7 +221,7 @@ class Estimator:
     @property
     def nbytes(self) -> int:
         """Bytes held by the summary: the θ0 copy plus the stored statistics/data."""
-        return sum(t.numel() * t.element_size() for t in self._state.values())
+        return sum(t.numel() * t.element_size() for t in self._stored.values())
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the summary to ``path`` atomically (temporary file, then rename)."""
@@ -228,7 +232,7 @@ class Estimator:
             "estimator": type(self).__name__,
             "config": json.dumps(self.config),
             "meta": json.dumps(self._meta),
-            "tensors": {k: v.detach().cpu() for k, v in self._state.items()},
+            "tensors": {k: v.detach().cpu() for k, v in self._stored.items()},
         }
         path = os.fspath(path)
         directory = os.path.dirname(os.path.abspath(path))
@@ -257,14 +261,20 @@ class Estimator:
             raise NotFittedError(f"{type(self).__name__} is not fitted: call fit(model, data)")
 
     def _move(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Bring stored floating tensors to the model's dtype/device (once, then cached)."""
-        if self._meta.get("_placement") == [str(dtype), str(device)]:
+        """Compute in the model's dtype/device: a converted view of the stored summary (made
+        once per placement), never a lossy in-place cast of the summary itself."""
+        placement = [str(dtype), str(device)]
+        if self._cache.get("placement") == placement:
             return
-        for k, v in self._state.items():
-            self._state[k] = v.to(device=device, dtype=dtype) if v.is_floating_point() \
-                else v.to(device)
+        floats = [v for v in self._stored.values() if v.is_floating_point()]
+        native = not floats or (floats[0].dtype == dtype and floats[0].device == device)
+        if native:
+            self._state = self._stored
+        else:
+            self._state = {k: v.to(device=device, dtype=dtype) if v.is_floating_point()
+                           else v.to(device) for k, v in self._stored.items()}
         self._cache.clear()
-        self._meta["_placement"] = [str(dtype), str(device)]
+        self._cache["placement"] = placement
 
     def _theta0(self) -> dict[str, Tensor]:
         return {k[len("theta0."):]: v for k, v in self._state.items() if k.startswith("theta0.")}
@@ -301,7 +311,7 @@ def load(path: str | os.PathLike, map_location: str | torch.device | None = None
     if cls is None:
         raise ValueError(f"unknown estimator {payload['estimator']!r} in {os.fspath(path)}")
     estimator = cls(**json.loads(payload["config"]))
-    estimator._state = dict(payload["tensors"])
+    estimator._stored = dict(payload["tensors"])
+    estimator._state = estimator._stored
     estimator._meta = json.loads(payload["meta"])
-    estimator._meta.pop("_placement", None)
     return estimator

@@ -41,14 +41,23 @@ def trace(model: nn.Module) -> list[TracedLayer]:
     """Flatten (nested) ``nn.Sequential`` containers into the list of their leaf layers.
 
     Raises :class:`~fsd.rules.UnsupportedModuleError` naming the class and path of the first
-    module that has no rule.
+    module that has no rule, or of a module object used at two positions.
     """
     layers: list[TracedLayer] = []
+    seen: dict[int, str] = {}
 
     def visit(module: nn.Module, path: str) -> None:
+        # a module object used at two positions would be visited once by named_children()
+        # and share one hook and one set of statistics: refuse it
+        if id(module) in seen:
+            raise UnsupportedModuleError(
+                f"module {type(module).__name__} at '{path or '<root>'}' is the same object as "
+                f"at '{seen[id(module)] or '<root>'}'; give each position its own module")
+        seen[id(module)] = path
         if type(module) is nn.Sequential:
-            for name, child in module.named_children():
-                visit(child, f"{path}.{name}" if path else name)
+            for name, child in module._modules.items():
+                if child is not None:
+                    visit(child, f"{path}.{name}" if path else name)
         else:
             layers.append(TracedLayer(path, module, rule_for(module, path)))
 

@@ -216,14 +216,9 @@ class StatisticsCollector:
                             if layer.rule.kind == "affine"][1:] if layer_moments else []
         for path in self.layer_paths:
             self._handles.append(modules[path].register_forward_pre_hook(self._layer_hook(path)))
-        seen: set[int] = set()
+        # trace() has refused module objects used at two positions, so one hook = one layer
         for path in self.gate_paths:
-            module = modules[path]
-            if id(module) in seen:
-                raise ValueError(f"the ReLU module at '{path}' is used at several places; "
-                                 f"give each position its own nn.ReLU()")
-            seen.add(id(module))
-            self._handles.append(module.register_forward_pre_hook(self._gate_hook(path)))
+            self._handles.append(modules[path].register_forward_pre_hook(self._gate_hook(path)))
 
     @contextlib.contextmanager
     def record(self, labels: Tensor | None = None) -> Iterator[None]:
@@ -265,6 +260,8 @@ class StatisticsCollector:
         if not self._active:
             return
         x = args[0]
+        if x.shape[0] == 0:
+            return
         if self.input_shape is None:
             self.input_shape = tuple(x.shape[1:])
         flat = x.detach().reshape(x.shape[0], -1)
