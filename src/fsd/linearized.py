@@ -106,7 +106,7 @@ class _LinearizedEstimator(Estimator):
         if reservoir is not None:
             xs, ys = reservoir.tensors()
             self._state["coreset.x"] = xs
-            if groups:
+            if self._classwise is not False:
                 if ys is None:
                     raise ValueError("class-conditional coreset summaries need (x, y) batches")
                 lookup = {c: g for g, members in enumerate(groups) for c in members}
