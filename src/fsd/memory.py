@@ -1,0 +1,343 @@
+"""``fsd memory``: the memory-cost formulas of the paper's "Memory Cost Analysis" appendix.
+
+Counts are *numbers stored per task* (the paper's unit), with
+
+- P: parameters, p_l: parameters of layer l (for OSLA), A: activations (ReLU outputs of
+  one example, i.e. the Bernoulli means BGLN keeps), d: input dimension, N: coreset size,
+  C: classes.
+
+:func:`memory_gain_table` recomputes the paper's percentage-reduction table
+100·(B − L)/B for LAFTR (L = P + d + d²) and LAFTR (coreset) (L = P + Nd) against the
+nonparametric baseline B = 2P + Nd + C²N² (FROMP / S-FSVI), for the Split CIFAR100 CNN of
+:func:`cifar_cnn` (P = 1,276,508). :func:`measured_counts` fits our estimators and reports
+their ``nbytes`` (bytes, so divided by the element size) next to the formulas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from .compare import mlp
+from .estimator import Estimator
+from .ewc import EWC
+from .linearized import BGLN, LAFTR
+from .ntk import NTK
+
+#: the paper's memory-gain table: (C, N) -> (LAFTR at d = 1000, 2000, 3000; LAFTR (coreset))
+PAPER_MEMORY_GAIN: dict[tuple[int, int], tuple[tuple[float, ...], tuple[float, ...]]] = {
+    (10, 200): ((66.27, 24.08, -43.71), (78.14, 75.89, 73.77)),
+    (10, 250): ((74.84, 43.26, -7.60), (83.14, 80.90, 78.79)),
+    (20, 200): ((87.86, 72.15, 46.33), (92.13, 91.15, 90.20)),
+    (20, 250): ((91.81, 81.18, 63.68), (94.51, 93.67, 92.84)),
+    (50, 200): ((97.78, 94.87, 90.03), (98.56, 98.37, 98.18)),
+    (50, 250): ((98.57, 96.69, 93.56), (99.04, 98.88, 98.73)),
+}
+GAIN_DIMS: tuple[int, ...] = (1000, 2000, 3000)
+#: parameters of :func:`cifar_cnn` (6 heads of 10): the P that reproduces the paper's table
+CIFAR_CNN_P = 1_276_508
+
+
+@dataclass
+class Architecture:
+    """The counts the formulas need for one network and input shape."""
+
+    P: int
+    A: int
+    d: int
+    layer_params: list[int] = field(default_factory=list)
+
+    @property
+    def osla_blocks(self) -> int:
+        """Σ_l p_l², the block-diagonal Fisher of OSLA."""
+        return sum(p * p for p in self.layer_params)
+
+
+def count_architecture(model: nn.Module, input_shape: Sequence[int]) -> Architecture:
+    """P, A (ReLU outputs per example), d = prod(input_shape) and per-layer p_l of ``model``.
+
+    A is measured with one forward pass of a zero input through forward hooks on every
+    ``nn.ReLU``; p_l counts each module's own (non-recursive) parameters.
+    """
+    layer_params = [n for m in model.modules()
+                    if (n := sum(p.numel() for p in m.parameters(recurse=False)))]
+    activations: list[int] = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: activations.append(out[0].numel()))
+             for m in model.modules() if isinstance(m, nn.ReLU)]
+    try:
+        dtype = next(model.parameters()).dtype
+        with torch.no_grad():
+            model(torch.zeros(1, *input_shape, dtype=dtype))
+    finally:
+        for h in hooks:
+            h.remove()
+    return Architecture(P=sum(layer_params), A=sum(activations), d=math.prod(input_shape),
+                        layer_params=layer_params)
+
+
+def memory_costs(P: int, A: int, d: int, N: int, C: int,
+                 layer_params: Sequence[int] | None = None) -> dict[str, int]:
+    """Numbers stored per task by each method (the paper's memory-cost column).
+
+    OSLA needs ``layer_params``; without it OSLA is left out.
+    """
+    costs = {
+        "VCL (coreset)": 2 * P + N * d,
+        "VAR-GP (coreset)": 2 * P + N * d + C * C * N * N,
+        "FROMP (coreset)": 2 * P + N * d + C * C * N * N,
+        "S-FSVI (coreset)": 2 * P + N * d + C * C * N * N,
+        "NTK (coreset)": 2 * P + N * d,
+        "LAFTR (coreset)": P + N * d,
+        "BGLN-S (coreset)": P + A + N * d,
+        "EWC": 2 * P,
+        "VCL": 2 * P,
+        "LAFTR": P + d + d * d,
+        "LAFTR-CW": P + C * (d + d * d),
+        "BGLN-S / BGLN-D": P + A + d + d * d,
+        "BGLN-S-CW / BGLN-D-CW": P + C * (A + d + d * d),
+        # the appendix prints "P + A 2d": mean and variance, d numbers each
+        "BGLN-S-Var / BGLN-D-Var": P + A + 2 * d,
+    }
+    if layer_params is not None:
+        costs["OSLA"] = P + sum(p * p for p in layer_params)
+    return costs
+
+
+def percentage_reduction(baseline: float, ours: float) -> float:
+    """100 · (B − L) / B: how much less memory than the baseline (negative: more)."""
+    return 100.0 * (baseline - ours) / baseline
+
+
+def memory_gain_table(P: int = CIFAR_CNN_P, Cs: Sequence[int] = (10, 20, 50),
+                      Ns: Sequence[int] = (200, 250), ds: Sequence[int] = GAIN_DIMS
+                      ) -> list[dict[str, Any]]:
+    """The paper's percentage-reduction table for a network with P parameters.
+
+    Rows (C, N) with, per d, the reduction of LAFTR (P + d + d²) and LAFTR (coreset)
+    (P + Nd) relative to B = 2P + Nd + C²N², and the paper's value where it has one (only
+    for the paper's network, P = :data:`CIFAR_CNN_P`).
+    """
+    rows = []
+    for C in Cs:
+        for N in Ns:
+            laftr, coreset = [], []
+            for d in ds:
+                costs = memory_costs(P, 0, d, N, C)
+                base = costs["FROMP (coreset)"]
+                laftr.append(percentage_reduction(base, costs["LAFTR"]))
+                coreset.append(percentage_reduction(base, costs["LAFTR (coreset)"]))
+            paper = PAPER_MEMORY_GAIN.get((C, N)) \
+                if tuple(ds) == GAIN_DIMS and P == CIFAR_CNN_P else None
+            rows.append({"C": C, "N": N, "d": list(ds), "laftr": laftr,
+                         "laftr_coreset": coreset,
+                         "paper_laftr": list(paper[0]) if paper else None,
+                         "paper_laftr_coreset": list(paper[1]) if paper else None})
+    return rows
+
+
+def cifar_cnn(heads: int = 6, classes_per_head: int = 10) -> nn.Sequential:
+    """The Split CIFAR100 CNN (Zenke et al. 2017, used by FROMP / S-FSVI), P = 1,276,508.
+
+    conv3×3 32 ('same'), conv3×3 32 ('valid'), maxpool 2, conv3×3 64 ('same'),
+    conv3×3 64 ('valid'), maxpool 2, dense 2304→512, and ``heads`` heads of
+    ``classes_per_head`` outputs, stored as one Linear (same parameter count). Dropout is
+    left out: it holds no parameters and no statistics.
+    """
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(64, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 6 * 6, 512), nn.ReLU(),
+        nn.Linear(512, heads * classes_per_head),
+    )
+
+
+@dataclass
+class MeasuredRow:
+    """One fitted summary: the paper's formula next to what we store."""
+
+    estimator: str
+    formula: str
+    formula_count: int
+    nbytes: int
+    measured_count: float
+    note: str
+
+
+def measured_counts(model: nn.Module, input_shape: Sequence[int], N: int, C: int, *,
+                    classwise: bool = True, deterministic: bool = True,
+                    seed: int = 0) -> list[MeasuredRow]:
+    """Fit our estimators on random data of the given shape and report ``nbytes``.
+
+    The data's values do not change the sizes, so Gaussian noise with C balanced labels
+    stands in. ``measured_count`` = ``nbytes`` / element size of the model's dtype.
+    BGLN-D rows are skipped for models it does not support (``deterministic=False``), the
+    class-wise rows with ``classwise=False`` (C full covariances can be large).
+    """
+    arch = count_architecture(model, input_shape)
+    P, A, d = arch.P, arch.A, arch.d
+    dtype = next(model.parameters()).dtype
+    element = torch.tensor([], dtype=dtype).element_size()
+    generator = torch.Generator().manual_seed(seed)
+    n = max(N, 2 * C)
+    x = torch.randn(n, *input_shape, generator=generator, dtype=dtype)
+    y = torch.arange(n) % C
+    data = [(x, y)]
+    costs = memory_costs(P, A, d, N, C)
+    specs: list[tuple[str, str, str, Callable[[], Estimator], str]] = [
+        ("NTK (coreset)", "NTK (coreset)", "2P + Nd", lambda: NTK(coreset_size=N).fit(model, data),
+         "θ0 + coreset; J(θ−θ0) is recomputed by forward-mode AD, not stored"),
+        ("LAFTR (coreset)", "LAFTR (coreset)", "P + Nd",
+         lambda: LAFTR(inputs="coreset", coreset_size=N).fit(model, data), "θ0 + coreset"),
+        ("BGLN-S (coreset)", "BGLN-S (coreset)", "P + A + Nd",
+         lambda: BGLN(inputs="coreset", coreset_size=N).fit(model, data),
+         "+1 mixture weight"),
+        ("LAFTR (gaussian)", "LAFTR", "P + d + d²",
+         lambda: LAFTR(inputs="gaussian").fit(model, data),
+         "+1 mixture weight; full d×d covariance stored (not d(d+1)/2)"),
+        ("BGLN-S", "BGLN-S / BGLN-D", "P + A + d + d²", lambda: BGLN().fit(model, data),
+         "+1 mixture weight"),
+        ("BGLN-S-Var", "BGLN-S-Var / BGLN-D-Var", "P + A + 2d",
+         lambda: BGLN(covariance="diag").fit(model, data), "+1 mixture weight"),
+    ]
+    if deterministic:
+        specs.append(("BGLN-D", "BGLN-S / BGLN-D", "P + A + d + d²",
+                      lambda: BGLN(deterministic=True).fit(model, data), "+1 mixture weight"))
+    if classwise:
+        specs.append(("BGLN-S-CW", "BGLN-S-CW / BGLN-D-CW", "P + C(A + d + d²)",
+                      lambda: BGLN(classwise=True).fit(model, data), "+C mixture weights"))
+    # the Fisher's size does not depend on how many examples it averages: fit on a few
+    specs.append(("EWC", "EWC", "2P",
+                  lambda: EWC(fisher="true", metric="euclidean", chunk_size=1)
+                  .fit(model, [(x[:2], y[:2])]), "θ0 + diagonal Fisher"))
+    rows = []
+    for name, key, formula, make, note in specs:
+        est = make()
+        rows.append(MeasuredRow(name, formula, costs[key], est.nbytes, est.nbytes / element,
+                                note))
+        del est
+    return rows
+
+
+# ----- formatting -------------------------------------------------------------------------
+def format_costs(arch: Architecture, N: int, C: int) -> str:
+    """Markdown table of every formula evaluated for ``arch``."""
+    costs = memory_costs(arch.P, arch.A, arch.d, N, C, arch.layer_params)
+    lines = [f"P = {arch.P:,}, A = {arch.A:,}, d = {arch.d:,}, N = {N}, C = {C}, "
+             f"Σ p_l² = {arch.osla_blocks:,}\n",
+             "| method | numbers stored per task | MB at float32 |", "|---|---:|---:|"]
+    for name, count in costs.items():
+        lines.append(f"| {name} | {count:,} | {count * 4 / 1e6:.2f} |")
+    return "\n".join(lines)
+
+
+def format_gain_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: our percentage reductions with the paper's in parentheses where they differ."""
+    ds = rows[0]["d"]
+    head = ("| C | N | " + " | ".join(f"LAFTR d={d}" for d in ds) + " | "
+            + " | ".join(f"LAFTR (coreset) d={d}" for d in ds) + " |")
+    lines = [head, "|---:|---:|" + "---:|" * (2 * len(ds))]
+    max_diff = 0.0
+    for r in rows:
+        cells = []
+        for ours_key, paper_key in (("laftr", "paper_laftr"), ("laftr_coreset",
+                                                               "paper_laftr_coreset")):
+            for i, v in enumerate(r[ours_key]):
+                paper = r[paper_key][i] if r[paper_key] else None
+                if paper is not None:
+                    max_diff = max(max_diff, abs(round(v, 2) - paper))
+                same = paper is None or abs(round(v, 2) - paper) < 0.005
+                cells.append(f"{v:.2f}" if same else f"{v:.2f} (paper {paper:.2f})")
+        lines.append(f"| {r['C']} | {r['N']} | " + " | ".join(cells) + " |")
+    if rows[0]["paper_laftr"] is not None:
+        lines.append(f"\nLargest difference from the paper's table (after rounding to 2 "
+                     f"decimals): {max_diff:.2f} percentage points.")
+    return "\n".join(lines)
+
+
+def format_measured(rows: list[MeasuredRow]) -> str:
+    """Markdown: formula count vs measured ``nbytes`` / element size."""
+    lines = ["| estimator | paper formula | formula count | our nbytes | nbytes / 4 "
+             "(numbers) | measured − formula | note |", "|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r.estimator} | {r.formula} | {r.formula_count:,} | {r.nbytes:,} | "
+                     f"{r.measured_count:,.0f} | {r.measured_count - r.formula_count:+,.0f} | "
+                     f"{r.note} |")
+    return "\n".join(lines)
+
+
+# ----- command line -------------------------------------------------------------------------
+ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "cifar-cnn": (cifar_cnn, (3, 32, 32)),
+    "mnist-mlp": (lambda: mlp(784, 100, 2, 10), (784,)),
+}
+
+
+def _cmd_memory(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    model_fn, shape = ARCHITECTURES[args.arch]
+    model = model_fn()
+    if args.input_shape:
+        shape = tuple(int(v) for v in args.input_shape.split(","))
+    arch = count_architecture(model, shape)
+    arch = Architecture(P=args.P if args.P is not None else arch.P,
+                        A=args.A if args.A is not None else arch.A,
+                        d=args.d if args.d is not None else arch.d,
+                        layer_params=arch.layer_params)
+    sections = [f"## Memory formulas: {args.arch}\n", format_costs(arch, args.N, args.C), "",
+                f"## Percentage reduction vs B = 2P + Nd + C²N², Split CIFAR100 CNN "
+                f"(P = {CIFAR_CNN_P:,}; paper's value in parentheses where it differs)\n",
+                format_gain_table(memory_gain_table(CIFAR_CNN_P)), ""]
+    if arch.P != CIFAR_CNN_P:  # the same table for the chosen network (no paper values)
+        sections += [f"## The same reduction table for {args.arch} (P = {arch.P:,})\n",
+                     format_gain_table(memory_gain_table(arch.P)), ""]
+    result: dict[str, Any] = {"architecture": asdict(arch), "N": args.N, "C": args.C,
+                              "costs": memory_costs(arch.P, arch.A, arch.d, args.N, args.C,
+                                                    arch.layer_params),
+                              "gain_table": memory_gain_table(CIFAR_CNN_P),
+                              "gain_table_this_arch": memory_gain_table(arch.P)}
+    if args.measure:
+        rows = measured_counts(model, shape, args.N, args.C,
+                               classwise=not args.skip_classwise,
+                               deterministic=args.arch != "cifar-cnn")
+        sections += [f"## Measured summaries ({args.arch}, float32, N = {args.N}, "
+                     f"C = {args.C})\n", format_measured(rows), ""]
+        result["measured"] = [asdict(r) for r in rows]
+    text = "\n".join(sections)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"memory_{args.arch}.md").write_text(text + "\n")
+        (out / f"memory_{args.arch}.json").write_text(json.dumps(result, indent=1))
+        print(f"wrote {out / f'memory_{args.arch}.md'} and .json")
+    return 0
+
+
+def add_cli(subparsers: Any) -> None:
+    """Register ``fsd memory`` on the ``fsd`` command's subparsers."""
+    p = subparsers.add_parser(
+        "memory", help="memory-cost formulas, the memory-gain table, measured summary sizes")
+    p.add_argument("--arch", choices=sorted(ARCHITECTURES), default="cifar-cnn",
+                   help="network whose P, A, d are counted (default: the Split CIFAR100 CNN)")
+    p.add_argument("--input-shape", default=None, help="comma-separated, e.g. 3,32,32")
+    p.add_argument("--P", type=int, default=None, help="override the parameter count")
+    p.add_argument("--A", type=int, default=None, help="override the activation count")
+    p.add_argument("--d", type=int, default=None, help="override the data dimension")
+    p.add_argument("--N", type=int, default=200, help="coreset size (default 200)")
+    p.add_argument("--C", type=int, default=10, help="classes (default 10)")
+    p.add_argument("--no-measure", dest="measure", action="store_false",
+                   help="skip fitting the estimators to measure nbytes")
+    p.add_argument("--skip-classwise", action="store_true",
+                   help="skip the class-wise measured row (C full covariances)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None, help="also write memory_<arch>.md/.json here")
+    p.set_defaults(func=_cmd_memory)

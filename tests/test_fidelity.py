@@ -1,0 +1,93 @@
+"""Fidelity studies: metrics, common random numbers, a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsd.cli import main
+from fsd.fidelity import (Benchmark, FidelityConfig, Task, fidelity_metrics, fit_suite,
+                          load_benchmark, run_fidelity, train_reference)
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
+HAS_MNIST = (DATA_DIR / "mnist").is_dir()
+
+
+def synthetic(d: int = 6, n: int = 120, seed: int = 0) -> Benchmark:
+    """Two 2-class Gaussian tasks with class-dependent means."""
+    g = torch.Generator().manual_seed(seed)
+
+    def task(shift: float) -> Task:
+        def part(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+            y = torch.arange(m) % 2
+            x = torch.randn(m, d, generator=g) + shift + 1.5 * y.unsqueeze(1).float()
+            return x, y
+        return Task(*part(n), *part(n // 2))
+
+    return Benchmark("synthetic", 2, task(0.0), task(3.0))
+
+
+def test_metrics_on_known_values():
+    m = fidelity_metrics([1, 2, 3, 4], [2, 4, 6, 8], [1.0, 0.5, 0.0, 1.0])
+    assert m["spearman"] == pytest.approx(1) and m["kendall"] == pytest.approx(1)
+    assert m["pearson"] == pytest.approx(1)
+    assert m["median_ratio"] == pytest.approx(2) and m["median_rel_error"] == pytest.approx(1)
+    assert m["median_grad_cosine"] == pytest.approx(0.75) and m["min_grad_cosine"] == 0
+    reverse = fidelity_metrics([1, 2, 3], [3, 2, 1])
+    assert reverse["spearman"] == pytest.approx(-1)
+
+
+def test_sampled_estimates_use_common_random_numbers():
+    torch.set_num_threads(1)
+    bench = synthetic()
+    ref = train_reference(bench, width=8, depth=1, epochs=1, lr=1e-2, batch_size=32, seed=0)
+    suite = fit_suite(ref, bench, ["BGLN-S", "BGLN-D", "LAFTR (coreset)"], coreset_size=20,
+                      num_samples=32, repeats=2)
+    other = train_reference(bench, width=8, depth=1, epochs=1, lr=1e-2, batch_size=32, seed=1)
+    first = suite.evaluate("BGLN-S", other)
+    assert torch.equal(first, suite.evaluate("BGLN-S", other))  # same draws every time
+    assert float(suite.evaluate("BGLN-D", ref).detach()) == pytest.approx(0, abs=1e-10)
+    assert float(suite.evaluate("LAFTR (coreset)", ref).detach()) == pytest.approx(0, abs=1e-10)
+
+
+def test_tiny_run_writes_everything(tmp_path):
+    torch.set_num_threads(1)
+    cfg = FidelityConfig(width=8, depth=1, lrs=(1e-3, 1e-2), iters=(2, 5), references=2,
+                         coreset_size=16, num_samples=32, repeats=2, depths=(1, 2),
+                         depth_lrs=(1e-2,), depth_iters=(2, 5, 10), depth_references=1,
+                         minimize_steps=6, log_every=3, lams=(1.0,),
+                         minimize_estimators=("none", "BGLN-D", "NTK (coreset)"))
+    results = run_fidelity(synthetic(), tmp_path, cfg, progress=False)
+    for name in ("fidelity_synthetic.json", "fidelity_synthetic.md", "scatter_synthetic.png",
+                 "depth_synthetic.png", "minimize_synthetic.png"):
+        assert (tmp_path / name).exists(), name
+    saved = json.loads((tmp_path / "fidelity_synthetic.json").read_text())
+    assert len(saved["pairs"]["pairs"]) == 8
+    assert set(saved["pairs"]["summary"]) == set(cfg.estimators)
+    for m in results["pairs"]["summary"].values():
+        assert -1 <= m["median_grad_cosine"] <= 1
+    assert [r["depth"] for r in saved["depth"]["depths"]] == [1, 2]
+    curve = saved["minimize"]["runs"][0]
+    assert curve["step"] == [0, 3, 6] and curve["true_fsd"][0] == 0
+
+
+@pytest.mark.skipif(not HAS_MNIST, reason="MNIST not in the data directory")
+def test_benchmarks_load():
+    split = load_benchmark("split-mnist", str(DATA_DIR), max_train=50, max_test=20)
+    assert split.outputs == 2 and split.task1.x.shape == (50, 784)
+    assert set(split.task2.y.tolist()) <= {0, 1}
+    perm = load_benchmark("permuted-mnist", str(DATA_DIR), max_train=30, max_test=10)
+    assert perm.outputs == 10
+    torch.testing.assert_close(perm.task1.x.sort(1).values, perm.task2.x.sort(1).values)
+    assert torch.equal(perm.task1.y, perm.task2.y)
+
+
+def test_cli_lists_fidelity(capsys):
+    with pytest.raises(SystemExit):
+        main(["fidelity", "--help"])
+    assert "--benchmark" in capsys.readouterr().out
