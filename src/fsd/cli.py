@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     compare.add_argument("--out", default=None, help="also write the table as .md/.json here")
     compare.set_defaults(func=_cmd_compare)
+    from . import continual
+    continual.add_cli(sub)
+    from . import fidelity, memory, toy
+    fidelity.add_cli(sub); toy.add_cli(sub); memory.add_cli(sub)
+    from . import influence
+    influence.add_cli(sub)
     return parser
 
 

@@ -1,0 +1,188 @@
+"""The continual-learning harness ``fsd cl``: metrics, tiny end-to-end runs, kill and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fsd import continual
+from fsd.cli import main
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
+HAS_MNIST = (DATA_DIR / "mnist").is_dir()
+needs_mnist = pytest.mark.skipif(not HAS_MNIST, reason=f"no MNIST under {DATA_DIR}")
+
+TINY = ["--epochs", "1", "--train-subset", "200", "--test-subset", "100", "--tasks", "3",
+        "--no-progress", "--num-samples", "16", "--data-dir", str(DATA_DIR)]
+
+
+# ----- metrics ------------------------------------------------------------------------------
+
+def test_average_accuracy_and_backward_transfer_by_hand():
+    r = [[90.0, 10.0, 20.0],
+         [80.0, 95.0, 30.0],
+         [70.0, 85.0, 99.0]]
+    assert continual.average_accuracy(r) == pytest.approx((70 + 85 + 99) / 3)
+    # ((70 − 90) + (85 − 95)) / 2
+    assert continual.backward_transfer(r) == pytest.approx(-15.0)
+    assert continual.backward_transfer([[50.0]]) == 0.0
+    s = continual.accuracy_summary([1.0, 3.0])
+    assert s["mean"] == 2.0 and s["std"] == 1.0 and s["per_seed"] == [1.0, 3.0]
+
+
+def test_paper_defaults_follow_the_appendix_tables():
+    d = continual.default_hyperparameters("split-mnist", "bgln-d")
+    assert (d["epochs"], d["fsd_scale"], d["batch_size"], d["lr"], d["width"]) == \
+        (15, 0.1, 32, 1e-3, 256)
+    assert continual.default_hyperparameters("split-mnist", "bgln-s")["lr"] == 1e-4
+    p = continual.default_hyperparameters("permuted-mnist", "bgln-d")
+    assert (p["epochs"], p["fsd_scale"], p["batch_size"], p["lr"], p["width"]) == \
+        (15, 0.005, 128, 1e-4, 100)
+    assert continual.default_hyperparameters("permuted-mnist", "ntk")["epochs"] == 5
+    with pytest.raises(ValueError, match="unknown method"):
+        continual.default_hyperparameters("split-mnist", "nope")
+    assert set(continual.METHODS) >= {
+        "finetune", "ewc", "ntk", "exact-coreset", "laftr", "laftr-coreset", "bgln-s", "bgln-d",
+        "bgln-s-cw", "bgln-d-cw", "bgln-s-var", "bgln-d-var", "bgln-s-coreset"}
+
+
+def test_report_table_from_a_handmade_results_file(tmp_path):
+    res = {"benchmark": "split-mnist", "method": "bgln-d", "seeds": [1, 2],
+           "seeds_requested": [1, 2], "complete": True,
+           "accuracy_matrix": {"1": [[99.0, 50.0], [98.0, 97.0]],
+                               "2": [[99.0, 50.0], [99.0, 97.0]]},
+           "avg_accuracy": continual.accuracy_summary([97.5, 98.0]),
+           "backward_transfer": continual.accuracy_summary([-1.0, 0.0]),
+           "wall_seconds": {"per_seed": [60.0, 60.0], "total": 120.0},
+           "summary_bytes_per_task": 1234.0,
+           "hyperparameters": continual.default_hyperparameters("split-mnist", "bgln-d")}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.json").write_text(json.dumps(res))
+    table = continual.report([str(tmp_path)])
+    assert "| split-mnist | bgln-d | 1,2 | 97.75 ± 0.25 | 99.72 ± 0.03 | -0.50 ± 0.50 | " \
+           "-0.09 ± 0.04 | 1,234 | 1.0 min/seed |" in table
+    assert "not paper protocol" not in table
+
+
+# ----- end to end through the CLI ------------------------------------------------------------
+
+def _run(out: Path, benchmark: str, method: str, *extra: str) -> dict:
+    code = main(["cl", "--benchmark", benchmark, "--method", method, "--seeds", "3",
+                 "--out", str(out), "--no-plots", *TINY, *extra])
+    assert code == 0
+    return json.loads((out / "results.json").read_text())
+
+
+@needs_mnist
+@pytest.mark.parametrize("method", ["finetune", "bgln-d", "bgln-s", "ntk", "ewc",
+                                    "exact-coreset"])
+def test_split_mnist_tiny_end_to_end(tmp_path, method):
+    res = _run(tmp_path, "split-mnist", method)
+    matrix = res["accuracy_matrix"]["3"]
+    assert len(matrix) == 3 and all(len(row) == 3 for row in matrix)
+    assert res["seeds"] == [3] and res["complete"]
+    # a binary task is learnt well above chance even from 200 examples and one epoch
+    assert matrix[0][0] > 80
+    assert res["avg_accuracy"]["mean"] == pytest.approx(sum(matrix[-1]) / 3)
+    assert (res["summary_bytes_per_task"] > 0) == (method != "finetune")
+    assert {"benchmark", "method", "seeds", "accuracy_matrix", "avg_accuracy",
+            "backward_transfer", "wall_seconds", "hyperparameters"} <= set(res)
+    assert "avg accuracy" in (tmp_path / "results.md").read_text()
+
+
+@needs_mnist
+@pytest.mark.parametrize("method", ["bgln-s-cw", "bgln-d-cw", "bgln-s-var", "bgln-d-var",
+                                    "laftr", "laftr-coreset", "bgln-s-coreset"])
+def test_other_methods_run(tmp_path, method):
+    res = _run(tmp_path, "split-mnist", method, "--tasks", "2", "--width", "32")
+    assert len(res["accuracy_matrix"]["3"]) == 2
+    assert res["summary_bytes_per_task"] > 0
+
+
+@needs_mnist
+@pytest.mark.parametrize("method", ["bgln-d", "bgln-s", "finetune", "ntk", "ewc",
+                                    "exact-coreset"])
+def test_permuted_mnist_tiny_end_to_end(tmp_path, method):
+    res = _run(tmp_path, "permuted-mnist", method, "--width", "32", "--batch-size", "20",
+               "--lr", "0.003")
+    matrix = res["accuracy_matrix"]["3"]
+    assert len(matrix) == 3
+    assert matrix[0][0] > 40  # ten classes, 200 examples, one epoch: far above chance (10)
+    assert matrix[1][1] > 25  # the permuted task is learnt too (chance: 10)
+
+
+@needs_mnist
+def test_plots_and_report_cli(tmp_path, capsys):
+    code = main(["cl", "--benchmark", "split-mnist", "--method", "bgln-d", "--seeds", "3", "4",
+                 "--out", str(tmp_path / "run"), *TINY, "--tasks", "2"])
+    assert code == 0
+    assert (tmp_path / "run" / "accuracy_matrix.png").stat().st_size > 0
+    assert (tmp_path / "run" / "task_accuracy.png").stat().st_size > 0
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["seeds"] == [3, 4] and len(res["avg_accuracy"]["per_seed"]) == 2
+    assert main(["cl", "report", str(tmp_path), "--out", str(tmp_path / "r.md")]) == 0
+    text = (tmp_path / "r.md").read_text()
+    assert "bgln-d" in text and "99.72 ± 0.03" in text and "not paper protocol" in text
+
+
+def test_missing_data_gives_clear_error(tmp_path, capsys):
+    code = main(["cl", "--benchmark", "split-mnist", "--method", "finetune", "--seeds", "1",
+                 "--out", str(tmp_path / "o"), "--data-dir", str(tmp_path / "empty")])
+    assert code == 2
+    assert "fsd data fetch mnist" in capsys.readouterr().err
+
+
+# ----- crash safety ----------------------------------------------------------------------------
+
+@needs_mnist
+def test_killed_run_resumes_after_last_finished_task(tmp_path, capsys):
+    args = [sys.executable, "-m", "fsd", "cl", "--benchmark", "split-mnist", "--method",
+            "bgln-d", "--seeds", "5", "--no-plots", "--epochs", "2", "--train-subset", "800",
+            "--width", "64",
+            "--test-subset", "100", "--tasks", "3", "--no-progress", "--data-dir",
+            str(DATA_DIR)]
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    env = {**os.environ, "PYTHONPATH": str(Path(continual.__file__).parents[1])}
+    proc = subprocess.Popen(args + ["--out", str(killed)], env=env, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    state = killed / "checkpoints" / "seed5" / "state.pt"
+    deadline = time.monotonic() + 60
+    while not state.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert state.exists(), "task 1's checkpoint never appeared"
+    assert not (killed / "results.json").exists(), "the run finished before it was killed"
+
+    second = subprocess.run(args + ["--out", str(killed)], env=env, capture_output=True,
+                            text=True, check=True)
+    assert "resuming after task 1/3" in second.stderr
+    assert "task 1/3 (0/1)" not in second.stderr  # task 1 was not trained again
+    # the uninterrupted reference run, in this process (same code, one thread, same seed)
+    assert main(args[3:] + ["--out", str(clean)]) == 0
+    resumed = json.loads((killed / "results.json").read_text())
+    reference = json.loads((clean / "results.json").read_text())
+    assert resumed["accuracy_matrix"] == reference["accuracy_matrix"]
+    assert resumed["summary_bytes_per_task"] == reference["summary_bytes_per_task"]
+
+    # a finished run started again trains nothing and keeps its results
+    capsys.readouterr()
+    assert main(args[3:] + ["--out", str(clean)]) == 0
+    assert "] task" not in capsys.readouterr().err
+    assert json.loads((clean / "results.json").read_text())["accuracy_matrix"] == \
+        reference["accuracy_matrix"]
+
+
+@needs_mnist
+def test_resume_with_other_settings_is_refused(tmp_path):
+    _run(tmp_path, "split-mnist", "finetune", "--tasks", "2")
+    with pytest.raises(RuntimeError, match="other settings"):
+        _run(tmp_path, "split-mnist", "finetune", "--tasks", "2", "--lr", "0.01")

@@ -1,0 +1,224 @@
+"""Influence functions: PBRF and CG against closed forms, estimator terms, CLI end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fsd
+from fsd import influence
+from fsd.cli import main
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
+HAS_UCI = (DATA_DIR / "uci" / "concrete" / "data.txt").is_file()
+HAS_MNIST = (DATA_DIR / "mnist").is_dir()
+DTYPE = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # many tiny ops: extra threads only add contention on the shared 2-core machines
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def regression_problem(n: int = 20, d: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=DTYPE)
+    y = x @ torch.randn(d, 1, generator=g, dtype=DTYPE) + 0.3 * torch.randn(n, 1, generator=g,
+                                                                            dtype=DTYPE)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(d, 1)).to(DTYPE)
+    return model, x, y
+
+
+def closed_form_pbrf(model: nn.Module, x: torch.Tensor, y: torch.Tensor, i: int,
+                     damping: float) -> tuple[torch.Tensor, float]:
+    """Minimizer Δθ of the linear-regression PBRF and the resulting self-influence.
+
+    With x̃ = [x, 1], r0 = x̃ᵀθ0 − y and G = X̃ᵀX̃/N, the objective
+    −(1/2N)(r0 + x̃ᵀΔ)² + ½ΔᵀGΔ + (λ/2)‖Δ‖² is stationary where
+    (G + λI − x̃x̃ᵀ/N) Δ = (r0/N) x̃ (positive definite: G − x̃x̃ᵀ/N is the Gram of the others).
+    """
+    n = x.shape[0]
+    xt = torch.cat([x, torch.ones(n, 1, dtype=DTYPE)], 1)
+    theta0 = torch.cat([model[0].weight.detach().reshape(-1), model[0].bias.detach()])
+    r0 = float(xt[i] @ theta0 - y[i, 0])
+    gram = xt.T @ xt / n
+    a = gram + damping * torch.eye(xt.shape[1], dtype=DTYPE) - torch.outer(xt[i], xt[i]) / n
+    delta = torch.linalg.solve(a, r0 / n * xt[i])
+    score = 0.5 * (r0 + float(xt[i] @ delta)) ** 2 - 0.5 * r0 ** 2
+    return delta, score
+
+
+def test_pbrf_reaches_linear_regression_closed_form():
+    model, x, y = regression_problem()
+    damping, i = 0.1, 4
+    delta, score = closed_form_pbrf(model, x, y, i, damping)
+    term = influence.ExactTerm(model, x, "euclidean", batch_size=None)
+    solver = influence.PBRF(model, term, x.shape[0], loss="squared", damping=damping,
+                            steps=300, lr=0.5)
+    value = solver.self_influence(x[i:i + 1], y[i:i + 1])
+    solved = solver.work[0]
+    got = torch.cat([solved.weight.detach().reshape(-1), solved.bias.detach()])
+    theta0 = torch.cat([model[0].weight.detach().reshape(-1), model[0].bias.detach()])
+    torch.testing.assert_close(got - theta0, delta, rtol=1e-6, atol=1e-9)
+    assert value == pytest.approx(score, rel=1e-6)
+    # θ0 itself was not modified
+    torch.testing.assert_close(model[0].weight.detach(), theta0[:-1].reshape(1, -1))
+
+
+def test_pbrf_stochastic_exact_term_is_close_to_closed_form():
+    # minibatch D (the oracle as run in the experiment) lands near the full-batch answer
+    model, x, y = regression_problem(n=64)
+    expected = [closed_form_pbrf(model, x, y, i, 0.1)[1] for i in range(4)]
+    scores = influence.pbrf_scores(model, x, y, range(4), "exact", loss="squared",
+                                   damping=0.1, steps=300, lr=0.2, batch_size=16,
+                                   progress=False)
+    assert np.corrcoef(scores, expected)[0, 1] > 0.99
+    np.testing.assert_allclose(scores, expected, rtol=0.1, atol=1e-4)
+
+
+def test_bgln_d_equals_exact_fsd_for_a_linear_model():
+    # f(x, θ) = Wx + b: FSD = ½‖ΔW μ + Δb‖² + ½ tr(ΔW Σ ΔWᵀ) with the data's (population)
+    # moments, which is what BGLN-D computes; no ReLU, so the Bernoulli gates play no role
+    torch.manual_seed(0)
+    x = torch.randn(50, 4, dtype=DTYPE) * torch.tensor([1.0, 2.0, 0.5, 1.5], dtype=DTYPE) + 0.3
+    y = torch.randn(50, 2, dtype=DTYPE)
+    model = nn.Sequential(nn.Linear(4, 2)).to(DTYPE)
+    exact = influence.make_term("exact", model, x, y, "squared", batch_size=None)
+    bgln = influence.make_term("bgln-d", model, x, y, "squared")
+    moved = nn.Sequential(nn.Linear(4, 2)).to(DTYPE)
+    with torch.no_grad():
+        for p, q in zip(moved.parameters(), model.parameters()):
+            p.copy_(q + 0.2 * torch.randn_like(q))
+    torch.testing.assert_close(bgln(moved), exact(moved), rtol=1e-10, atol=1e-12)
+    # hence the PBRF self-influence is the same under both terms
+    a = influence.PBRF(model, exact, 50, damping=0.01, steps=20, lr=0.1).self_influence(
+        x[:1], y[:1])
+    b = influence.PBRF(model, bgln, 50, damping=0.01, steps=20, lr=0.1).self_influence(
+        x[:1], y[:1])
+    assert a == pytest.approx(b, rel=1e-9)
+
+
+def jacobian_ggn(model: nn.Module, x: torch.Tensor, loss: str) -> torch.Tensor:
+    """(1/N) Σ JᵀHJ from explicit per-example Jacobians (reference for GaussNewton)."""
+    params = dict(model.named_parameters())
+    names = list(params)
+    total = 0.0
+    for xi in x:
+        def f(*values):
+            return torch.func.functional_call(model, dict(zip(names, values)), (xi[None],))[0]
+        jac = torch.autograd.functional.jacobian(f, tuple(params.values()))
+        j = torch.cat([t.reshape(t.shape[0], -1) for t in jac], 1)
+        z = f(*params.values()).detach()
+        h = torch.eye(len(z), dtype=DTYPE) if loss == "squared" else \
+            torch.diag(z.softmax(-1)) - torch.outer(z.softmax(-1), z.softmax(-1))
+        total = total + j.T @ h @ j
+    return total / x.shape[0]
+
+
+@pytest.mark.parametrize("loss", ["squared", "cross_entropy"])
+def test_gauss_newton_products_and_cg_match_dense_solve(loss):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 3)).to(DTYPE)
+    x = torch.randn(30, 3, dtype=DTYPE)
+    y = torch.randn(30, 3, dtype=DTYPE) if loss == "squared" else torch.randint(0, 3, (30,))
+    gn = influence.GaussNewton(model, x, loss, chunk_size=7)
+    dense = gn.dense()
+    torch.testing.assert_close(dense, jacobian_ggn(model, x, loss), rtol=1e-9, atol=1e-12)
+    damping = 1e-2
+    scores, info = influence.cg_scores(model, x, y, [0, 3, 7], loss=loss, damping=damping,
+                                       max_iter=500, tol=1e-12, block=2, progress=False)
+    g = influence.per_example_gradients(model, x[[0, 3, 7]], y[[0, 3, 7]], loss)
+    solved = torch.linalg.solve(dense + damping * torch.eye(gn.size, dtype=DTYPE), g.T).T
+    expected = (g * solved).sum(1) / x.shape[0]
+    np.testing.assert_allclose(scores, expected.numpy(), rtol=1e-7)
+    assert info["max_relative_residual"] < 1e-10
+
+
+def test_cg_gives_the_exact_linear_regression_pbrf_via_sherman_morrison():
+    # linear model: CG's I = r0² h with leverage h = x̃ᵀ(G + λ)⁻¹x̃ / N; removing the point's
+    # curvature by Sherman-Morrison gives the PBRF's exact answer x̃ᵀΔ = r0 h / (1 − h), so
+    # score = r0² (h/(1−h) + ½ (h/(1−h))²) — compared with the direct closed form
+    model, x, y = regression_problem(n=40)
+    damping = 0.1
+    cg, _ = influence.cg_scores(model, x, y, [0, 1, 2], damping=damping, tol=1e-12,
+                                progress=False)
+    with torch.no_grad():
+        r0 = (model(x[:3]) - y[:3]).reshape(-1).numpy()
+    t = (cg / r0 ** 2) / (1 - cg / r0 ** 2)
+    closed = [closed_form_pbrf(model, x, y, i, damping)[1] for i in range(3)]
+    np.testing.assert_allclose(r0 ** 2 * (t + 0.5 * t ** 2), closed, rtol=1e-8)
+
+
+def test_ewc_term_is_the_gauss_newton_diagonal():
+    model, x, y = regression_problem()
+    term = influence.make_term("ewc", model, x, y, "squared")
+    diag = influence.GaussNewton(model, x).dense().diagonal()
+    moved = nn.Sequential(nn.Linear(3, 1)).to(DTYPE)
+    delta = torch.cat([(p - q).detach().reshape(-1) for p, q in
+                       zip(moved.parameters(), model.parameters())])
+    assert float(term(moved)) == pytest.approx(float(0.5 * (diag * delta ** 2).sum()), rel=1e-9)
+
+
+def test_detection_curve_and_auc():
+    corrupted = np.array([1, 0, 1, 0, 0], dtype=float)
+    checked, found = influence.detection_curve(np.array([5, 1, 4, 2, 3.0]), corrupted)
+    assert found.tolist() == [0, 0.5, 1, 1, 1, 1]
+    assert influence.area_under(checked, found) == pytest.approx(0.8)
+    y, mask = influence.corrupt_labels(torch.arange(10) % 10, 0.3, 10,
+                                       torch.Generator().manual_seed(0))
+    assert int(mask.sum()) == 3 and bool((y[mask] != (torch.arange(10) % 10)[mask]).all())
+
+
+def test_unknown_names_are_clear_errors(tmp_path, capsys):
+    with pytest.raises(ValueError, match="unknown method"):
+        influence.run_uci("concrete", ["exact", "magic"], data_dir=tmp_path)
+    assert main(["influence", "uci", "--dataset", "nope", "--out", str(tmp_path)]) == 2
+    assert "unknown UCI data set 'nope'" in capsys.readouterr().err
+    assert main(["influence", "uci", "--dataset", "concrete", "--out", str(tmp_path),
+                 "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "data.txt" in err and str(tmp_path) in err
+    with pytest.raises(SystemExit):
+        main(["influence", "uci", "--dataset", "concrete", "--methods", "magic",
+              "--out", str(tmp_path)])
+
+
+@pytest.mark.skipif(not HAS_UCI, reason="UCI data not available")
+def test_cli_uci_end_to_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["influence", "uci", "--dataset", "concrete", "--subset", "150",
+                 "--removals", "5", "--epochs", "2", "--pbrf-epochs", "1", "--lrs", "0.1",
+                 "0.01", "--cg-iters", "30", "--out", str(out), "--data-dir", str(DATA_DIR),
+                 "--no-progress"]) == 0
+    result = json.loads((out / "concrete" / "results.json").read_text())
+    assert set(result["scores"]) == {"exact", "ewc", "cg", "bgln-d"}
+    assert all(len(s) == 5 for s in result["scores"].values())
+    assert set(result["correlation"]) == {"ewc", "cg", "bgln-d"}
+    assert (out / "concrete" / "scatter.png").stat().st_size > 0
+    assert "BGLN-D P" in (out / "results.md").read_text()
+
+
+@pytest.mark.skipif(not HAS_MNIST, reason="MNIST not available")
+def test_cli_mislabeled_end_to_end(tmp_path):
+    assert main(["influence", "mislabeled", "--methods", "bgln-d", "ewc", "cg", "exact",
+                 "random", "--n-train", "200", "--pool", "30", "--width", "16", "--epochs", "1",
+                 "--pbrf-steps", "2", "--cg-iters", "3", "--cg-data", "50", "--bgln-rank", "4",
+                 "--out", str(tmp_path), "--data-dir", str(DATA_DIR), "--no-progress"]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert set(result["auc"]) == {"bgln-d", "ewc", "cg", "exact", "random"}
+    assert result["pool"]["size"] == 30 and result["width"] == 16
+    assert all(0 <= a <= 1 for a in result["auc"].values())
+    assert (tmp_path / "detection.png").stat().st_size > 0
+    assert "MLP 2x16" in (tmp_path / "results.md").read_text()
