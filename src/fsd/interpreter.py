@@ -208,18 +208,18 @@ def reference_moments(
             first, used instead of propagating (``reference="layerwise"``).
 
     Returns:
-        One ``(mean, cov)`` per affine layer, in order; the first keeps the input's form,
-        later ones are full.
+        One ``(mean, cov, preactivation_mean)`` per affine layer, in order: the moments of
+        its input (the first keeps the input's form, later ones are full) and E[s0] (G, o).
     """
     out = []
     for layer in layers:
         if layer.rule.kind == "affine":
             if out and layer_moments is not None:
                 mean, cov = layer_moments[layer.path]
-            out.append((mean, cov))
             w0, b0 = _weight_bias(params0, layer.path)
-            mean = mean @ w0.T + (0 if b0 is None else b0)
-            cov = sandwich(w0, cov)
+            s0_mean = mean @ w0.T + (0 if b0 is None else b0)
+            out.append((mean, cov, s0_mean))
+            mean, cov = s0_mean, sandwich(w0, cov)
         elif layer.rule.kind == "gate":
             # Algorithm 2 gates means by μ and covariances by μμᵀ
             mu = gate_means[layer.path]
@@ -256,20 +256,21 @@ def delta_moments(
     """
     if not any(layer.rule.kind == "affine" for layer in layers):
         raise UnsupportedModuleError("the model has no parameterized layer")
+    # ΔW enters only through products with fixed reference quantities, evaluated as
+    # (·)W1 − (·)W0: no (G, o, in) copy of ΔW per component, and at θ = θ0 both terms come
+    # from the same kernel, so the difference is exactly zero.
     deltas = {}
     mean_d: Tensor | None = None
     index = 0
     for layer in layers:
         if layer.rule.kind == "affine":
-            mean0 = reference[index][0]
+            mean0, _, s0_mean = reference[index]
             index += 1
-            w0, b0 = _weight_bias(params0, layer.path)
+            w0, _ = _weight_bias(params0, layer.path)
             w1, b1 = _weight_bias(params1, layer.path)
-            dw = w1 - w0  # (o, in) or (G, o, in)
-            deltas[layer.path] = (dw, w1)
-            new_mean = (mean0.unsqueeze(-2) @ dw.transpose(-1, -2)).squeeze(-2)
-            if b0 is not None:
-                new_mean = new_mean + (b1 - b0)
+            deltas[layer.path] = (w0, w1)
+            # same operation order as s0_mean, so the difference is exactly 0 at θ0
+            new_mean = (mean0 @ w1.T + (0 if b1 is None else b1)) - s0_mean
             if mean_d is not None:
                 new_mean = new_mean + mean_d @ w1.T
             mean_d = new_mean
@@ -284,8 +285,8 @@ def delta_moments(
             rows = rows * gate_means[layer.path].unsqueeze(-2)
         elif layer.rule.kind == "affine":
             index -= 1
-            dw, w1 = deltas[layer.path]
-            trace = trace + quadratic_trace(rows @ dw, reference[index][1])
+            w0, w1 = deltas[layer.path]
+            trace = trace + quadratic_trace(rows @ w1 - rows @ w0, reference[index][1])
             if index > 0:
                 rows = rows @ w1
     selected = (output_rows.expand(groups, *output_rows.shape[-2:])

@@ -121,7 +121,8 @@ class SummarySet:
             for name in params0[0]}
         reference = [
             (torch.cat([p["reference"][j][0] for p in parts]),
-             _cat_covariance([p["reference"][j][1] for p in parts]))
+             _cat_covariance([p["reference"][j][1] for p in parts]),
+             torch.cat([p["reference"][j][2] for p in parts]))
             for j in range(len(parts[0]["reference"]))]
         gate_means = {path: torch.cat([p["gate_means"][path] for p in parts])
                       for path in parts[0]["gate_means"]}
