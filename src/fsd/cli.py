@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from .data import DataNotFoundError
     try:
         return args.func(args)
-    except DataNotFoundError as error:
+    except (DataNotFoundError, ValueError) as error:
+        # bad names, missing files, inconsistent options: a message, not a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2

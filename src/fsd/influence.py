@@ -27,7 +27,8 @@ Distance terms D, one per method (all solved with the *same* optimizer and numbe
 
 The PBRF is minimized by plain SGD (no momentum) from θ0 with learning rate ``pbrf_lr``; the UCI
 experiment uses the base network's (validation-chosen) learning rate and 20 epochs' worth of
-steps (20·⌈N/128⌉), as in the paper's appendix.
+steps (20·⌈N/128⌉), as in the paper's appendix; the MNIST experiment uses 0.003 for 100 steps
+(larger rates make SGD diverge on BGLN-D's Euclidean-on-logits term).
 
 ``cg`` is the classical influence estimate (Koh & Liang 2017) of removing the point, on its own
 loss: I(x, y) = (1/N) g_xᵀ (G + λI)⁻¹ g_x, with g_x = ∇_θ L(f(x, θ0), y) and
