@@ -56,7 +56,7 @@ from .summary_set import combine
 __all__ = [
     "BENCHMARKS", "METHODS", "PAPER", "MethodSpec", "Task", "accuracy_summary", "add_cli",
     "average_accuracy", "backward_transfer", "default_hyperparameters", "make_tasks",
-    "report", "run_continual",
+    "report", "results_markdown", "run_continual", "run_seed", "write_results",
 ]
 
 BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist", "split-fashion-mnist")
