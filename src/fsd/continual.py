@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from .compare import mlp
 from .data import TensorBatches, load_mnist, resolve_data_dir, split_by_classes
-from .estimator import Estimator, load
+from .estimator import Estimator, atomic_torch_save, load
 from .ewc import EWC
 from .exact import ExactFSD
 from .linearized import BGLN, LAFTR
@@ -277,17 +277,6 @@ def accuracy_summary(values: Sequence[float]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".pt")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def _atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
     with os.fdopen(fd, "w") as handle:
@@ -421,7 +410,7 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
             collector.remove()
         result.matrix.append(row)
         result.wall_seconds += time.perf_counter() - began
-        _atomic_torch_save({
+        atomic_torch_save({
             "version": CHECKPOINT_VERSION,
             "hyperparameters": json.dumps(_comparable(hp, benchmark, method)),
             "model": model.state_dict(),

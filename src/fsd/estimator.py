@@ -130,6 +130,21 @@ class Reservoir:
         return xs, ys
 
 
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to a temporary file in the same folder, then rename: a crash never
+    leaves a half-written file at ``path``."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fsd-", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def _normalize(obj: Any) -> Any:
     # JSON round trip so tuples become lists and saved/fresh signatures compare equal.
     return json.loads(json.dumps(obj))
@@ -234,16 +249,7 @@ class Estimator:
             "meta": json.dumps(self._meta),
             "tensors": {k: v.detach().cpu() for k, v in self._stored.items()},
         }
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fsd-", suffix=".tmp")
-        os.close(fd)
-        try:
-            torch.save(payload, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        atomic_torch_save(payload, path)
 
     # ----- helpers for subclasses -------------------------------------------------------
     def _signature(self, model: nn.Module) -> Any:
