@@ -197,7 +197,7 @@ def reference_moments(
     cov: Covariance,
     gate_means: Mapping[str, Tensor],
     layer_moments: Mapping[str, tuple[Tensor, Tensor]] | None = None,
-) -> list[tuple[Tensor, Covariance]]:
+) -> list[tuple[Tensor, Covariance, Tensor]]:
     """Mean and covariance of the reference activations a0 entering every affine layer.
 
     Args:
@@ -231,7 +231,7 @@ def delta_moments(
     layers: list[TracedLayer],
     params0: Mapping[str, Tensor],
     params1: Mapping[str, Tensor],
-    reference: list[tuple[Tensor, Covariance]],
+    reference: list[tuple[Tensor, Covariance, Tensor]],
     gate_means: Mapping[str, Tensor],
     output_rows: Tensor,
 ) -> tuple[Tensor, Tensor]:
