@@ -186,3 +186,29 @@ def test_resume_with_other_settings_is_refused(tmp_path):
     _run(tmp_path, "split-mnist", "finetune", "--tasks", "2")
     with pytest.raises(RuntimeError, match="other settings"):
         _run(tmp_path, "split-mnist", "finetune", "--tasks", "2", "--lr", "0.01")
+
+
+# ----- optimizer and penalty modes ------------------------------------------------------------
+
+def test_penalty_weights_mean_and_sum():
+    assert continual.penalty_weights(4, "mean") == [0.25] * 4
+    assert continual.penalty_weights(3, "sum") == [1.0] * 3
+    assert continual.penalty_weights(0, "mean") == []
+    with pytest.raises(ValueError, match="penalty must be one of"):
+        continual.penalty_weights(2, "max")
+
+
+@needs_mnist
+def test_shared_and_per_task_optimizer_differ(tmp_path):
+    # the shared Adam carries its moment estimates into task 2; a fresh one does not
+    shared = _run(tmp_path / "a", "split-mnist", "finetune", "--tasks", "2")
+    fresh = _run(tmp_path / "b", "split-mnist", "finetune", "--tasks", "2", "--optimizer",
+                 "per-task")
+    assert shared["accuracy_matrix"]["3"][0] == fresh["accuracy_matrix"]["3"][0]
+    assert shared["accuracy_matrix"]["3"][1] != fresh["accuracy_matrix"]["3"][1]
+    assert "per-task Adam" in continual.report([str(tmp_path / "b")])
+
+
+def test_bad_optimizer_mode_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        continual.run_continual("split-mnist", "finetune", [0], tmp_path, optimizer="sgd")

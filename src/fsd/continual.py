@@ -13,9 +13,13 @@ Benchmarks (paper appendix "Continual Learning — Experimental Details"):
   the identity), single head over 10 classes. Default hidden width 100 (the FROMP protocol
   the paper follows).
 
-The model is an MLP with two hidden ReLU layers. Each task gets a fresh Adam optimizer (as the
-paper's code does), so a checkpoint needs only the model, the finished accuracy rows, the
-shuffling generator's state and the saved summaries. After every task the run writes
+The model is an MLP with two hidden ReLU layers. One Adam optimizer trains the whole task
+stream, its moment estimates carried from task to task, as the authors' code does
+(``optimizer="shared"``; ``"per-task"`` starts a fresh Adam at every task). The penalty is
+λ times the *mean* of the previous tasks' distances, again as the authors' code
+(``fsd /= tid``), which is what the paper's λ values were tuned for; ``penalty="sum"`` gives
+eq. 3's plain sum. A checkpoint holds the model, the optimizer, the finished accuracy rows,
+the shuffling generator's state and the saved summaries. After every task the run writes
 ``DIR/checkpoints/seed<S>/state.pt`` atomically (temporary file + ``os.replace``); the same
 command again resumes after the last finished task.
 
@@ -56,12 +60,14 @@ from .summary_set import combine
 __all__ = [
     "BENCHMARKS", "METHODS", "PAPER", "MethodSpec", "Task", "accuracy_summary", "add_cli",
     "average_accuracy", "backward_transfer", "default_hyperparameters", "make_tasks",
-    "report", "results_markdown", "run_continual", "run_seed", "write_results",
+    "penalty_weights", "report", "results_markdown", "run_continual", "run_seed", "write_results",
 ]
 
 BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist", "split-fashion-mnist")
 SPLIT_PAIRS = [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9)]
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
+OPTIMIZER_MODES: tuple[str, ...] = ("shared", "per-task")
+PENALTY_MODES: tuple[str, ...] = ("mean", "sum")
 
 
 # ------------------------------------------------------------------------------------------
@@ -243,6 +249,8 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
         # gradient noise stays well below the minibatch loss's
         "momentum": None, "coreset_size": 40, "num_samples": 32,
         "fisher_samples": 1000, "train_subset": None, "test_subset": None, "tasks": None,
+        # the authors' code: one Adam for the stream, penalty averaged over previous tasks
+        "optimizer": "shared", "penalty": "mean",
     }
 
 
@@ -330,6 +338,13 @@ class SeedResult:
     summary_bytes: list[int] = field(default_factory=list)
 
 
+def penalty_weights(num_previous: int, mode: str) -> list[float]:
+    """Weights of the previous tasks' distances: ``"mean"`` 1/t each, ``"sum"`` 1 each."""
+    if mode not in PENALTY_MODES:
+        raise ValueError(f"penalty must be one of {PENALTY_MODES}, got {mode!r}")
+    return [1.0 / max(num_previous, 1) if mode == "mean" else 1.0] * num_previous
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -347,6 +362,7 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
     state_path = ckpt_dir / "state.pt"
     torch.manual_seed(seed)
     model = mlp(28 * 28, hp["width"], hp["depth"], n_out).to(dev)
+    optimizer = torch.optim.Adam(model.parameters(), lr=hp["lr"])
     shuffle = torch.Generator().manual_seed(seed)
     result = SeedResult(seed)
     start_task = 0
@@ -358,6 +374,7 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
                 f"{state_path} was written with other settings ({saved_hp}); use another --out "
                 f"or delete {ckpt_dir} to start over")
         model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
         shuffle.set_state(state["shuffle_state"])
         result.matrix = [list(map(float, row)) for row in state["matrix"].tolist()]
         result.wall_seconds = float(state["wall_seconds"])
@@ -373,13 +390,14 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
         previous = [load(ckpt_dir / f"task{i}.fsd", map_location=dev) for i in range(t)] \
             if spec.factory is not None else []
         # one penalty object: BGLN-D summaries of all previous tasks evaluate in one pass
-        penalty = combine(previous)
+        penalty = combine(previous, penalty_weights(len(previous), hp["penalty"]))
         last_task = t == len(tasks) - 1
         collector = None
         if spec.factory is not None and not last_task and (spec.moments or spec.gates):
             collector = StatisticsCollector(model, moments=spec.moments, gates=spec.gates,
                                             momentum=hp["momentum"])
-        optimizer = torch.optim.Adam(model.parameters(), lr=hp["lr"])  # fresh per task
+        if hp["optimizer"] == "per-task":
+            optimizer = torch.optim.Adam(model.parameters(), lr=hp["lr"])
         batches = TensorBatches(task.x_train, task.y_train, hp["batch_size"], shuffle=True,
                                 generator=shuffle)
         model.train()
@@ -414,6 +432,7 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
             "version": CHECKPOINT_VERSION,
             "hyperparameters": json.dumps(_comparable(hp, benchmark, method)),
             "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
             "shuffle_state": shuffle.get_state(),
             "matrix": torch.tensor(result.matrix, dtype=torch.float64),
             "wall_seconds": torch.tensor(result.wall_seconds, dtype=torch.float64),
@@ -444,6 +463,10 @@ def run_continual(benchmark: str, method: str, seeds: Sequence[int], out: str | 
     if unknown:
         raise ValueError(f"unknown hyper-parameters {sorted(unknown)}")
     hp.update({k: v for k, v in overrides.items() if v is not None})
+    if hp["optimizer"] not in OPTIMIZER_MODES:
+        raise ValueError(f"optimizer must be one of {OPTIMIZER_MODES}, got {hp['optimizer']!r}")
+    if hp["penalty"] not in PENALTY_MODES:
+        raise ValueError(f"penalty must be one of {PENALTY_MODES}, got {hp['penalty']!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     done: list[SeedResult] = []
@@ -609,12 +632,18 @@ def _find_results(paths: Sequence[str]) -> list[Path]:
 
 
 def _protocol(results: dict) -> str:
-    hp = results["hyperparameters"]
+    # results written before these settings existed used a fresh Adam per task and the sum
+    hp = {"optimizer": "per-task", "penalty": "sum", **results["hyperparameters"]}
     paper = default_hyperparameters(results["benchmark"], results["method"])
     parts = [f"{hp['epochs']} ep", f"bs {hp['batch_size']}", f"λ {hp['fsd_scale']:g}",
              f"lr {hp['lr']:g}", f"w {hp['width']}"]
     changed = [k for k in ("epochs", "batch_size", "fsd_scale", "lr", "width", "train_subset",
-                           "test_subset", "tasks") if hp.get(k) != paper.get(k)]
+                           "test_subset", "tasks", "optimizer", "penalty")
+               if hp.get(k) != paper.get(k)]
+    if hp["optimizer"] != paper["optimizer"]:
+        parts.append(f"{hp['optimizer']} Adam")
+    if hp["penalty"] != paper["penalty"]:
+        parts.append(f"penalty {hp['penalty']}")
     if hp.get("train_subset"):
         parts.append(f"train {hp['train_subset']}/task")
     if hp.get("tasks"):
@@ -675,7 +704,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, fsd_scale=args.fsd_scale,
         width=args.width, momentum=args.momentum, coreset_size=args.coreset_size,
         num_samples=args.num_samples, train_subset=args.train_subset,
-        test_subset=args.test_subset, tasks=args.tasks)
+        test_subset=args.test_subset, tasks=args.tasks, optimizer=args.optimizer,
+        penalty=args.penalty)
     print(results_markdown(results))
     print(f"wrote {Path(args.out) / 'results.json'}, results.md"
           + ("" if args.no_plots else ", accuracy_matrix.png, task_accuracy.png"))
@@ -723,6 +753,12 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
             ("--test-subset", int, "random test examples kept per task (tiny runs)"),
             ("--tasks", int, "use only the first N tasks")]:
         cl.add_argument(name, type=kind, default=None, help=what)
+    cl.add_argument("--optimizer", choices=OPTIMIZER_MODES, default=None,
+                    help="shared: one Adam for the whole stream (default, the authors' code); "
+                         "per-task: a fresh Adam at every task")
+    cl.add_argument("--penalty", choices=PENALTY_MODES, default=None,
+                    help="mean: λ times the mean of the previous tasks' distances (default, "
+                         "the authors' code, what the paper's λ was tuned for); sum: eq. 3")
     cl.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1, so runs can go in parallel)")
     cl.add_argument("--device", default="cpu")
