@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 import fsd
+import fsd.data
 from fsd import influence
 from fsd.cli import main
 
@@ -108,6 +110,23 @@ def test_bgln_d_equals_exact_fsd_for_a_linear_model():
     b = influence.PBRF(model, bgln, 50, damping=0.01, steps=20, lr=0.1).self_influence(
         x[:1], y[:1])
     assert a == pytest.approx(b, rel=1e-9)
+
+
+def test_bgln_d_moments_option_reaches_the_estimator():
+    # on a ReLU net the two propagations differ; "exact" equals a direct BGLN(moments="exact")
+    torch.manual_seed(1)
+    x, y = torch.randn(80, 3, dtype=DTYPE), torch.randn(80, 1, dtype=DTYPE)
+    model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1)).to(DTYPE)
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    paper = influence.make_term("bgln-d", model, x, y, "squared")(moved)
+    exact = influence.make_term("bgln-d", model, x, y, "squared", bgln_moments="exact")(moved)
+    direct = fsd.BGLN(deterministic=True, moments="exact").fit(
+        model, fsd.data.TensorBatches(x, y, 1024)).distance(moved)
+    torch.testing.assert_close(exact, direct, rtol=1e-10, atol=1e-12)
+    assert abs(float(exact - paper)) > 1e-3 * float(exact)
 
 
 def jacobian_ggn(model: nn.Module, x: torch.Tensor, loss: str) -> torch.Tensor:

@@ -172,7 +172,7 @@ class EstimatorTerm:
 
 def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
               batch_size: int | None = 128, seed: int = 0, bgln_covariance: str = "full",
-              bgln_rank: int = 64, ewc_data: int | None = None,
+              bgln_rank: int = 64, bgln_moments: str = "paper", ewc_data: int | None = None,
               progress: bool = False) -> ExactTerm | EstimatorTerm:
     """Build the distance term of a PBRF method fitted at the model's current θ0.
 
@@ -183,6 +183,8 @@ def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
         batch_size: minibatch size of ``exact`` (``None``: full batch).
         bgln_covariance, bgln_rank: input covariance form of BGLN-D (``"lowrank"`` for
             high-dimensional inputs such as MNIST).
+        bgln_moments: BGLN-D's propagation, ``"paper"`` (Algorithm 2) or ``"exact"`` (joint
+            moments, = E[BGLN-S]; see :class:`fsd.BGLN`).
         ewc_data: fit EWC's Fisher on this many random training points (``None``: all); the
             exact Fisher needs one gradient per example and class, costly for classifiers.
     """
@@ -198,7 +200,8 @@ def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
                                                                    progress=progress))
     if method == "bgln-d":
         # BGLN-D computes the Euclidean metric on outputs only (logits for classifiers)
-        estimator = BGLN(deterministic=True, covariance=bgln_covariance, rank=bgln_rank)
+        estimator = BGLN(deterministic=True, covariance=bgln_covariance, rank=bgln_rank,
+                         moments=bgln_moments)
         return EstimatorTerm(estimator.fit(model, data, progress=progress))
     raise ValueError(f"unknown PBRF method {method!r}; expected one of {', '.join(PBRF_METHODS)}")
 
@@ -269,7 +272,7 @@ class PBRF:
 def pbrf_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Sequence[int],
                 method: str, *, loss: str = "squared", damping: float = 1e-3, steps: int = 100,
                 lr: float = 0.01, batch_size: int | None = 128, seed: int = 0,
-                bgln_covariance: str = "full", bgln_rank: int = 64,
+                bgln_covariance: str = "full", bgln_rank: int = 64, bgln_moments: str = "paper",
                 ewc_data: int | None = None, progress: bool = True) -> np.ndarray:
     """Self-influence scores of the training points ``indices`` under a PBRF method.
 
@@ -277,7 +280,8 @@ def pbrf_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Seq
     point. See :class:`PBRF` and :func:`make_term` for the arguments.
     """
     term = make_term(method, model, x_train, y_train, loss, batch_size=batch_size, seed=seed,
-                     bgln_covariance=bgln_covariance, bgln_rank=bgln_rank, ewc_data=ewc_data)
+                     bgln_covariance=bgln_covariance, bgln_rank=bgln_rank,
+                     bgln_moments=bgln_moments, ewc_data=ewc_data)
     solver = PBRF(model, term, x_train.shape[0], loss=loss, damping=damping, steps=steps, lr=lr)
     scores = []
     for i in tqdm(list(indices), desc=f"PBRF {method}", leave=False, disable=not progress):
@@ -569,7 +573,7 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
             learning_rates: Sequence[float] = LEARNING_RATES, damping: float = 1e-3,
             batch_size: int = 128, width: int = 128, depth: int = 2, cg_iters: int = 200,
             cg_data: int | None = None, subset: int | None = None,
-            dtype: torch.dtype = torch.float64,
+            bgln_moments: str = "paper", dtype: torch.dtype = torch.float64,
             progress: bool = True) -> dict[str, Any]:
     """Self-influence on one UCI regression set: each method vs the ``exact`` PBRF oracle.
 
@@ -584,6 +588,7 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
         cg_data: average CG's Gauss-Newton matrix over this many random training points
             (``None``: all of them).
         subset: keep only this many random rows of the data set (tiny runs / tests).
+        bgln_moments: BGLN-D's propagation (``"paper"`` or ``"exact"``), see :func:`make_term`.
 
     Returns:
         The results dictionary (also written to ``out/results.json`` with ``results.md`` and
@@ -630,7 +635,8 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
         "train_loss": mean_loss(model, x_train, y_train, "squared"),
         "test_rmse_standardized": math.sqrt(2 * mean_loss(model, *splits["test"], "squared")),
         "pbrf": {"optimizer": "SGD (no momentum)", "lr": pbrf_lr, "steps": steps,
-                 "epochs": pbrf_epochs, "damping": damping, "exact_batch_size": batch_size},
+                 "epochs": pbrf_epochs, "damping": damping, "exact_batch_size": batch_size,
+                 "bgln_moments": bgln_moments},
         "cg": {"damping": damping, "max_iter": cg_iters},
         "removed_indices": indices, "scores": {}, "seconds": {}, "correlation": {},
     }
@@ -644,7 +650,7 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
         else:
             scores = pbrf_scores(model, x_train, y_train, indices, method, loss="squared",
                                  damping=damping, steps=steps, lr=pbrf_lr,
-                                 batch_size=batch_size,
+                                 batch_size=batch_size, bgln_moments=bgln_moments,
                                  seed=seed, progress=progress)
         result["seconds"][method] = time.perf_counter() - start
         result["scores"][method] = scores.tolist()
@@ -703,7 +709,8 @@ def write_uci_outputs(result: dict[str, Any], out: Path) -> None:
           f"N = {result['n_train']} training points, {len(result['removed_indices'])} removals; "
           f"{result['model']}, SGD lr {result['lr']} (validation-chosen), {result['epochs']} "
           f"epochs; PBRF: SGD lr {result['pbrf']['lr']}, {result['pbrf']['steps']} steps, "
-          f"λ = {result['pbrf']['damping']}.", ""]
+          f"λ = {result['pbrf']['damping']}; BGLN-D moments "
+          f"{result['pbrf'].get('bgln_moments', 'paper')}.", ""]
     if result["correlation"]:
         md += ["Correlation with the exact PBRF self-influence:", "", uci_table([result]), ""]
     md += ["Wall time:", "", timing_table([result]), ""]
@@ -924,7 +931,8 @@ def _cmd_uci(args: argparse.Namespace) -> int:
                          pbrf_epochs=args.pbrf_epochs, pbrf_lr=args.pbrf_lr,
                          damping=args.damping,
                          cg_iters=args.cg_iters, cg_data=args.cg_data, subset=args.subset,
-                         learning_rates=args.lrs, progress=not args.no_progress)
+                         learning_rates=args.lrs, bgln_moments=args.bgln_moments,
+                         progress=not args.no_progress)
         print((out / name / "results.md").read_text())
         print(f"{name}: wrote {out / name}/results.json, results.md, scatter.png "
               f"({sum(result['seconds'].values()):.0f} s)", flush=True)
@@ -985,6 +993,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     uci.add_argument("--cg-data", type=int, default=None,
                      help="random training points CG's Gauss-Newton matrix averages over "
                           "(default: all)")
+    uci.add_argument("--bgln-moments", default="paper", choices=["paper", "exact"],
+                     help="BGLN-D's moment propagation: paper (Algorithm 2, default) or exact "
+                          "(joint moments, = E[BGLN-S])")
     common(uci)
     uci.set_defaults(func=_cmd_uci)
 
