@@ -100,6 +100,7 @@ def test_split_mnist_tiny_end_to_end(tmp_path, method):
 
 @needs_mnist
 @pytest.mark.parametrize("method", ["bgln-s-cw", "bgln-d-cw", "bgln-s-var", "bgln-d-var",
+                                    "bgln-d-exact", "bgln-d-layerwise",
                                     "laftr", "laftr-coreset", "bgln-s-coreset"])
 def test_other_methods_run(tmp_path, method):
     res = _run(tmp_path, "split-mnist", method, "--tasks", "2", "--width", "32")

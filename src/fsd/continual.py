@@ -160,6 +160,8 @@ class MethodSpec:
         moments: input moments to record in the last epoch (``"full"``, ``"diag"``, None).
         gates: record ReLU gate frequencies in the last epoch.
         classwise: record labels (class-conditional summaries).
+        layer_moments: record the reference's input moments at every affine layer
+            (``reference="layerwise"``).
         needs_data: ``fit`` reads the task's training data (coresets, Fisher).
         family: key into the paper's per-method tables of defaults.
     """
@@ -168,6 +170,7 @@ class MethodSpec:
     moments: str | None = None
     gates: bool = False
     classwise: bool = False
+    layer_moments: bool = False
     needs_data: bool = False
     family: str = "bgln-s"
 
@@ -193,6 +196,13 @@ METHODS: dict[str, MethodSpec] = {
                                 needs_data=True, family="bgln-s"),
     "bgln-s": MethodSpec(_bgln(), moments="full", gates=True, family="bgln-s"),
     "bgln-d": MethodSpec(_bgln(deterministic=True), moments="full", gates=True, family="bgln-d"),
+    # beyond the paper: exact joint-moment propagation (= E[BGLN-S]) and the reference
+    # network's real layer-wise moments; λ and learning rate default to BGLN-D's
+    "bgln-d-exact": MethodSpec(_bgln(deterministic=True, moments="exact"), moments="full",
+                               gates=True, family="bgln-d"),
+    "bgln-d-layerwise": MethodSpec(_bgln(deterministic=True, reference="layerwise"),
+                                   moments="full", gates=True, layer_moments=True,
+                                   family="bgln-d"),
     "bgln-s-cw": MethodSpec(_bgln(classwise=True), moments="full", gates=True, classwise=True,
                             family="bgln-s-cw"),
     "bgln-d-cw": MethodSpec(_bgln(deterministic=True, classwise=True), moments="full",
@@ -239,7 +249,8 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
     column = "permuted" if benchmark == "permuted-mnist" else "split"
     epochs, scale, batch = _TABLE[METHODS[method].family][column]
     lr = 1e-3
-    if (column, method) in (("split", "bgln-s"), ("permuted", "bgln-d")):
+    if (column, method) in (("split", "bgln-s"), ("permuted", "bgln-d"),
+                            ("permuted", "bgln-d-exact"), ("permuted", "bgln-d-layerwise")):
         lr = 1e-4
     return {
         "epochs": epochs, "fsd_scale": scale, "batch_size": batch, "lr": lr,
@@ -395,7 +406,8 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
         collector = None
         if spec.factory is not None and not last_task and (spec.moments or spec.gates):
             collector = StatisticsCollector(model, moments=spec.moments, gates=spec.gates,
-                                            momentum=hp["momentum"])
+                                            momentum=hp["momentum"],
+                                            layer_moments=spec.layer_moments)
         if hp["optimizer"] == "per-task":
             optimizer = torch.optim.Adam(model.parameters(), lr=hp["lr"])
         batches = TensorBatches(task.x_train, task.y_train, hp["batch_size"], shuffle=True,
