@@ -5,7 +5,8 @@ Run:  .venv/bin/python benchmarks/penalty.py [--data-dir D] [--threads 1] [--rep
 Prints, in one process, medians of repeated timings:
  (a) step-with-penalty / plain-step at batch 32 and 128 for each estimator;
  (b) one BGLN-D distance vs one ExactFSD over the 60k MNIST training inputs;
- (c) K = 1, 3, 9 previous tasks' BGLN-D summaries in one fsd.combine call;
+ (c) K = 1, 3, 9 previous tasks' BGLN-D summaries (full and low-rank) in one fsd.combine
+     call: the penalty alone and a whole penalized step at batch 128;
  (d) the library's BGLN-D vs a dense float64 transcription of paper Algorithm 2 (value, speed);
  (e) low-rank (r = 16, 64, 128) vs full-covariance BGLN-D on MNIST-trained networks.
 Model: MLP 784-256-256-10, Adam. Moments are real MNIST moments when the data is found
@@ -149,20 +150,36 @@ def main() -> None:
     print("\n## (b) one distance call (no backward), 60k MNIST training inputs")
     print(f"ExactFSD: {t_exact:.1f} ms, BGLN-D: {t_bgln:.3f} ms, ratio {t_exact / t_bgln:.0f}x")
 
-    # (c) K previous tasks in one call
-    print("\n## (c) K previous tasks' BGLN-D summaries in one fsd.combine call (distance+backward)")
-    summaries = [fsd.BGLN(deterministic=True).fit(perturbed(model, 0.02, 10 + k), fit_data)
-                 for k in range(9)]
+    # (c) K previous tasks in one call: the penalty alone (distance + backward), and a whole
+    # Adam step at batch 128 with that penalty (what a continual learner pays per step)
+    print("\n## (c) K previous tasks' BGLN-D summaries in one fsd.combine call")
+    print("| summaries | K | penalty (distance+backward): ms | ratio to K=1 | "
+          "step at batch 128 with penalty: ms | ratio to K=1 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    xb, yb = x[:128], y[:128]
 
     def penalty(summary_set):
         moved.zero_grad()
         summary_set.distance(moved).backward()
 
-    times = {}
-    for k in (1, 3, 9):
-        times[k] = median_ms(lambda s=fsd.combine(summaries[:k]): penalty(s), args.repeats)
-    for k in (1, 3, 9):
-        print(f"K={k}: {times[k]:.2f} ms ({times[k] / times[1]:.2f}x K=1)")
+    def penalized_step(summary_set):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(moved(xb), yb) + summary_set.distance(moved)
+        loss.backward()
+        optimizer.step()
+
+    for label, kwargs in (("full, 10 outputs", {}),
+                          ("lowrank r=64, 10 outputs", {"covariance": "lowrank", "rank": 64})):
+        summaries = [fsd.BGLN(deterministic=True, **kwargs).fit(
+            perturbed(model, 0.02, 10 + k), fit_data) for k in range(9)]
+        times, steps = {}, {}
+        for k in (1, 3, 9):
+            summary_set = fsd.combine(summaries[:k])
+            times[k] = median_ms(lambda s=summary_set: penalty(s), args.repeats)
+            steps[k] = median_ms(lambda s=summary_set: penalized_step(s), args.repeats)
+        for k in (1, 3, 9):
+            print(f"| {label} | {k} | {times[k]:.2f} | {times[k] / times[1]:.2f} | "
+                  f"{steps[k]:.2f} | {steps[k] / steps[1]:.2f} |")
 
     # (d) the library vs a dense float64 transcription of Algorithm 2
     model64, moved64 = copy.deepcopy(model).double(), copy.deepcopy(moved).double()

@@ -32,16 +32,36 @@ def sandwich(weight: Tensor, cov: Covariance) -> Tensor:
     return weight @ cov @ weight.T
 
 
+class _SymmetricQuadraticTrace(torch.autograd.Function):
+    """tr(P C Pᵀ) for a fixed symmetric C: the gradient 2 P C reuses the forward's P C, so
+    the backward pass does not multiply by the (G, d, d) covariance a second time."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, cov: Tensor) -> Tensor:
+        rows_cov = rows @ cov
+        ctx.save_for_backward(rows, cov, rows_cov)
+        return (rows_cov * rows).sum((-1, -2))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        rows, cov, rows_cov = ctx.saved_tensors
+        if torch.is_grad_enabled():  # double backward: keep the graph through rows
+            rows_cov = rows @ cov
+        return 2 * grad[:, None, None] * rows_cov, None
+
+
 def quadratic_trace(rows: Tensor, cov: Covariance) -> Tensor:
     """tr(P C Pᵀ) per component for P of shape (G, k, d): the output variance that the
-    directions in P pick up from C. Returns (G,)."""
+    directions in P pick up from C. Returns (G,). C must be symmetric (a covariance)."""
     if isinstance(cov, tuple):
         factor, residual = cov
         return (rows @ factor).pow(2).sum((-1, -2)) + (rows.pow(2) * residual.unsqueeze(1)).sum(
             (-1, -2))
     if cov.dim() == 2:
         return (rows.pow(2) * cov.unsqueeze(1)).sum((-1, -2))
-    return ((rows @ cov) * rows).sum((-1, -2))
+    if cov.requires_grad or rows.dim() != 3:
+        return ((rows @ cov) * rows).sum((-1, -2))
+    return _SymmetricQuadraticTrace.apply(rows, cov)
 
 
 def gate(cov: Tensor, mu: Tensor) -> Tensor:
