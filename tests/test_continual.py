@@ -213,3 +213,15 @@ def test_shared_and_per_task_optimizer_differ(tmp_path):
 def test_bad_optimizer_mode_is_refused(tmp_path):
     with pytest.raises(ValueError, match="optimizer must be one of"):
         continual.run_continual("split-mnist", "finetune", [0], tmp_path, optimizer="sgd")
+
+
+@needs_mnist
+def test_rank_option_stores_low_rank_moments(tmp_path):
+    full = _run(tmp_path / "full", "split-mnist", "bgln-d-exact", "--tasks", "2", "--width", "32")
+    low = _run(tmp_path / "low", "split-mnist", "bgln-d-exact", "--tasks", "2", "--width", "32",
+               "--rank", "8")
+    # 784² covariance floats replaced by 784·(8+1): far fewer bytes per task
+    assert low["summary_bytes_per_task"] < full["summary_bytes_per_task"] - 2_000_000
+    assert "lowrank r=8" in continual.report([str(tmp_path / "low")])
+    with pytest.raises(ValueError, match="rank applies to"):
+        continual.run_continual("split-mnist", "bgln-d-var", [0], tmp_path / "x", rank=4)

@@ -175,8 +175,14 @@ class MethodSpec:
     family: str = "bgln-s"
 
 
+def _covariance(hp: dict) -> dict[str, Any]:
+    # low-rank(+diagonal) input covariance when --rank is given (checked in run_continual)
+    return {} if hp.get("rank") is None else {"covariance": "lowrank", "rank": hp["rank"]}
+
+
 def _bgln(**kw: Any) -> Callable[[dict, int], Estimator]:
-    return lambda hp, seed: BGLN(num_samples=hp["num_samples"], seed=seed, **kw)
+    return lambda hp, seed: BGLN(num_samples=hp["num_samples"], seed=seed,
+                                 **{**kw, **_covariance(hp)})
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -190,7 +196,8 @@ METHODS: dict[str, MethodSpec] = {
     # ExactFSD over a 40-point random coreset (the subset is drawn by the harness)
     "exact-coreset": MethodSpec(lambda hp, seed: ExactFSD(), needs_data=True, family="ntk"),
     "laftr": MethodSpec(lambda hp, seed: LAFTR(inputs="gaussian", num_samples=hp["num_samples"],
-                                               seed=seed), moments="full", family="bgln-s"),
+                                               seed=seed, **_covariance(hp)),
+                        moments="full", family="bgln-s"),
     "laftr-coreset": MethodSpec(lambda hp, seed: LAFTR(inputs="coreset",
                                                        coreset_size=hp["coreset_size"], seed=seed),
                                 needs_data=True, family="bgln-s"),
@@ -262,6 +269,9 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
         "fisher_samples": 1000, "train_subset": None, "test_subset": None, "tasks": None,
         # the authors' code: one Adam for the stream, penalty averaged over previous tasks
         "optimizer": "shared", "penalty": "mean",
+        # None: the method's input covariance (full, or diagonal for -var); r: store the data
+        # covariance as its top-r eigenpairs plus a diagonal (BGLN methods with full moments)
+        "rank": None,
     }
 
 
@@ -479,6 +489,12 @@ def run_continual(benchmark: str, method: str, seeds: Sequence[int], out: str | 
         raise ValueError(f"optimizer must be one of {OPTIMIZER_MODES}, got {hp['optimizer']!r}")
     if hp["penalty"] not in PENALTY_MODES:
         raise ValueError(f"penalty must be one of {PENALTY_MODES}, got {hp['penalty']!r}")
+    if hp["rank"] is not None:
+        if METHODS[method].moments != "full" or METHODS[method].factory is None:
+            raise ValueError(f"rank applies to BGLN/LAFTR methods with full input moments, "
+                             f"not {method!r}")
+        if hp["rank"] < 1:
+            raise ValueError(f"rank must be positive, got {hp['rank']}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     done: list[SeedResult] = []
@@ -650,12 +666,14 @@ def _protocol(results: dict) -> str:
     parts = [f"{hp['epochs']} ep", f"bs {hp['batch_size']}", f"λ {hp['fsd_scale']:g}",
              f"lr {hp['lr']:g}", f"w {hp['width']}"]
     changed = [k for k in ("epochs", "batch_size", "fsd_scale", "lr", "width", "train_subset",
-                           "test_subset", "tasks", "optimizer", "penalty")
+                           "test_subset", "tasks", "optimizer", "penalty", "rank")
                if hp.get(k) != paper.get(k)]
     if hp["optimizer"] != paper["optimizer"]:
         parts.append(f"{hp['optimizer']} Adam")
     if hp["penalty"] != paper["penalty"]:
         parts.append(f"penalty {hp['penalty']}")
+    if hp.get("rank"):
+        parts.append(f"lowrank r={hp['rank']}")
     if hp.get("train_subset"):
         parts.append(f"train {hp['train_subset']}/task")
     if hp.get("tasks"):
@@ -717,7 +735,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         width=args.width, momentum=args.momentum, coreset_size=args.coreset_size,
         num_samples=args.num_samples, train_subset=args.train_subset,
         test_subset=args.test_subset, tasks=args.tasks, optimizer=args.optimizer,
-        penalty=args.penalty)
+        penalty=args.penalty, rank=args.rank)
     print(results_markdown(results))
     print(f"wrote {Path(args.out) / 'results.json'}, results.md"
           + ("" if args.no_plots else ", accuracy_matrix.png, task_accuracy.png"))
@@ -763,7 +781,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
              "(default 32)"),
             ("--train-subset", int, "random training examples kept per task (tiny runs)"),
             ("--test-subset", int, "random test examples kept per task (tiny runs)"),
-            ("--tasks", int, "use only the first N tasks")]:
+            ("--tasks", int, "use only the first N tasks"),
+            ("--rank", int, "store each task's input covariance as its top-r eigenpairs plus "
+             "a diagonal (BGLN methods with full moments; default: full covariance)")]:
         cl.add_argument(name, type=kind, default=None, help=what)
     cl.add_argument("--optimizer", choices=OPTIMIZER_MODES, default=None,
                     help="shared: one Adam for the whole stream (default, the authors' code); "
