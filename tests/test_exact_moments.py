@@ -49,6 +49,27 @@ def test_exact_moments_equal_the_expectation_of_bgln_s(covariance, classwise):
     assert standard_error < 0.02 * float(draws.mean())  # the test has power
 
 
+def test_exact_moments_low_rank_of_full_rank_and_diag_match_dense_references():
+    # rank = d leaves a zero residual: the factored first layer must equal the full one; a
+    # diagonal covariance must equal the full path fed the same covariance as a dense matrix
+    model, data = _mlp(), _data()
+    moved = _moved(model)
+    full = fsd.BGLN(deterministic=True, moments="exact").fit(model, data)
+    low = fsd.BGLN(deterministic=True, moments="exact", covariance="lowrank", rank=5).fit(
+        model, data)
+    torch.testing.assert_close(low.distance(moved), full.distance(moved), rtol=1e-9, atol=0)
+    # diagonal data: full and diag covariance describe the same Gaussian
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5000, 5, generator=g, dtype=torch.float64) * torch.arange(1, 6) + 0.2
+    diag_data = [(x, torch.zeros(5000, dtype=torch.long))]
+    diag = fsd.BGLN(deterministic=True, moments="exact", covariance="diag").fit(model, diag_data)
+    dense = fsd.BGLN(deterministic=True, moments="exact").fit(model, diag_data)
+    dense._state["input.cov"] = torch.diag_embed(
+        torch.diagonal(dense._state["input.cov"], dim1=-2, dim2=-1))
+    dense._cache.clear()
+    torch.testing.assert_close(diag.distance(moved), dense.distance(moved), rtol=1e-9, atol=0)
+
+
 def test_exact_and_paper_agree_where_both_are_exact():
     # one repeated input: zero covariance, and every unit's gate is always 0 or always 1
     model = _mlp()

@@ -40,13 +40,18 @@ def gate_second_moment(mu: Tensor) -> Tensor:
     return mu.unsqueeze(-1) * mu.unsqueeze(-2) + torch.diag_embed(mu * (1 - mu))
 
 
-def input_factor(mean: Tensor, cov: Covariance) -> Tensor:
-    """Φ (G, d + 1, q) with Φ Φᵀ = E[x̃ x̃ᵀ] for x̃ = [x; 1]: [[L, m], [0, 1]] with L Lᵀ = Cov."""
+def input_factor(mean: Tensor, cov: Covariance) -> tuple[Tensor, Tensor | None]:
+    """(Φ, D): E[x̃ x̃ᵀ] = Φ Φᵀ + diag(D) for x̃ = [x; 1], Φ = [[L, m], [0, 1]] (G, d + 1, q).
+
+    A full covariance goes into L (L Lᵀ = Cov, D = None). Diagonal and low-rank-plus-diagonal
+    covariances keep their diagonal part in D (G, d + 1) (zero on the constant coordinate)
+    instead of d extra columns of Φ, so a layer costs o·d·(r + 1) + o²·d, not o·d².
+    """
+    residual: Tensor | None = None
     if isinstance(cov, tuple):
-        factor, residual = cov
-        root = torch.cat([factor, torch.diag_embed(residual.sqrt())], dim=-1)
+        root, residual = cov
     elif cov.dim() == 2:
-        root = torch.diag_embed(cov.sqrt())
+        root, residual = cov.new_zeros(*cov.shape, 0), cov
     else:
         factors = [sampling_factor(c) for c in cov]
         width = max(f.shape[1] for f in factors)
@@ -54,7 +59,9 @@ def input_factor(mean: Tensor, cov: Covariance) -> Tensor:
     groups, d, q = root.shape
     top = torch.cat([root, mean.unsqueeze(-1)], dim=-1)
     bottom = torch.cat([root.new_zeros(groups, 1, q), root.new_ones(groups, 1, 1)], dim=-1)
-    return torch.cat([top, bottom], dim=1)
+    if residual is not None:
+        residual = torch.nn.functional.pad(residual, (0, 1))
+    return torch.cat([top, bottom], dim=1), residual
 
 
 def raw_second_moment(mean: Tensor, cov: Tensor) -> Tensor:
@@ -89,12 +96,13 @@ def reference_blocks(
             reference moments are propagated through the Bernoulli-gated network.
 
     Returns:
-        For each affine layer a dict with either ``"factor"`` Φ (first layer, R00 = ΦΦᵀ) and
-        ``"p0"`` = W̃0 Φ, or ``"r00"`` (dense R00) and ``"w0r00"`` = W̃0 R00; plus ``"mean"``
+        For each affine layer a dict with either ``"factor"`` Φ (first layer, R00 = ΦΦᵀ +
+        diag(D)), ``"p0"`` = W̃0 Φ and, for a diagonal part D, ``"residual"`` D and ``"w0d"``
+        = W̃0 diag(D), or ``"r00"`` (dense R00) and ``"w0r00"`` = W̃0 R00; plus ``"mean"``
         = E[ã0] (G, in + 1).
     """
     out: list[dict[str, Tensor]] = []
-    phi: Tensor | None = input_factor(mean, cov)
+    phi, residual = input_factor(mean, cov)
     r00: Tensor | None = None
     pending: tuple[Tensor, Tensor] | None = None  # (E[s0 s0ᵀ], E[s0]) not yet gated
     for layer in layers:
@@ -108,8 +116,14 @@ def reference_blocks(
             if phi is not None:
                 p0 = w0 @ phi
                 # Φ = [[L, m], [0, 1]]: its last column is E[ã0] = [m; 1]
-                out.append({"factor": phi, "p0": p0, "mean": phi[..., :, -1]})
-                pending = (p0 @ p0.transpose(-1, -2), p0[..., -1])
+                block = {"factor": phi, "p0": p0, "mean": phi[..., :, -1]}
+                second = p0 @ p0.transpose(-1, -2)
+                if residual is not None:  # + W̃0 diag(D) W̃0ᵀ
+                    block["residual"] = residual
+                    block["w0d"] = w0 * residual.unsqueeze(-2)
+                    second = second + block["w0d"] @ w0.transpose(-1, -2)
+                out.append(block)
+                pending = (second, p0[..., -1])
                 phi = None
             else:
                 w0r00 = w0 @ r00
@@ -165,6 +179,9 @@ def delta_second_moment(
                 projected = dwh @ block["factor"]
                 s0d = block["p0"] @ projected.transpose(-1, -2)
                 sdd = projected @ projected.transpose(-1, -2)
+                if "residual" in block:  # the diagonal part of E[x̃ x̃ᵀ]
+                    s0d = s0d + block["w0d"] @ dwh.transpose(-1, -2)
+                    sdd = sdd + (dwh * block["residual"].unsqueeze(-2)) @ dwh.transpose(-1, -2)
             else:
                 s0d = block["w0r00"] @ dwh.T
                 sdd = dwh @ block["r00"] @ dwh.T
