@@ -225,3 +225,17 @@ def test_rank_option_stores_low_rank_moments(tmp_path):
     assert "lowrank r=8" in continual.report([str(tmp_path / "low")])
     with pytest.raises(ValueError, match="rank applies to"):
         continual.run_continual("split-mnist", "bgln-d-var", [0], tmp_path / "x", rank=4)
+
+
+def test_metric_option_reaches_monte_carlo_estimators_only(tmp_path):
+    hp = {**continual.default_hyperparameters("split-mnist", "bgln-s"),
+          "metric": "softmax_euclidean"}
+    assert continual.METHODS["bgln-s"].factory(hp, 0).config["metric"] == "softmax_euclidean"
+    assert continual.METHODS["laftr"].factory(hp, 0).config["metric"] == "softmax_euclidean"
+    assert continual.METHODS["bgln-s"].factory(
+        continual.default_hyperparameters("split-mnist", "bgln-s"), 0).config["metric"] == \
+        "euclidean"
+    with pytest.raises(ValueError, match="metric applies to"):
+        continual.run_continual("split-mnist", "bgln-d", [0], tmp_path, metric="kl")
+    with pytest.raises(ValueError, match="metric"):
+        continual.run_continual("split-mnist", "bgln-s", [0], tmp_path, metric="cosine")

@@ -53,6 +53,7 @@ from .estimator import Estimator, atomic_torch_save, load
 from .ewc import EWC
 from .exact import ExactFSD
 from .linearized import BGLN, LAFTR
+from .metrics import METRICS, check_metric
 from .ntk import NTK
 from .statistics import StatisticsCollector
 from .summary_set import combine
@@ -180,9 +181,16 @@ def _covariance(hp: dict) -> dict[str, Any]:
     return {} if hp.get("rank") is None else {"covariance": "lowrank", "rank": hp["rank"]}
 
 
+def _sampled(hp: dict) -> dict[str, Any]:
+    # output metric of the Monte Carlo estimators (BGLN-D has only the Euclidean one)
+    return {} if hp.get("metric") is None else {"metric": hp["metric"]}
+
+
 def _bgln(**kw: Any) -> Callable[[dict, int], Estimator]:
+    extra = (lambda hp: _covariance(hp)) if kw.get("deterministic") else \
+        (lambda hp: {**_covariance(hp), **_sampled(hp)})
     return lambda hp, seed: BGLN(num_samples=hp["num_samples"], seed=seed,
-                                 **{**kw, **_covariance(hp)})
+                                 **{**kw, **extra(hp)})
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -196,10 +204,11 @@ METHODS: dict[str, MethodSpec] = {
     # ExactFSD over a 40-point random coreset (the subset is drawn by the harness)
     "exact-coreset": MethodSpec(lambda hp, seed: ExactFSD(), needs_data=True, family="ntk"),
     "laftr": MethodSpec(lambda hp, seed: LAFTR(inputs="gaussian", num_samples=hp["num_samples"],
-                                               seed=seed, **_covariance(hp)),
+                                               seed=seed, **_covariance(hp), **_sampled(hp)),
                         moments="full", family="bgln-s"),
     "laftr-coreset": MethodSpec(lambda hp, seed: LAFTR(inputs="coreset",
-                                                       coreset_size=hp["coreset_size"], seed=seed),
+                                                       coreset_size=hp["coreset_size"], seed=seed,
+                                                       **_sampled(hp)),
                                 needs_data=True, family="bgln-s"),
     "bgln-s": MethodSpec(_bgln(), moments="full", gates=True, family="bgln-s"),
     "bgln-d": MethodSpec(_bgln(deterministic=True), moments="full", gates=True, family="bgln-d"),
@@ -220,7 +229,7 @@ METHODS: dict[str, MethodSpec] = {
                              gates=True, family="bgln-d"),
     "bgln-s-coreset": MethodSpec(
         lambda hp, seed: BGLN(inputs="coreset", coreset_size=hp["coreset_size"],
-                              num_samples=hp["num_samples"], seed=seed),
+                              num_samples=hp["num_samples"], seed=seed, **_sampled(hp)),
         gates=True, needs_data=True, family="bgln-s"),
 }
 
@@ -272,6 +281,8 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
         # None: the method's input covariance (full, or diagonal for -var); r: store the data
         # covariance as its top-r eigenpairs plus a diagonal (BGLN methods with full moments)
         "rank": None,
+        # output metric of the Monte Carlo (LAFTR / BGLN-S) penalties; None: Euclidean on logits
+        "metric": None,
     }
 
 
@@ -489,6 +500,12 @@ def run_continual(benchmark: str, method: str, seeds: Sequence[int], out: str | 
         raise ValueError(f"optimizer must be one of {OPTIMIZER_MODES}, got {hp['optimizer']!r}")
     if hp["penalty"] not in PENALTY_MODES:
         raise ValueError(f"penalty must be one of {PENALTY_MODES}, got {hp['penalty']!r}")
+    if hp["metric"] is not None:
+        sampled = {"laftr", "laftr-coreset", "bgln-s", "bgln-s-cw", "bgln-s-var", "bgln-s-coreset"}
+        if method not in sampled:
+            raise ValueError(f"metric applies to the Monte Carlo methods {sorted(sampled)}, "
+                             f"not {method!r}")
+        check_metric(hp["metric"])
     if hp["rank"] is not None:
         if METHODS[method].moments != "full" or METHODS[method].factory is None:
             raise ValueError(f"rank applies to BGLN/LAFTR methods with full input moments, "
@@ -666,7 +683,7 @@ def _protocol(results: dict) -> str:
     parts = [f"{hp['epochs']} ep", f"bs {hp['batch_size']}", f"λ {hp['fsd_scale']:g}",
              f"lr {hp['lr']:g}", f"w {hp['width']}"]
     changed = [k for k in ("epochs", "batch_size", "fsd_scale", "lr", "width", "train_subset",
-                           "test_subset", "tasks", "optimizer", "penalty", "rank")
+                           "test_subset", "tasks", "optimizer", "penalty", "rank", "metric")
                if hp.get(k) != paper.get(k)]
     if hp["optimizer"] != paper["optimizer"]:
         parts.append(f"{hp['optimizer']} Adam")
@@ -674,6 +691,8 @@ def _protocol(results: dict) -> str:
         parts.append(f"penalty {hp['penalty']}")
     if hp.get("rank"):
         parts.append(f"lowrank r={hp['rank']}")
+    if hp.get("metric"):
+        parts.append(f"metric {hp['metric']}")
     if hp.get("train_subset"):
         parts.append(f"train {hp['train_subset']}/task")
     if hp.get("tasks"):
@@ -735,7 +754,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         width=args.width, momentum=args.momentum, coreset_size=args.coreset_size,
         num_samples=args.num_samples, train_subset=args.train_subset,
         test_subset=args.test_subset, tasks=args.tasks, optimizer=args.optimizer,
-        penalty=args.penalty, rank=args.rank)
+        penalty=args.penalty, rank=args.rank, metric=args.metric)
     print(results_markdown(results))
     print(f"wrote {Path(args.out) / 'results.json'}, results.md"
           + ("" if args.no_plots else ", accuracy_matrix.png, task_accuracy.png"))
@@ -791,6 +810,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     cl.add_argument("--penalty", choices=PENALTY_MODES, default=None,
                     help="mean: λ times the mean of the previous tasks' distances (default, "
                          "the authors' code, what the paper's λ was tuned for); sum: eq. 3")
+    cl.add_argument("--metric", default=None, choices=list(METRICS),
+                    help="output metric of the Monte Carlo penalties (laftr, bgln-s...; "
+                         "default: euclidean on logits)")
     cl.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1, so runs can go in parallel)")
     cl.add_argument("--device", default="cpu")
