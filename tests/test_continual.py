@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fsd import continual
+from fsd import load as fsd_load
 from fsd.cli import main
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -239,3 +240,31 @@ def test_metric_option_reaches_monte_carlo_estimators_only(tmp_path):
         continual.run_continual("split-mnist", "bgln-d", [0], tmp_path, metric="kl")
     with pytest.raises(ValueError, match="metric"):
         continual.run_continual("split-mnist", "bgln-s", [0], tmp_path, metric="cosine")
+
+
+@needs_mnist
+def test_penalty_gap_compares_each_summary_with_the_true_fsd(tmp_path, capsys):
+    _run(tmp_path, "split-mnist", "laftr-coreset", "--tasks", "3", "--width", "32")
+    rows = continual.penalty_gap(tmp_path, str(DATA_DIR), examples=200)
+    assert [(r["seed"], r["task"]) for r in rows] == [(3, 1), (3, 2)]
+    for r in rows:
+        assert r["true_fsd"] > 0 and r["estimate"] > 0
+        assert r["ratio"] == pytest.approx(r["estimate"] / r["true_fsd"])
+    # the true FSD by hand: ½‖Δz‖² on the task's head, averaged over its first 200 inputs
+    import torch
+    from fsd.compare import mlp
+    tasks, _ = continual.make_tasks("split-mnist", str(DATA_DIR), 3, train_subset=200,
+                                    test_subset=100, num_tasks=3)
+    final = mlp(784, 32, 2, 10)
+    final.load_state_dict(torch.load(tmp_path / "checkpoints" / "seed3" / "state.pt",
+                                     weights_only=True)["model"])
+    reference = mlp(784, 32, 2, 10)
+    reference.load_state_dict(fsd_load(tmp_path / "checkpoints" / "seed3" / "task1.fsd")
+                              .reference_state_dict())
+    with torch.no_grad():
+        x, head = tasks[1].x_train[:200], tasks[1].outputs
+        by_hand = 0.5 * ((final(x)[:, head] - reference(x)[:, head]) ** 2).sum(1).mean()
+    assert rows[1]["true_fsd"] == pytest.approx(float(by_hand), rel=1e-5)
+    assert main(["cl", "gap", str(tmp_path), "--data-dir", str(DATA_DIR), "--examples",
+                 "200"]) == 0
+    assert "| 3 | 2 |" in capsys.readouterr().out

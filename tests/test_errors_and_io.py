@@ -59,6 +59,18 @@ def test_save_load_roundtrip_deterministic(make, tmp_path):
     assert not list(tmp_path.glob(".fsd-*"))  # no temporary left behind
 
 
+@pytest.mark.parametrize("make", ALL)
+def test_reference_state_dict_rebuilds_the_reference_network(make, tmp_path):
+    model, data, other = _setup()
+    est = make().fit(model, data)
+    est.save(tmp_path / "s.pt")
+    rebuilt = mlp([5, 6, 4, 3], seed=7)  # other weights until loaded
+    rebuilt.load_state_dict(fsd.load(tmp_path / "s.pt").reference_state_dict())
+    for a, b in zip(rebuilt.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert float(est.distance(rebuilt)) == pytest.approx(0.0, abs=1e-12)
+
+
 @pytest.mark.parametrize("make", STOCHASTIC)
 def test_save_load_roundtrip_stochastic_is_seeded(make, tmp_path):
     model, data, other = _setup()

@@ -60,8 +60,8 @@ from .summary_set import combine
 
 __all__ = [
     "BENCHMARKS", "METHODS", "PAPER", "MethodSpec", "Task", "accuracy_summary", "add_cli",
-    "average_accuracy", "backward_transfer", "default_hyperparameters", "make_tasks",
-    "penalty_weights", "report", "results_markdown", "run_continual", "run_seed", "write_results",
+    "average_accuracy", "backward_transfer", "default_hyperparameters", "gap_markdown",
+    "make_tasks", "penalty_gap", "penalty_weights", "report", "results_markdown", "run_continual", "run_seed", "write_results",
 ]
 
 BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist", "split-fashion-mnist")
@@ -736,6 +736,57 @@ def report(paths: Sequence[str]) -> str:
     return "\n".join(lines + notes) + "\n"
 
 
+def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
+                examples: int = 10_000) -> list[dict[str, Any]]:
+    """How well each stored summary tracks the FSD it was meant to bound, at the end of a run.
+
+    For every seed's final model (``checkpoints/seed<S>/state.pt``) and every previous task t,
+    compares the summary's estimate D_t(θ_final) with the true FSD between θ_t (the summary's
+    reference) and θ_final over task t's first ``examples`` training inputs, in the summary's
+    own metric and outputs. An estimate far below the truth means training found directions
+    the penalty does not see (e.g. ReLU gates that flip, which a linearization cannot show).
+
+    Returns one row per (seed, task): ``seed, task, true_fsd, estimate, ratio``.
+    """
+    run = Path(run_dir)
+    results = json.loads((run / "results.json").read_text())
+    hp, benchmark = results["hyperparameters"], results["benchmark"]
+    rows: list[dict[str, Any]] = []
+    for seed in results["seeds"]:
+        ckpt = run / "checkpoints" / f"seed{seed}"
+        tasks, n_out = make_tasks(benchmark, data_dir, int(seed),
+                                  train_subset=hp["train_subset"], test_subset=hp["test_subset"],
+                                  num_tasks=hp["tasks"])
+        final = mlp(28 * 28, hp["width"], hp["depth"], n_out)
+        final.load_state_dict(torch.load(ckpt / "state.pt", weights_only=True)["model"])
+        for t in range(len(tasks) - 1):
+            path = ckpt / f"task{t}.fsd"
+            if not path.exists():
+                continue
+            summary = load(path)
+            reference = mlp(28 * 28, hp["width"], hp["depth"], n_out)
+            reference.load_state_dict(summary.reference_state_dict())
+            x = tasks[t].x_train[:examples]
+            truth = ExactFSD(metric=summary.config.get("metric", "euclidean")).fit(
+                reference, x, outputs=tasks[t].outputs)
+            with torch.no_grad():
+                true_fsd = float(truth.distance(final))
+                estimate = float(summary.distance(final))
+            rows.append({"seed": int(seed), "task": t + 1, "true_fsd": true_fsd,
+                         "estimate": estimate,
+                         "ratio": estimate / true_fsd if true_fsd > 0 else math.nan})
+    return rows
+
+
+def gap_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown table of :func:`penalty_gap` rows."""
+    lines = ["| seed | task | true FSD | summary's estimate | estimate / true |",
+             "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['seed']} | {r['task']} | {r['true_fsd']:.3g} | {r['estimate']:.3g} | "
+              f"{r['ratio']:.3f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------------------------------------
 # Command line
 # ------------------------------------------------------------------------------------------
@@ -771,6 +822,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
                   + " ".join(args.dirs) + "`.\n\n")
         out.write_text(header + table)
         print(f"wrote {out}")
+    return 0
+
+
+def _cmd_gap(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    print(gap_markdown(penalty_gap(args.dir, args.data_dir, args.examples)))
     return 0
 
 
@@ -819,8 +876,16 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     cl.add_argument("--no-progress", action="store_true", help="no progress bars")
     cl.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     cl.set_defaults(func=_cmd_run)
-    cl_sub = cl.add_subparsers(dest="cl_command", metavar="report")
+    cl_sub = cl.add_subparsers(dest="cl_command", metavar="{report,gap}")
     rep = cl_sub.add_parser("report", help="compare finished runs in one markdown table")
     rep.add_argument("dirs", nargs="+", help="run directories (or parents of them)")
     rep.add_argument("--out", default=None, help="write the table here (e.g. docs/results.md)")
     rep.set_defaults(func=_cmd_report)
+    gap = cl_sub.add_parser("gap", help="true FSD vs each stored summary's estimate at the "
+                                        "end of a finished run")
+    gap.add_argument("dir", help="a run directory (with results.json and checkpoints/)")
+    gap.add_argument("--data-dir", default=None)
+    gap.add_argument("--examples", type=int, default=10_000,
+                     help="training inputs per task for the true FSD (10000)")
+    gap.add_argument("--threads", type=int, default=1)
+    gap.set_defaults(func=_cmd_gap)

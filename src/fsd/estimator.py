@@ -233,6 +233,17 @@ class Estimator:
         with evaluation_mode(model):
             return self._distance(model)
 
+    def reference_state_dict(self) -> dict[str, Tensor]:
+        """θ0 (and the buffers) as a ``state_dict``, to rebuild the reference network:
+        ``model.load_state_dict(estimator.reference_state_dict())``."""
+        self._require_fitted()
+        out = {}
+        for key, value in self._stored.items():
+            for prefix in ("theta0.", "buffer0."):
+                if key.startswith(prefix):
+                    out[key[len(prefix):]] = value.detach().clone()
+        return out
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the summary: the θ0 copy plus the stored statistics/data."""
