@@ -229,13 +229,15 @@ def test_rank_option_stores_low_rank_moments(tmp_path):
 
 
 def test_metric_option_reaches_monte_carlo_estimators_only(tmp_path):
-    hp = {**continual.default_hyperparameters("split-mnist", "bgln-s"),
-          "metric": "softmax_euclidean"}
+    # default: softmax outputs for the Monte Carlo methods, as the authors' BGLN-S code
+    hp = continual.default_hyperparameters("split-mnist", "bgln-s")
     assert continual.METHODS["bgln-s"].factory(hp, 0).config["metric"] == "softmax_euclidean"
-    assert continual.METHODS["laftr"].factory(hp, 0).config["metric"] == "softmax_euclidean"
-    assert continual.METHODS["bgln-s"].factory(
-        continual.default_hyperparameters("split-mnist", "bgln-s"), 0).config["metric"] == \
-        "euclidean"
+    assert continual.METHODS["laftr"].factory(
+        continual.default_hyperparameters("split-mnist", "laftr"), 0).config["metric"] == \
+        "softmax_euclidean"
+    assert continual.METHODS["bgln-s"].factory({**hp, "metric": "euclidean"}, 0).config[
+        "metric"] == "euclidean"
+    assert continual.default_hyperparameters("split-mnist", "bgln-d")["metric"] is None
     with pytest.raises(ValueError, match="metric applies to"):
         continual.run_continual("split-mnist", "bgln-d", [0], tmp_path, metric="kl")
     with pytest.raises(ValueError, match="metric"):
@@ -244,7 +246,8 @@ def test_metric_option_reaches_monte_carlo_estimators_only(tmp_path):
 
 @needs_mnist
 def test_penalty_gap_compares_each_summary_with_the_true_fsd(tmp_path, capsys):
-    _run(tmp_path, "split-mnist", "laftr-coreset", "--tasks", "3", "--width", "32")
+    _run(tmp_path, "split-mnist", "laftr-coreset", "--tasks", "3", "--width", "32",
+         "--metric", "euclidean")
     rows = continual.penalty_gap(tmp_path, str(DATA_DIR), examples=200)
     assert [(r["seed"], r["task"]) for r in rows] == [(3, 1), (3, 2)]
     for r in rows:
