@@ -79,6 +79,27 @@ def test_pbrf_reaches_linear_regression_closed_form():
     torch.testing.assert_close(model[0].weight.detach(), theta0[:-1].reshape(1, -1))
 
 
+def test_point_term_pbrf_reaches_its_closed_form():
+    # D + (1/2N)(x̃ᵀΔ)²: the removed point's curvature cancels, (G + λI) Δ = (r0/N) x̃
+    model, x, y = regression_problem()
+    damping, i, n = 0.1, 4, x.shape[0]
+    xt = torch.cat([x, torch.ones(n, 1, dtype=DTYPE)], 1)
+    theta0 = torch.cat([model[0].weight.detach().reshape(-1), model[0].bias.detach()])
+    r0 = float(xt[i] @ theta0 - y[i, 0])
+    delta = torch.linalg.solve(xt.T @ xt / n + damping * torch.eye(xt.shape[1], dtype=DTYPE),
+                               r0 / n * xt[i])
+    term = influence.ExactTerm(model, x, "euclidean", batch_size=None)
+    solver = influence.PBRF(model, term, n, loss="squared", damping=damping, steps=300, lr=0.5,
+                            point_term=True)
+    value = solver.self_influence(x[i:i + 1], y[i:i + 1])
+    got = torch.cat([solver.work[0].weight.detach().reshape(-1), solver.work[0].bias.detach()])
+    torch.testing.assert_close(got - theta0, delta, rtol=1e-6, atol=1e-9)
+    assert value == pytest.approx(0.5 * (r0 + float(xt[i] @ delta)) ** 2 - 0.5 * r0 ** 2,
+                                  rel=1e-6)
+    # it differs from the plain PBRF's answer
+    assert not torch.allclose(delta, closed_form_pbrf(model, x, y, i, damping)[0])
+
+
 def test_pbrf_stochastic_exact_term_is_close_to_closed_form():
     # minibatch D (the oracle as run in the experiment) lands near the full-batch answer
     model, x, y = regression_problem(n=64)

@@ -222,24 +222,45 @@ class PBRF:
         damping: λ of the proximity term (λ/2)‖θ − θ0‖².
         steps: SGD steps per solve.
         lr: SGD learning rate.
+        point_term: add the removed point's own exact Bregman term (1/N)·D(f(x, θ), f(x, θ0))
+            to D. The exact D contains it (it averages over every training point); a summary
+            of the data distribution does not reproduce it for a high-leverage point, and
+            without it the PBRF of such a point is unbounded below (−(1/N)L is concave in
+            f(x)). Off by default: the paper's PBRF uses the approximate term alone.
     """
 
     def __init__(self, model: nn.Module, term: Callable[[nn.Module], Tensor], n_train: int, *,
                  loss: str = "squared", damping: float = 1e-3, steps: int = 100,
-                 lr: float = 0.01) -> None:
+                 lr: float = 0.01, point_term: bool = False) -> None:
         self.loss, self.term = _check_loss(loss), term
         self.n_train, self.damping, self.steps, self.lr = int(n_train), damping, int(steps), lr
+        self.point_term = bool(point_term)
         self.work = copy.deepcopy(model).eval()
         self.theta0 = [p.detach().clone() for p in self.work.parameters()]
         for p in self.work.parameters():
             p.requires_grad_(True)
 
-    def objective(self, x: Tensor, y: Tensor) -> Tensor:
-        """The PBRF objective at the working parameters, for the point(s) (x, y)."""
-        removed = pointwise_loss(self.loss, self.work(x), y).sum() / self.n_train
+    def _reference_output(self, x: Tensor) -> Tensor:
+        names = [name for name, _ in self.work.named_parameters()]
+        with torch.no_grad():
+            return functional_call(self.work, dict(zip(names, self.theta0)), (x,))
+
+    def objective(self, x: Tensor, y: Tensor, reference_output: Tensor | None = None) -> Tensor:
+        """The PBRF objective at the working parameters, for the point(s) (x, y).
+
+        ``reference_output`` (f(x, θ0), used with ``point_term``) is computed when not given.
+        """
+        output = self.work(x)
+        removed = pointwise_loss(self.loss, output, y).sum() / self.n_train
         proximity = sum((p - p0).pow(2).sum() for p, p0 in zip(self.work.parameters(),
                                                                self.theta0))
-        return -removed + self.term(self.work) + 0.5 * self.damping * proximity
+        value = -removed + self.term(self.work) + 0.5 * self.damping * proximity
+        if self.point_term:
+            if reference_output is None:
+                reference_output = self._reference_output(x)
+            value = value + pointwise_distance(bregman_metric(self.loss), reference_output,
+                                               output - reference_output).sum() / self.n_train
+        return value
 
     def solve(self, x: Tensor, y: Tensor) -> nn.Module:
         """Minimize the PBRF for the point (x, y) (batch of one); returns the working model."""
@@ -249,9 +270,10 @@ class PBRF:
         if hasattr(self.term, "reset"):
             self.term.reset()
         params = list(self.work.parameters())
+        reference_output = self._reference_output(x) if self.point_term else None
         for _ in range(self.steps):
             # plain SGD; autograd.grad + in-place update skips the optimizer's per-step overhead
-            grads = torch.autograd.grad(self.objective(x, y), params)
+            grads = torch.autograd.grad(self.objective(x, y, reference_output), params)
             with torch.no_grad():
                 for p, g in zip(params, grads):
                     p.sub_(g, alpha=self.lr)
@@ -273,7 +295,8 @@ def pbrf_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Seq
                 method: str, *, loss: str = "squared", damping: float = 1e-3, steps: int = 100,
                 lr: float = 0.01, batch_size: int | None = 128, seed: int = 0,
                 bgln_covariance: str = "full", bgln_rank: int = 64, bgln_moments: str = "paper",
-                ewc_data: int | None = None, progress: bool = True) -> np.ndarray:
+                ewc_data: int | None = None, point_term: bool = False,
+                progress: bool = True) -> np.ndarray:
     """Self-influence scores of the training points ``indices`` under a PBRF method.
 
     Fits the method's distance term at the model's parameters (θ0), then solves one PBRF per
@@ -282,7 +305,8 @@ def pbrf_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Seq
     term = make_term(method, model, x_train, y_train, loss, batch_size=batch_size, seed=seed,
                      bgln_covariance=bgln_covariance, bgln_rank=bgln_rank,
                      bgln_moments=bgln_moments, ewc_data=ewc_data)
-    solver = PBRF(model, term, x_train.shape[0], loss=loss, damping=damping, steps=steps, lr=lr)
+    solver = PBRF(model, term, x_train.shape[0], loss=loss, damping=damping, steps=steps, lr=lr,
+                  point_term=point_term and method != "exact")
     scores = []
     for i in tqdm(list(indices), desc=f"PBRF {method}", leave=False, disable=not progress):
         i = int(i)
@@ -573,7 +597,8 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
             learning_rates: Sequence[float] = LEARNING_RATES, damping: float = 1e-3,
             batch_size: int = 128, width: int = 128, depth: int = 2, cg_iters: int = 200,
             cg_data: int | None = None, subset: int | None = None,
-            bgln_moments: str = "paper", dtype: torch.dtype = torch.float64,
+            bgln_moments: str = "paper", point_term: bool = False,
+            dtype: torch.dtype = torch.float64,
             progress: bool = True) -> dict[str, Any]:
     """Self-influence on one UCI regression set: each method vs the ``exact`` PBRF oracle.
 
@@ -589,6 +614,8 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
             (``None``: all of them).
         subset: keep only this many random rows of the data set (tiny runs / tests).
         bgln_moments: BGLN-D's propagation (``"paper"`` or ``"exact"``), see :func:`make_term`.
+        point_term: give the approximate terms (``ewc``, ``bgln-d``) the removed point's own
+            exact term, see :class:`PBRF` (the exact D has it already).
 
     Returns:
         The results dictionary (also written to ``out/results.json`` with ``results.md`` and
@@ -636,7 +663,7 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
         "test_rmse_standardized": math.sqrt(2 * mean_loss(model, *splits["test"], "squared")),
         "pbrf": {"optimizer": "SGD (no momentum)", "lr": pbrf_lr, "steps": steps,
                  "epochs": pbrf_epochs, "damping": damping, "exact_batch_size": batch_size,
-                 "bgln_moments": bgln_moments},
+                 "bgln_moments": bgln_moments, "point_term": point_term},
         "cg": {"damping": damping, "max_iter": cg_iters},
         "removed_indices": indices, "scores": {}, "seconds": {}, "correlation": {},
     }
@@ -651,6 +678,7 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
             scores = pbrf_scores(model, x_train, y_train, indices, method, loss="squared",
                                  damping=damping, steps=steps, lr=pbrf_lr,
                                  batch_size=batch_size, bgln_moments=bgln_moments,
+                                 point_term=point_term,
                                  seed=seed, progress=progress)
         result["seconds"][method] = time.perf_counter() - start
         result["scores"][method] = scores.tolist()
@@ -710,7 +738,9 @@ def write_uci_outputs(result: dict[str, Any], out: Path) -> None:
           f"{result['model']}, SGD lr {result['lr']} (validation-chosen), {result['epochs']} "
           f"epochs; PBRF: SGD lr {result['pbrf']['lr']}, {result['pbrf']['steps']} steps, "
           f"λ = {result['pbrf']['damping']}; BGLN-D moments "
-          f"{result['pbrf'].get('bgln_moments', 'paper')}.", ""]
+          f"{result['pbrf'].get('bgln_moments', 'paper')}"
+          + ("; approximate terms + the removed point's own exact term"
+             if result["pbrf"].get("point_term") else "") + ".", ""]
     if result["correlation"]:
         md += ["Correlation with the exact PBRF self-influence:", "", uci_table([result]), ""]
     md += ["Wall time:", "", timing_table([result]), ""]
@@ -932,6 +962,7 @@ def _cmd_uci(args: argparse.Namespace) -> int:
                          damping=args.damping,
                          cg_iters=args.cg_iters, cg_data=args.cg_data, subset=args.subset,
                          learning_rates=args.lrs, bgln_moments=args.bgln_moments,
+                         point_term=args.point_term,
                          progress=not args.no_progress)
         print((out / name / "results.md").read_text())
         print(f"{name}: wrote {out / name}/results.json, results.md, scatter.png "
@@ -996,6 +1027,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     uci.add_argument("--bgln-moments", default="paper", choices=["paper", "exact"],
                      help="BGLN-D's moment propagation: paper (Algorithm 2, default) or exact "
                           "(joint moments, = E[BGLN-S])")
+    uci.add_argument("--point-term", action="store_true",
+                     help="add the removed point's own exact Bregman term to the approximate "
+                          "(ewc, bgln-d) distance terms, so their PBRF stays bounded below")
     common(uci)
     uci.set_defaults(func=_cmd_uci)
 
