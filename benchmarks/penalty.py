@@ -187,7 +187,8 @@ def main() -> None:
         x[: args.fit_examples].double(), y[: args.fit_examples], 1000))
     mean, cov = est64._state["input.mean"][0], est64._state["input.cov"][0]
     gates = [est64._state[f"gate.{p}"][0] for p in ("2", "4")]
-    dense_value = algorithm2_dense(model64[1:], moved64[1:], mean, cov, gates)
+    with torch.no_grad():
+        dense_value = algorithm2_dense(model64[1:], moved64[1:], mean, cov, gates)
     with torch.no_grad():
         lib_value = est64.distance(moved64)
     t_dense = median_ms(lambda: algorithm2_dense(model64[1:], moved64[1:], mean, cov, gates),
