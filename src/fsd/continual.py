@@ -21,8 +21,8 @@ stream, its moment estimates carried from task to task, as the authors' code doe
 eq. 3's plain sum. The Monte Carlo methods (LAFTR, BGLN-S and their variants) measure the
 Euclidean distance between *softmax* outputs by default, as the authors' BGLN-S code does
 (the paper's text says logits; its λ was tuned with the code); ``metric="euclidean"`` uses
-logits. BGLN-D always uses logits. A checkpoint holds the model, the optimizer, the finished accuracy rows,
-the shuffling generator's state and the saved summaries. After every task the run writes
+logits. BGLN-D always uses logits. A checkpoint holds the model, the optimizer, the finished
+accuracy rows, the shuffling generator's state and the saved summaries. After every task the run writes
 ``DIR/checkpoints/seed<S>/state.pt`` atomically (temporary file + ``os.replace``); the same
 command again resumes after the last finished task.
 
@@ -64,7 +64,8 @@ from .summary_set import combine
 __all__ = [
     "BENCHMARKS", "METHODS", "PAPER", "MethodSpec", "Task", "accuracy_summary", "add_cli",
     "average_accuracy", "backward_transfer", "default_hyperparameters", "gap_markdown",
-    "make_tasks", "penalty_gap", "penalty_weights", "report", "results_markdown", "run_continual", "run_seed", "write_results",
+    "make_tasks", "penalty_gap", "penalty_weights", "report", "results_markdown",
+    "run_continual", "run_seed", "write_results",
 ]
 
 BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist", "split-fashion-mnist")
@@ -509,7 +510,7 @@ def run_continual(benchmark: str, method: str, seeds: Sequence[int], out: str | 
         raise ValueError(f"penalty must be one of {PENALTY_MODES}, got {hp['penalty']!r}")
     if hp["metric"] is not None and hp["metric"] != default_hyperparameters(benchmark,
                                                                            method)["metric"]:
-        sampled = {"laftr", "laftr-coreset", "bgln-s", "bgln-s-cw", "bgln-s-var", "bgln-s-coreset"}
+        sampled = [m for m, spec in METHODS.items() if spec.family in _SOFTMAX_FAMILIES]
         if method not in sampled:
             raise ValueError(f"metric applies to the Monte Carlo methods {sorted(sampled)}, "
                              f"not {method!r}")
