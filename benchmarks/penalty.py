@@ -1,6 +1,7 @@
 """How much an FSD penalty costs next to a training step (issue: performance).
 
 Run:  .venv/bin/python benchmarks/penalty.py [--data-dir D] [--threads 1] [--repeats 30]
+      [--device cuda]
 
 Prints, in one process, medians of repeated timings:
  (a) step-with-penalty / plain-step at batch 32 and 128 for each estimator;
@@ -30,13 +31,24 @@ from fsd.compare import mlp, train
 from fsd.data import DataNotFoundError, TensorBatches, load_mnist, split_by_classes
 
 
+DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    # GPU work is asynchronous: wait for it, or the timer measures only the kernel launches
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
 def median_ms(fn, repeats: int, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        _sync()
         start = time.perf_counter()
         fn()
+        _sync()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -56,7 +68,7 @@ def perturbed(model: nn.Module, scale: float, seed: int) -> nn.Module:
     moved = copy.deepcopy(model)
     with torch.no_grad():
         for p in moved.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device))
     return moved
 
 
@@ -84,16 +96,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (data and models there)")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--fit-examples", type=int, default=10_000,
                         help="examples used to fit the summaries in (a)")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch.cuda.is_available() is False here")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x, y, source = load_inputs(args.data_dir)
+    x, y = x.to(DEVICE), y.to(DEVICE)
+    where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "CPU"
     print(f"# machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} thread(s); inputs: {source}")
-    model = mlp(784, 256, 2, 10)
+          f"{torch.get_num_threads()} thread(s), device {where}; inputs: {source}")
+    model = mlp(784, 256, 2, 10).to(DEVICE)
 
     # (a) penalty cost relative to a plain Adam step
     fit_data = TensorBatches(x[: args.fit_examples], y[: args.fit_examples], 1000)
@@ -205,7 +224,7 @@ def main() -> None:
     x01, y01 = split_by_classes(x, y, [0, 1])
     x23, y23 = split_by_classes(x, y, [2, 3])
     g = torch.Generator().manual_seed(0)
-    trained = mlp(784, 256, 2, 2)
+    trained = mlp(784, 256, 2, 2).to(DEVICE)
     train(trained, TensorBatches(x01, y01, 64, shuffle=True, generator=g), 1, 1e-3,
           progress=False)
     data01 = TensorBatches(x01, y01, 2000)

@@ -71,6 +71,10 @@ def test_report_table_from_a_handmade_results_file(tmp_path):
     assert "| split-mnist | bgln-d | 1,2 | 97.75 ± 0.25 | 99.72 ± 0.03 | -0.50 ± 0.50 | " \
            "-0.09 ± 0.04 | 1,234 | 1.0 min/seed |" in table
     assert "not paper protocol" not in table
+    # a run on a GPU says so in its protocol column
+    res["device"] = "NVIDIA H200"
+    (tmp_path / "run" / "results.json").write_text(json.dumps(res))
+    assert ", on NVIDIA H200 |" in continual.report([str(tmp_path)])
 
 
 # ----- end to end through the CLI ------------------------------------------------------------
@@ -96,6 +100,7 @@ def test_split_mnist_tiny_end_to_end(tmp_path, method):
     assert (res["summary_bytes_per_task"] > 0) == (method != "finetune")
     assert {"benchmark", "method", "seeds", "accuracy_matrix", "avg_accuracy",
             "backward_transfer", "wall_seconds", "hyperparameters"} <= set(res)
+    assert res["device"] == "cpu"
     assert "avg accuracy" in (tmp_path / "results.md").read_text()
 
 

@@ -64,7 +64,7 @@ from .summary_set import combine
 __all__ = [
     "BENCHMARKS", "METHODS", "PAPER", "MethodSpec", "Task", "accuracy_summary", "add_cli",
     "average_accuracy", "backward_transfer", "default_hyperparameters", "gap_markdown",
-    "make_tasks", "penalty_gap", "penalty_weights", "report", "results_markdown",
+    "make_tasks", "penalty_gap", "penalty_weights", "report", "resolve_device", "results_markdown",
     "run_continual", "run_seed", "write_results",
 ]
 
@@ -378,6 +378,15 @@ class SeedResult:
     summary_bytes: list[int] = field(default_factory=list)
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, with a clear error when CUDA is asked for but absent."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} was asked for, but torch.cuda.is_available() is "
+                           "False on this machine; use --device cpu")
+    return dev
+
+
 def penalty_weights(num_previous: int, mode: str) -> list[float]:
     """Weights of the previous tasks' distances: ``"mean"`` 1/t each, ``"sum"`` 1 each."""
     if mode not in PENALTY_MODES:
@@ -394,7 +403,7 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
              progress: bool = True) -> SeedResult:
     """Train the task stream for one seed, resuming from ``out``'s checkpoint if any."""
     spec = METHODS[method]
-    dev = torch.device(device)
+    dev = resolve_device(device)
     tasks, n_out = make_tasks(benchmark, data_dir, seed, train_subset=hp["train_subset"],
                               test_subset=hp["test_subset"], num_tasks=hp["tasks"])
     ckpt_dir = out / "checkpoints" / f"seed{seed}"
@@ -407,7 +416,8 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
     result = SeedResult(seed)
     start_task = 0
     if state_path.exists():
-        state = torch.load(state_path, weights_only=True)
+        # map_location: a run started on a GPU can be resumed on a CPU-only machine
+        state = torch.load(state_path, map_location=dev, weights_only=True)
         saved_hp = json.loads(state["hyperparameters"])
         if saved_hp != _comparable(hp, benchmark, method):
             raise RuntimeError(
@@ -415,7 +425,7 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
                 f"or delete {ckpt_dir} to start over")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        shuffle.set_state(state["shuffle_state"])
+        shuffle.set_state(state["shuffle_state"].cpu())
         result.matrix = [list(map(float, row)) for row in state["matrix"].tolist()]
         result.wall_seconds = float(state["wall_seconds"])
         result.summary_bytes = [int(b) for b in state["summary_bytes"].tolist()]
@@ -527,13 +537,18 @@ def run_continual(benchmark: str, method: str, seeds: Sequence[int], out: str | 
     results: dict = {}
     for seed in seeds:
         done.append(run_seed(benchmark, method, hp, seed, out, data_dir, device, progress))
-        results = _results_dict(benchmark, method, hp, list(seeds), done)
+        results = _results_dict(benchmark, method, hp, list(seeds), done, device)
         write_results(results, out, plots=plots and len(done) == len(seeds))
     return results
 
 
+def _device_name(device: str | torch.device) -> str:
+    dev = torch.device(device)
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+
+
 def _results_dict(benchmark: str, method: str, hp: dict, seeds: list[int],
-                  done: list[SeedResult]) -> dict:
+                  done: list[SeedResult], device: str | torch.device = "cpu") -> dict:
     matrices = [r.matrix for r in done]
     bytes_per_task = [float(np.mean(r.summary_bytes)) if r.summary_bytes else 0.0 for r in done]
     return {
@@ -550,6 +565,7 @@ def _results_dict(benchmark: str, method: str, hp: dict, seeds: list[int],
         "summary_bytes_per_task": float(np.mean(bytes_per_task)) if bytes_per_task else 0.0,
         "hyperparameters": hp,
         "torch_threads": torch.get_num_threads(),
+        "device": _device_name(device),
     }
 
 
@@ -706,6 +722,8 @@ def _protocol(results: dict) -> str:
         parts.append(f"train {hp['train_subset']}/task")
     if hp.get("tasks"):
         parts.append(f"{hp['tasks']} tasks")
+    if results.get("device", "cpu") != "cpu":
+        parts.append(f"on {results['device']}")
     return ", ".join(parts) + (" (**not paper protocol**: " + ", ".join(changed) + ")"
                                if changed else "")
 
@@ -739,8 +757,8 @@ def report(paths: Sequence[str]) -> str:
         "", "avg acc: mean test accuracy over all tasks after the last task; BWT: "
         "(1/(T−1)) Σ_{i<T} (R[T,i] − R[i,i]), in accuracy points. ± is the standard deviation "
         "over seeds (numpy.std). Wall time: training + evaluation + summary fitting per seed, "
-        "1 CPU thread unless stated. summary bytes/task: `Estimator.nbytes` (θ copy + "
-        "statistics or coreset) per finished task. Paper numbers: tables `avg_mnist` and "
+        "1 CPU thread, or the GPU named in the protocol column (\"on …\"). summary "
+        "bytes/task: `Estimator.nbytes` (θ copy + statistics or coreset) per finished task. Paper numbers: tables `avg_mnist` and "
         "`bwt_mnist` of the paper (– = not reported there)."]
     return "\n".join(lines + notes) + "\n"
 
