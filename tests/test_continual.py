@@ -46,7 +46,7 @@ def test_paper_defaults_follow_the_appendix_tables():
     assert continual.default_hyperparameters("split-mnist", "bgln-s")["lr"] == 1e-4
     p = continual.default_hyperparameters("permuted-mnist", "bgln-d")
     assert (p["epochs"], p["fsd_scale"], p["batch_size"], p["lr"], p["width"]) == \
-        (15, 0.005, 128, 1e-4, 100)
+        (15, 0.005, 128, 1e-4, 512)
     assert continual.default_hyperparameters("permuted-mnist", "ntk")["epochs"] == 5
     with pytest.raises(ValueError, match="unknown method"):
         continual.default_hyperparameters("split-mnist", "nope")
