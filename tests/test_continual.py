@@ -276,3 +276,28 @@ def test_penalty_gap_compares_each_summary_with_the_true_fsd(tmp_path, capsys):
     assert main(["cl", "gap", str(tmp_path), "--data-dir", str(DATA_DIR), "--examples",
                  "200"]) == 0
     assert "| 3 | 2 |" in capsys.readouterr().out
+
+
+@needs_mnist
+def test_merge_combines_seeds_run_separately(tmp_path, capsys):
+    for seed in ("1", "2"):
+        assert main(["cl", "--benchmark", "split-mnist", "--method", "finetune", "--seeds", seed,
+                     "--out", str(tmp_path / seed), "--no-plots", *TINY]) == 0
+    assert main(["cl", "merge", str(tmp_path / "1"), str(tmp_path / "2"),
+                 "--out", str(tmp_path / "both"), "--no-plots"]) == 0
+    merged = json.loads((tmp_path / "both" / "results.json").read_text())
+    one, two = (json.loads((tmp_path / s / "results.json").read_text()) for s in ("1", "2"))
+    assert merged["seeds"] == [1, 2] and merged["complete"]
+    assert merged["accuracy_matrix"] == {**one["accuracy_matrix"], **two["accuracy_matrix"]}
+    per_seed = [one["avg_accuracy"]["mean"], two["avg_accuracy"]["mean"]]
+    assert merged["avg_accuracy"] == continual.accuracy_summary(per_seed)
+    assert merged["devices"] == {"1": "cpu", "2": "cpu"}
+    # a seed twice, or other settings, are refused
+    with pytest.raises(ValueError, match="seed 1 appears twice"):
+        continual.merge_runs([tmp_path / "1", tmp_path / "both"], tmp_path / "x")
+    assert main(["cl", "--benchmark", "split-mnist", "--method", "finetune", "--seeds", "3",
+                 "--out", str(tmp_path / "other"), "--no-plots", *TINY, "--lr", "0.01"]) == 0
+    with pytest.raises(ValueError, match="differs .* in hyperparameters"):
+        continual.merge_runs([tmp_path / "1", tmp_path / "other"], tmp_path / "y")
+    assert main(["cl", "merge", str(tmp_path / "missing"), "--out", str(tmp_path / "z")]) == 2
+    assert "results.json not found" in capsys.readouterr().err

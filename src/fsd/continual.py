@@ -66,8 +66,8 @@ from .summary_set import combine
 __all__ = [
     "BENCHMARKS", "METHODS", "PAPER", "MethodSpec", "Task", "accuracy_summary", "add_cli",
     "average_accuracy", "backward_transfer", "default_hyperparameters", "gap_markdown",
-    "make_tasks", "penalty_gap", "penalty_weights", "report", "resolve_device", "results_markdown",
-    "run_continual", "run_seed", "write_results",
+    "make_tasks", "merge_runs", "penalty_gap", "penalty_weights", "report", "resolve_device",
+    "results_markdown", "run_continual", "run_seed", "write_results",
 ]
 
 BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist", "split-fashion-mnist")
@@ -662,6 +662,51 @@ def write_results(results: dict, out: str | os.PathLike, plots: bool = True) -> 
         _plot(results, out)
 
 
+def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
+               plots: bool = True) -> dict:
+    """Combine runs of the same benchmark, method and settings made separately (seeds run in
+    parallel, on other machines) into one ``out/results.json`` with statistics over all seeds.
+
+    Raises ``ValueError`` if the runs differ in benchmark, method or hyper-parameters, are
+    unfinished, or repeat a seed. Each run's device is kept per seed (``devices``).
+    """
+    runs = []
+    for path in paths:
+        file = Path(path) / "results.json"
+        if not file.is_file():
+            raise ValueError(f"{file} not found: merge takes finished run directories")
+        runs.append((file, json.loads(file.read_text())))
+    if not runs:
+        raise ValueError("merge needs at least one run directory")
+    first_file, first = runs[0]
+    done: list[SeedResult] = []
+    devices: list[str] = []
+    for file, results in runs:
+        for key in ("benchmark", "method", "hyperparameters"):
+            if results[key] != first[key]:
+                raise ValueError(f"{file} differs from {first_file} in {key}: "
+                                 f"{results[key]!r} vs {first[key]!r}")
+        if not results.get("complete", True):
+            raise ValueError(f"{file} is unfinished (complete: false); finish it first")
+        bytes_per_task = results.get("summary_bytes_per_task", 0.0)
+        for seed, wall in zip(results["seeds"], results["wall_seconds"]["per_seed"]):
+            if any(r.seed == seed for r in done):
+                raise ValueError(f"seed {seed} appears twice (again in {file})")
+            # the per-task sizes are not stored per seed; their mean is what results keep
+            done.append(SeedResult(seed, results["accuracy_matrix"][str(seed)], float(wall),
+                                   [int(bytes_per_task)] if bytes_per_task else []))
+            devices.append(results.get("device", "cpu"))
+    merged = _results_dict(first["benchmark"], first["method"], first["hyperparameters"],
+                           [r.seed for r in done], done, "cpu")
+    merged["device"] = " + ".join(sorted(set(devices)))
+    merged["devices"] = {str(r.seed): d for r, d in zip(done, devices)}
+    merged["merged_from"] = [str(Path(p)) for p in paths]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_results(merged, out, plots=plots)
+    return merged
+
+
 # ------------------------------------------------------------------------------------------
 # Report across runs
 # ------------------------------------------------------------------------------------------
@@ -842,6 +887,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_merge(args: argparse.Namespace) -> int:
+    merged = merge_runs(args.dirs, args.out, plots=not args.no_plots)
+    print(results_markdown(merged))
+    print(f"wrote {Path(args.out) / 'results.json'} (seeds {merged['seeds']})")
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     table = report(args.dirs)
     print(table)
@@ -906,7 +958,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     cl.add_argument("--no-progress", action="store_true", help="no progress bars")
     cl.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     cl.set_defaults(func=_cmd_run)
-    cl_sub = cl.add_subparsers(dest="cl_command", metavar="{report,gap}")
+    cl_sub = cl.add_subparsers(dest="cl_command", metavar="{report,gap,merge}")
     rep = cl_sub.add_parser("report", help="compare finished runs in one markdown table")
     rep.add_argument("dirs", nargs="+", help="run directories (or parents of them)")
     rep.add_argument("--out", default=None, help="write the table here (e.g. docs/results.md)")
@@ -919,3 +971,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                      help="training inputs per task for the true FSD (10000)")
     gap.add_argument("--threads", type=int, default=1)
     gap.set_defaults(func=_cmd_gap)
+    merge = cl_sub.add_parser("merge", help="combine finished runs of the same settings "
+                                            "(e.g. seeds run in parallel) into one directory")
+    merge.add_argument("dirs", nargs="+", help="finished run directories")
+    merge.add_argument("--out", required=True, help="directory for the merged results")
+    merge.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    merge.set_defaults(func=_cmd_merge)
