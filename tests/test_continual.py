@@ -71,6 +71,10 @@ def test_report_table_from_a_handmade_results_file(tmp_path):
     assert "| split-mnist | bgln-d | 1,2 | 97.75 ± 0.25 | 99.72 ± 0.03 | -0.50 ± 0.50 | " \
            "-0.09 ± 0.04 | 1,234 | 1.0 min/seed |" in table
     assert "not paper protocol" not in table
+    # results.json files of other commands under the same folder are passed over
+    (tmp_path / "influence").mkdir()
+    (tmp_path / "influence" / "results.json").write_text(json.dumps({"dataset": "energy"}))
+    assert continual.report([str(tmp_path)]).count("| split-mnist |") == 1
     # a run on a GPU says so in its protocol column
     res["device"] = "NVIDIA H200"
     (tmp_path / "run" / "results.json").write_text(json.dumps(res))

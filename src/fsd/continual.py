@@ -781,6 +781,8 @@ def report(paths: Sequence[str]) -> str:
     rows = []
     for path in _find_results(paths):
         results = json.loads(path.read_text())
+        if not {"benchmark", "method", "accuracy_matrix"} <= set(results):
+            continue  # another tool's results.json (e.g. fsd influence) under the same folder
         rows.append((results["benchmark"], results["method"], path, results))
     rows.sort(key=lambda r: (r[0], r[1], str(r[2])))
     lines = [
