@@ -262,3 +262,26 @@ def test_cli_mislabeled_end_to_end(tmp_path):
     assert all(0 <= a <= 1 for a in result["auc"].values())
     assert (tmp_path / "detection.png").stat().st_size > 0
     assert "MLP 2x16" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.skipif(not HAS_UCI, reason="UCI data not available")
+def test_oracle_repeat_measures_the_oracles_own_noise(tmp_path, capsys):
+    tiny = dict(removals=6, epochs=2, pbrf_epochs=2, learning_rates=[0.1], data_dir=DATA_DIR,
+                progress=False)
+    # fewer training points than one batch: the oracle's "minibatches" are the whole set, so
+    # a second stream must give the very same scores
+    small = influence.run_uci("concrete", ["exact"], subset=100, oracle_repeat=True, **tiny)
+    assert small["n_train"] < 128
+    np.testing.assert_allclose(small["oracle_repeat"]["scores"], small["scores"]["exact"],
+                               rtol=1e-12)
+    # with real minibatches the second stream differs, and its correlation is the one reported
+    big = influence.run_uci("concrete", ["exact", "ewc"], subset=400, oracle_repeat=True,
+                            out=tmp_path / "big", **tiny)
+    again, first = (np.asarray(big["oracle_repeat"]["scores"]),
+                    np.asarray(big["scores"]["exact"]))
+    assert not np.allclose(again, first)
+    assert big["oracle_repeat"]["correlation"]["pearson"] == pytest.approx(
+        float(np.corrcoef(again, first)[0, 1]))
+    assert "exact repeat P" in (tmp_path / "big" / "results.md").read_text()
+    with pytest.raises(ValueError, match="oracle_repeat needs 'exact'"):
+        influence.run_uci("concrete", ["ewc"], subset=100, oracle_repeat=True, **tiny)

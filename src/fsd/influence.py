@@ -598,7 +598,7 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
             batch_size: int = 128, width: int = 128, depth: int = 2, cg_iters: int = 200,
             cg_data: int | None = None, subset: int | None = None,
             bgln_moments: str = "paper", point_term: bool = False,
-            dtype: torch.dtype = torch.float64,
+            oracle_repeat: bool = False, dtype: torch.dtype = torch.float64,
             progress: bool = True) -> dict[str, Any]:
     """Self-influence on one UCI regression set: each method vs the ``exact`` PBRF oracle.
 
@@ -616,6 +616,9 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
         bgln_moments: BGLN-D's propagation (``"paper"`` or ``"exact"``), see :func:`make_term`.
         point_term: give the approximate terms (``ewc``, ``bgln-d``) the removed point's own
             exact term, see :class:`PBRF` (the exact D has it already).
+        oracle_repeat: solve the ``exact`` PBRFs a second time with another minibatch stream
+            (seed + 1000) and correlate the two: the oracle's own noise, an upper limit for
+            any method's correlation with it (``result["oracle_repeat"]``).
 
     Returns:
         The results dictionary (also written to ``out/results.json`` with ``results.md`` and
@@ -690,6 +693,17 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
             if method != "exact":
                 result["correlation"][method] = correlations(
                     np.asarray(result["scores"][method]), reference)
+        if oracle_repeat:
+            start = time.perf_counter()
+            again = pbrf_scores(model, x_train, y_train, indices, "exact", loss="squared",
+                                damping=damping, steps=steps, lr=pbrf_lr,
+                                batch_size=batch_size, seed=seed + 1000, progress=progress)
+            result["oracle_repeat"] = {
+                "minibatch_seed": seed + 1000, "scores": again.tolist(),
+                "seconds": time.perf_counter() - start,
+                "correlation": correlations(again, reference)}
+    elif oracle_repeat:
+        raise ValueError("oracle_repeat needs 'exact' among the methods")
     if out is not None:
         write_uci_outputs(result, Path(out))
     return result
@@ -704,13 +718,18 @@ def uci_table(results: Iterable[dict[str, Any]]) -> str:
     results = list(results)
     methods = [m for m in ("ewc", "cg", "bgln-d")
                if any(m in r["correlation"] for r in results)]
-    head = "| data set | N | " + " | ".join(f"{METHOD_TITLES[m]} P | {METHOD_TITLES[m]} S"
-                                             for m in methods) + " |"
-    lines = [head, "|---|---:|" + "---:|---:|" * len(methods)]
+    titles = [METHOD_TITLES[m] for m in methods]
+    repeat = any("oracle_repeat" in r for r in results)
+    if repeat:  # the oracle against itself (another minibatch stream): the noise ceiling
+        titles.append("exact repeat")
+    head = "| data set | N | " + " | ".join(f"{t} P | {t} S" for t in titles) + " |"
+    lines = [head, "|---|---:|" + "---:|---:|" * len(titles)]
     for r in results:
+        found = [r["correlation"].get(m) for m in methods]
+        if repeat:
+            found.append(r.get("oracle_repeat", {}).get("correlation"))
         cells = []
-        for m in methods:
-            c = r["correlation"].get(m)
+        for c in found:
             cells += [_fmt(c["pearson"]), _fmt(c["spearman"])] if c else ["–", "–"]
         lines.append(f"| {r['dataset']} | {r['n_train']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -962,7 +981,7 @@ def _cmd_uci(args: argparse.Namespace) -> int:
                          damping=args.damping,
                          cg_iters=args.cg_iters, cg_data=args.cg_data, subset=args.subset,
                          learning_rates=args.lrs, bgln_moments=args.bgln_moments,
-                         point_term=args.point_term,
+                         point_term=args.point_term, oracle_repeat=args.oracle_repeat,
                          progress=not args.no_progress)
         print((out / name / "results.md").read_text())
         print(f"{name}: wrote {out / name}/results.json, results.md, scatter.png "
@@ -1027,6 +1046,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     uci.add_argument("--bgln-moments", default="paper", choices=["paper", "exact"],
                      help="BGLN-D's moment propagation: paper (Algorithm 2, default) or exact "
                           "(joint moments, = E[BGLN-S])")
+    uci.add_argument("--oracle-repeat", action="store_true",
+                     help="solve the exact PBRFs again with another minibatch stream and "
+                          "report how well the oracle correlates with itself (noise ceiling)")
     uci.add_argument("--point-term", action="store_true",
                      help="add the removed point's own exact Bregman term to the approximate "
                           "(ewc, bgln-d) distance terms, so their PBRF stays bounded below")
