@@ -270,7 +270,9 @@ def test_oracle_repeat_measures_the_oracles_own_noise(tmp_path, capsys):
                 progress=False)
     # fewer training points than one batch: the oracle's "minibatches" are the whole set, so
     # a second stream must give the very same scores
-    small = influence.run_uci("concrete", ["exact"], subset=100, oracle_repeat=True, **tiny)
+    small = influence.run_uci("concrete", ["exact"], subset=100, oracle_repeat=True,
+                              out=tmp_path / "small", **tiny)
+    assert "exact repeat P" in (tmp_path / "small" / "results.md").read_text()
     assert small["n_train"] < 128
     np.testing.assert_allclose(small["oracle_repeat"]["scores"], small["scores"]["exact"],
                                rtol=1e-12)
