@@ -287,3 +287,21 @@ def test_oracle_repeat_measures_the_oracles_own_noise(tmp_path, capsys):
     assert "exact repeat P" in (tmp_path / "big" / "results.md").read_text()
     with pytest.raises(ValueError, match="oracle_repeat needs 'exact'"):
         influence.run_uci("concrete", ["ewc"], subset=100, oracle_repeat=True, **tiny)
+
+
+def test_ewc_fisher_choice_reaches_the_pbrf_term():
+    torch.manual_seed(0)
+    x = torch.randn(40, 3, dtype=torch.float64)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5]], dtype=torch.float64)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(),
+                                torch.nn.Linear(4, 1)).double()
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.1)
+    terms = {f: influence.make_term("ewc", model, x, y, "squared", ewc_fisher=f)
+             for f in ("true", "sampled", "empirical")}
+    assert {f: t.estimator.config["fisher"] for f, t in terms.items()} == \
+        {f: f for f in terms}
+    values = {f: float(t(moved).detach()) for f, t in terms.items()}
+    assert len({round(v, 12) for v in values.values()}) == 3

@@ -173,7 +173,7 @@ class EstimatorTerm:
 def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
               batch_size: int | None = 128, seed: int = 0, bgln_covariance: str = "full",
               bgln_rank: int = 64, bgln_moments: str = "paper", ewc_data: int | None = None,
-              progress: bool = False) -> ExactTerm | EstimatorTerm:
+              ewc_fisher: str = "true", progress: bool = False) -> ExactTerm | EstimatorTerm:
     """Build the distance term of a PBRF method fitted at the model's current θ0.
 
     Args:
@@ -187,6 +187,9 @@ def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
             moments, = E[BGLN-S]; see :class:`fsd.BGLN`).
         ewc_data: fit EWC's Fisher on this many random training points (``None``: all); the
             exact Fisher needs one gradient per example and class, costly for classifiers.
+        ewc_fisher: EWC's diagonal, ``"true"`` (the exact Gauss-Newton / Fisher diagonal, the
+            strongest EWC), ``"sampled"`` (one output drawn from the model per example: the
+            paper's construction, random vectors whose covariance is G) or ``"empirical"``.
     """
     metric = bregman_metric(loss)
     if method == "exact":
@@ -196,8 +199,8 @@ def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
         if ewc_data is not None and ewc_data < x.shape[0]:
             keep = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))
             data = TensorBatches(x[keep[:ewc_data]], y[keep[:ewc_data]], 1024)
-        return EstimatorTerm(EWC(fisher="true", metric=metric).fit(model, data,
-                                                                   progress=progress))
+        return EstimatorTerm(EWC(fisher=ewc_fisher, metric=metric, seed=seed).fit(
+            model, data, progress=progress))
     if method == "bgln-d":
         # BGLN-D computes the Euclidean metric on outputs only (logits for classifiers)
         estimator = BGLN(deterministic=True, covariance=bgln_covariance, rank=bgln_rank,
@@ -295,7 +298,7 @@ def pbrf_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Seq
                 method: str, *, loss: str = "squared", damping: float = 1e-3, steps: int = 100,
                 lr: float = 0.01, batch_size: int | None = 128, seed: int = 0,
                 bgln_covariance: str = "full", bgln_rank: int = 64, bgln_moments: str = "paper",
-                ewc_data: int | None = None, point_term: bool = False,
+                ewc_data: int | None = None, ewc_fisher: str = "true", point_term: bool = False,
                 progress: bool = True) -> np.ndarray:
     """Self-influence scores of the training points ``indices`` under a PBRF method.
 
@@ -304,7 +307,7 @@ def pbrf_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Seq
     """
     term = make_term(method, model, x_train, y_train, loss, batch_size=batch_size, seed=seed,
                      bgln_covariance=bgln_covariance, bgln_rank=bgln_rank,
-                     bgln_moments=bgln_moments, ewc_data=ewc_data)
+                     bgln_moments=bgln_moments, ewc_data=ewc_data, ewc_fisher=ewc_fisher)
     solver = PBRF(model, term, x_train.shape[0], loss=loss, damping=damping, steps=steps, lr=lr,
                   point_term=point_term and method != "exact")
     scores = []
@@ -598,7 +601,8 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
             batch_size: int = 128, width: int = 128, depth: int = 2, cg_iters: int = 200,
             cg_data: int | None = None, subset: int | None = None,
             bgln_moments: str = "paper", point_term: bool = False,
-            oracle_repeat: bool = False, dtype: torch.dtype = torch.float64,
+            oracle_repeat: bool = False, ewc_fisher: str = "true",
+            dtype: torch.dtype = torch.float64,
             progress: bool = True) -> dict[str, Any]:
     """Self-influence on one UCI regression set: each method vs the ``exact`` PBRF oracle.
 
@@ -616,6 +620,8 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
         bgln_moments: BGLN-D's propagation (``"paper"`` or ``"exact"``), see :func:`make_term`.
         point_term: give the approximate terms (``ewc``, ``bgln-d``) the removed point's own
             exact term, see :class:`PBRF` (the exact D has it already).
+        ewc_fisher: EWC's diagonal (``"true"``, ``"sampled"``, ``"empirical"``), see
+            :func:`make_term`.
         oracle_repeat: solve the ``exact`` PBRFs a second time with another minibatch stream
             (seed + 1000) and correlate the two: the oracle's own noise, an upper limit for
             any method's correlation with it (``result["oracle_repeat"]``).
@@ -666,7 +672,8 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
         "test_rmse_standardized": math.sqrt(2 * mean_loss(model, *splits["test"], "squared")),
         "pbrf": {"optimizer": "SGD (no momentum)", "lr": pbrf_lr, "steps": steps,
                  "epochs": pbrf_epochs, "damping": damping, "exact_batch_size": batch_size,
-                 "bgln_moments": bgln_moments, "point_term": point_term},
+                 "bgln_moments": bgln_moments, "point_term": point_term,
+                 "ewc_fisher": ewc_fisher},
         "cg": {"damping": damping, "max_iter": cg_iters},
         "removed_indices": indices, "scores": {}, "seconds": {}, "correlation": {},
     }
@@ -681,7 +688,7 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
             scores = pbrf_scores(model, x_train, y_train, indices, method, loss="squared",
                                  damping=damping, steps=steps, lr=pbrf_lr,
                                  batch_size=batch_size, bgln_moments=bgln_moments,
-                                 point_term=point_term,
+                                 point_term=point_term, ewc_fisher=ewc_fisher,
                                  seed=seed, progress=progress)
         result["seconds"][method] = time.perf_counter() - start
         result["scores"][method] = scores.tolist()
@@ -757,7 +764,8 @@ def write_uci_outputs(result: dict[str, Any], out: Path) -> None:
           f"{result['model']}, SGD lr {result['lr']} (validation-chosen), {result['epochs']} "
           f"epochs; PBRF: SGD lr {result['pbrf']['lr']}, {result['pbrf']['steps']} steps, "
           f"λ = {result['pbrf']['damping']}; BGLN-D moments "
-          f"{result['pbrf'].get('bgln_moments', 'paper')}"
+          f"{result['pbrf'].get('bgln_moments', 'paper')}; EWC Fisher "
+          f"{result['pbrf'].get('ewc_fisher', 'true')}"
           + ("; approximate terms + the removed point's own exact term"
              if result["pbrf"].get("point_term") else "") + ".", ""]
     if result["correlation"] or "oracle_repeat" in result:
@@ -982,6 +990,7 @@ def _cmd_uci(args: argparse.Namespace) -> int:
                          cg_iters=args.cg_iters, cg_data=args.cg_data, subset=args.subset,
                          learning_rates=args.lrs, bgln_moments=args.bgln_moments,
                          point_term=args.point_term, oracle_repeat=args.oracle_repeat,
+                         ewc_fisher=args.ewc_fisher,
                          progress=not args.no_progress)
         print((out / name / "results.md").read_text())
         print(f"{name}: wrote {out / name}/results.json, results.md, scatter.png "
@@ -1046,6 +1055,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     uci.add_argument("--bgln-moments", default="paper", choices=["paper", "exact"],
                      help="BGLN-D's moment propagation: paper (Algorithm 2, default) or exact "
                           "(joint moments, = E[BGLN-S])")
+    uci.add_argument("--ewc-fisher", choices=("true", "sampled", "empirical"), default="true",
+                     help="EWC's diagonal: true (exact Gauss-Newton diagonal, default), sampled "
+                          "(one model-drawn output per example, the paper's construction) or "
+                          "empirical (gradients at the data's own targets)")
     uci.add_argument("--oracle-repeat", action="store_true",
                      help="solve the exact PBRFs again with another minibatch stream and "
                           "report how well the oracle correlates with itself (noise ceiling)")
