@@ -8,7 +8,7 @@ Benchmarks (paper appendix "Continual Learning — Experimental Details"):
 - ``split-mnist``: 5 binary tasks (0/1, 2/3, 4/5, 6/7, 8/9), multi-head: one model with 2
   outputs per task (10 in all); task i is trained and evaluated on outputs ``2i, 2i+1`` and its
   summary is fitted with ``outputs=[2i, 2i+1]``. Default hidden width 256 (the FROMP protocol;
-  the authors' example settings use 512, not measured here yet).
+  the authors' example settings use 512, which gave no better BGLN-D here, docs/results.md).
 - ``split-fashion-mnist``: the same on Fashion-MNIST.
 - ``permuted-mnist``: 10 tasks, each a fixed pixel permutation drawn from the seed (task 1 is
   the identity), single head over 10 classes. Default hidden width 512: the authors' example
@@ -808,8 +808,9 @@ def report(paths: Sequence[str]) -> str:
         "(1/(T−1)) Σ_{i<T} (R[T,i] − R[i,i]), in accuracy points. ± is the standard deviation "
         "over seeds (numpy.std). Wall time: training + evaluation + summary fitting per seed, "
         "1 CPU thread, or the GPU named in the protocol column (\"on …\"). summary "
-        "bytes/task: `Estimator.nbytes` (θ copy + statistics or coreset) per finished task. Paper numbers: tables `avg_mnist` and "
-        "`bwt_mnist` of the paper (– = not reported there)."]
+        "bytes/task: `Estimator.nbytes` (θ copy + statistics or coreset) per finished task. "
+        "Paper numbers: tables `avg_mnist` and `bwt_mnist` of the paper (– = not reported "
+        "there)."]
     return "\n".join(lines + notes) + "\n"
 
 
