@@ -221,6 +221,47 @@ def test_detection_curve_and_auc():
     assert int(mask.sum()) == 3 and bool((y[mask] != (torch.arange(10) % 10)[mask]).all())
 
 
+def test_bootstrap_intervals_degenerate_cases_and_pearson():
+    rng = np.random.default_rng(1)
+    reference = rng.normal(size=40)
+    noisy = reference + rng.normal(size=40)
+    boot = influence.bootstrap_intervals(
+        {"bgln-d": 3 * reference + 1, "ewc": 3 * reference + 1, "cg": noisy,
+         "broken": np.where(np.arange(40) == 3, np.nan, noisy)}, reference, resamples=300)
+    # an exact linear function of the reference: every resample correlates perfectly
+    assert boot["pearson"]["bgln-d"] == pytest.approx([1, 1], abs=1e-12)
+    assert boot["spearman"]["bgln-d"] == pytest.approx([1, 1], abs=1e-12)
+    # identical methods on paired resamples: the difference is exactly 0
+    assert boot["difference"]["bgln-d"]["pearson"] == pytest.approx([0, 0], abs=1e-12)
+    assert "broken" not in boot["pearson"]  # non-finite scores: left out
+    lo, hi = boot["pearson"]["cg"]
+    point = influence.correlations(noisy, reference)["pearson"]
+    assert lo < point < hi and hi - lo > 0.05
+    # the vectorized Pearson is scipy's
+    from scipy import stats
+    rows = rng.integers(0, 40, size=(5, 40))
+    assert influence._rowwise_pearson(noisy[rows], reference[rows]) == pytest.approx(
+        [stats.pearsonr(noisy[r], reference[r])[0] for r in rows], rel=1e-12)
+    with pytest.raises(ValueError, match="level"):
+        influence.bootstrap_intervals({"cg": noisy}, reference, level=1.5)
+    with pytest.raises(ValueError, match="scores for 40"):
+        influence.bootstrap_intervals({"cg": noisy[:10]}, reference)
+
+
+def test_bootstrap_intervals_cover_the_true_correlation():
+    # bivariate normal samples with known ρ: the 90% intervals must cover ρ in most repeats
+    rho, n, repeats = 0.6, 100, 60
+    rng = np.random.default_rng(0)
+    covered = 0
+    for r in range(repeats):
+        z = rng.normal(size=(n, 2))
+        x, y = z[:, 0], rho * z[:, 0] + np.sqrt(1 - rho ** 2) * z[:, 1]
+        lo, hi = influence.bootstrap_intervals({"m": y}, x, resamples=400, level=0.9,
+                                               seed=r)["pearson"]["m"]
+        covered += lo <= rho <= hi
+    assert 0.8 <= covered / repeats <= 0.98
+
+
 def test_unknown_names_are_clear_errors(tmp_path, capsys):
     with pytest.raises(ValueError, match="unknown method"):
         influence.run_uci("concrete", ["exact", "magic"], data_dir=tmp_path)
@@ -247,7 +288,9 @@ def test_cli_uci_end_to_end(tmp_path, capsys):
     assert all(len(s) == 5 for s in result["scores"].values())
     assert set(result["correlation"]) == {"ewc", "cg", "bgln-d"}
     assert (out / "concrete" / "scatter.png").stat().st_size > 0
-    assert "BGLN-D P" in (out / "results.md").read_text()
+    summary = (out / "results.md").read_text()
+    assert "BGLN-D P" in summary and "BGLN-D − EWC, P" in summary
+    assert set(result["bootstrap"]["pearson"]) <= {"ewc", "cg", "bgln-d"}
 
 
 @pytest.mark.skipif(not HAS_MNIST, reason="MNIST not available")
