@@ -97,14 +97,15 @@ def test_monte_carlo_estimators_agree_with_cpu_in_distribution(name):
     assert abs(statistics.mean(gpu) - statistics.mean(cpu)) < 5 * spread + 1e-12
 
 
-def test_combined_summaries_on_cuda_match_cpu():
+@pytest.mark.parametrize("moments", ["paper", "exact"])
+def test_combined_summaries_on_cuda_match_cpu(moments):
     model, moved, data = _problem()
     others = [perturbed(model, 0.05, seed=s) for s in (5, 6, 7)]
-    cpu_set = fsd.combine([fsd.BGLN(deterministic=True).fit(m, data) for m in others],
-                          [0.5, 1.0, 2.0])
-    model_gpu, data_gpu = _on_cuda(model, data)
-    gpu_set = fsd.combine([fsd.BGLN(deterministic=True).fit(copy.deepcopy(m).to(CUDA), data_gpu)
+    cpu_set = fsd.combine([fsd.BGLN(deterministic=True, moments=moments).fit(m, data)
                            for m in others], [0.5, 1.0, 2.0])
+    model_gpu, data_gpu = _on_cuda(model, data)
+    gpu_set = fsd.combine([fsd.BGLN(deterministic=True, moments=moments).fit(
+        copy.deepcopy(m).to(CUDA), data_gpu) for m in others], [0.5, 1.0, 2.0])
     cpu_value, cpu_grad = _value_and_grad(cpu_set, moved)
     gpu_value, gpu_grad = _value_and_grad(gpu_set, copy.deepcopy(moved).to(CUDA))
     assert gpu_value == pytest.approx(cpu_value, rel=1e-9)

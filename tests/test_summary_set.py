@@ -100,3 +100,40 @@ def test_summary_set_checks_architecture():
     except fsd.ArchitectureMismatchError:
         return
     raise AssertionError("a summary set accepted a model of another architecture")
+
+
+def test_exact_moment_summaries_are_batched_and_equal_the_sum(monkeypatch):
+    import fsd.summary_set as summary_set
+    calls = []
+    real = summary_set.delta_second_moment
+
+    def counting(*args, **kwargs):
+        calls.append(args[1])  # the stacked params0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(summary_set, "delta_second_moment", counting)
+    model, data = _mlp(), _data()
+    estimators = []
+    for t in range(3):  # full covariance: classwise or not, heads of different width
+        reference = _moved(model, 0.1, seed=20 + t)
+        outputs = [t % 4, (t + 1) % 4] if t < 2 else None
+        estimators.append(fsd.BGLN(deterministic=True, moments="exact", classwise=(t == 1))
+                          .fit(reference, data, outputs=outputs))
+    for t, covariance in enumerate(("diag", "diag", "lowrank", "lowrank")):
+        reference = _moved(model, 0.1, seed=30 + t)
+        estimators.append(fsd.BGLN(deterministic=True, moments="exact", covariance=covariance,
+                                   rank=3, reference="layerwise" if t == 3 else "propagated")
+                          .fit(reference, data))
+    estimators.append(fsd.BGLN(deterministic=True).fit(model, data))  # Algorithm 2: apart
+    weights = [1.0, 2.0, 0.5, 1.5, 3.0, 0.7, 1.1, 0.9]
+    moved = _moved(model, 0.3, seed=98)
+    batched = fsd.combine(estimators, weights).distance(moved)
+    # one pass per covariance form (full, diag, lowrank); the lone paper summary goes alone
+    assert len(calls) == 3
+    assert sorted(p["0.weight"].shape[0] for p in calls) == [2, 2, 1 + 4 + 1]  # components (4 classes)
+    one_by_one = sum(w * e.distance(moved) for w, e in zip(weights, estimators))
+    torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=0)
+    g_batched = torch.autograd.grad(batched, list(moved.parameters()))
+    g_single = torch.autograd.grad(one_by_one, list(moved.parameters()))
+    for a, b in zip(g_batched, g_single):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)

@@ -31,7 +31,7 @@ from .interpreter import TracedLayer, UnsupportedModuleError, _weight_bias
 
 def _homogeneous(weight: Tensor, bias: Tensor | None) -> Tensor:
     """W̃ = [W b] (o, in + 1); a missing bias is a zero column."""
-    column = weight.new_zeros(weight.shape[0]) if bias is None else bias
+    column = weight.new_zeros(weight.shape[:-1]) if bias is None else bias
     return torch.cat([weight, column.unsqueeze(-1)], dim=-1)
 
 
@@ -147,7 +147,9 @@ def delta_second_moment(
 ) -> Tensor:
     """tr(P E[Δz Δzᵀ] Pᵀ) per component (G,) for output-selecting rows P ((G,) k', k).
 
-    Half of it is E[½‖Δz‖²] under the Bernoulli-gated linear network, exactly.
+    Half of it is E[½‖Δz‖²] under the Bernoulli-gated linear network, exactly. ``params0``
+    may carry a leading component dimension (G, o, i): several reference networks (e.g. one
+    per previous task, :class:`fsd.SummarySet`) are then evaluated in one pass.
     """
     r0d: Tensor | None = None  # E[ã0 Δaᵀ] at the current affine layer's input
     rdd: Tensor | None = None  # E[Δa Δaᵀ]
@@ -183,9 +185,9 @@ def delta_second_moment(
                     s0d = s0d + block["w0d"] @ dwh.transpose(-1, -2)
                     sdd = sdd + (dwh * block["residual"].unsqueeze(-2)) @ dwh.transpose(-1, -2)
             else:
-                s0d = block["w0r00"] @ dwh.T
-                sdd = dwh @ block["r00"] @ dwh.T
-            ed = block["mean"] @ dwh.T
+                s0d = block["w0r00"] @ dwh.transpose(-1, -2)
+                sdd = dwh @ block["r00"] @ dwh.transpose(-1, -2)
+            ed = torch.einsum("...oi,...i->...o", dwh, block["mean"])
             if r0d is not None:
                 cross = dwh @ r0d @ w1.T
                 s0d = s0d + w0h @ r0d @ w1.T

@@ -4,8 +4,10 @@ Continual learning sums D(θ, θ_i, p_i) over all previous tasks i at every step
 :class:`SummarySet` returns that (weighted) sum; BGLN-D summaries of the same architecture
 and covariance form are evaluated in one batched pass — their reference networks and
 mixture components are stacked along the component dimension of
-:func:`fsd.interpreter.delta_moments` — so the cost grows much slower than the number of
-tasks. Other estimators (and BGLN-D with ``moments="exact"``) are evaluated one by one.
+:func:`fsd.interpreter.delta_moments` (``moments="paper"``) or
+:func:`fsd.exact_moments.delta_second_moment` (``moments="exact"``) — so the number of
+operations per call does not grow with the number of tasks. Other estimators are evaluated
+one by one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .estimator import Estimator, evaluation_mode, model_dtype_device
+from .exact_moments import delta_second_moment
 from .interpreter import check_signature, delta_moments, trace
 from .linearized import BGLN
 
@@ -26,6 +29,20 @@ def _form(estimator: Estimator) -> tuple:
     if "input.cov_factor" in state:
         return ("lowrank", state["input.cov_factor"].shape[-1])
     return ("full" if state["input.cov"].dim() == 3 else "diag",)
+
+
+def _batch_key(estimator: Estimator) -> tuple | None:
+    """Summaries with equal keys are evaluated in one pass; ``None``: one by one."""
+    if isinstance(estimator, BGLN) and estimator.config["deterministic"]:
+        return (estimator.config["moments"],) + _form(estimator)
+    return None
+
+
+def _cat_padded(tensors: list[Tensor]) -> Tensor:
+    """Concatenate along dim 0, zero-padding the last dim to the widest (extra zero columns
+    of a factor Φ leave ΦΦᵀ unchanged)."""
+    width = max(t.shape[-1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tensors])
 
 
 def _cat_covariance(covs: list[Any]) -> Any:
@@ -71,12 +88,11 @@ class SummarySet:
         batches: dict[tuple, list[int]] = {}
         singles: list[int] = []
         for i, e in enumerate(self.estimators):
-            # the batched pass implements Algorithm 2's moments; others go one by one
-            if isinstance(e, BGLN) and e.config["deterministic"] and \
-                    e.config["moments"] == "paper":
-                batches.setdefault(_form(e), []).append(i)
-            else:
+            key = _batch_key(e)
+            if key is None:
                 singles.append(i)
+            else:
+                batches.setdefault(key, []).append(i)
         total = torch.zeros((), dtype=dtype, device=device)
         for members in batches.values():
             if len(members) == 1:
@@ -100,10 +116,15 @@ class SummarySet:
         stacked = self._cache[key]
         with evaluation_mode(model):
             params1 = dict(model.named_parameters())
-            mean_d, trace_d = delta_moments(layers, stacked["params0"], params1,
-                                            stacked["reference"], stacked["gate_means"],
-                                            stacked["output_rows"])
-        per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace_d
+            if stacked["exact"]:
+                per_group = 0.5 * delta_second_moment(
+                    layers, stacked["params0"], params1, stacked["reference"],
+                    stacked["gate_means"], stacked["output_rows"])
+            else:
+                mean_d, trace_d = delta_moments(layers, stacked["params0"], params1,
+                                                stacked["reference"], stacked["gate_means"],
+                                                stacked["output_rows"])
+                per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace_d
         return (stacked["weights"] * per_group).sum()
 
     def _stack(self, layers, members: list[int]) -> dict[str, Any]:
@@ -119,11 +140,19 @@ class SummarySet:
         stacked_params = {
             name: torch.cat([p[name].expand(c, *p[name].shape) for p, c in zip(params0, counts)])
             for name in params0[0]}
-        reference = [
-            (torch.cat([p["reference"][j][0] for p in parts]),
-             _cat_covariance([p["reference"][j][1] for p in parts]),
-             torch.cat([p["reference"][j][2] for p in parts]))
-            for j in range(len(parts[0]["reference"]))]
+        exact = self.estimators[members[0]].config["moments"] == "exact"
+        if exact:  # per affine layer a dict of blocks (fsd.exact_moments.reference_blocks)
+            reference = [
+                {name: (_cat_padded if name in ("factor", "p0") else torch.cat)(
+                    [p["reference"][j][name] for p in parts])
+                 for name in parts[0]["reference"][j]}
+                for j in range(len(parts[0]["reference"]))]
+        else:
+            reference = [
+                (torch.cat([p["reference"][j][0] for p in parts]),
+                 _cat_covariance([p["reference"][j][1] for p in parts]),
+                 torch.cat([p["reference"][j][2] for p in parts]))
+                for j in range(len(parts[0]["reference"]))]
         gate_means = {path: torch.cat([p["gate_means"][path] for p in parts])
                       for path in parts[0]["gate_means"]}
         widest = max(p["output_rows"].shape[0] for p in parts)
@@ -135,7 +164,7 @@ class SummarySet:
             rows.append(padded.expand(c, *padded.shape))
         weights = torch.cat([self.weights[i] * p["weights"] for i, p in zip(members, parts)])
         return {"params0": stacked_params, "reference": reference, "gate_means": gate_means,
-                "output_rows": torch.cat(rows), "weights": weights}
+                "output_rows": torch.cat(rows), "weights": weights, "exact": exact}
 
 
 def combine(estimators: Sequence[Estimator], weights: Sequence[float] | None = None
