@@ -305,3 +305,12 @@ def test_merge_combines_seeds_run_separately(tmp_path, capsys):
         continual.merge_runs([tmp_path / "1", tmp_path / "other"], tmp_path / "y")
     assert main(["cl", "merge", str(tmp_path / "missing"), "--out", str(tmp_path / "z")]) == 2
     assert "results.json not found" in capsys.readouterr().err
+    # a run written before a setting existed lacks its key: it merges if the setting is None
+    older = json.loads((tmp_path / "2" / "results.json").read_text())
+    absent = [k for k, v in older["hyperparameters"].items() if v is None]
+    assert absent
+    for key in absent:
+        del older["hyperparameters"][key]
+    (tmp_path / "2" / "results.json").write_text(json.dumps(older))
+    merged = continual.merge_runs([tmp_path / "1", tmp_path / "2"], tmp_path / "w", plots=False)
+    assert merged["seeds"] == [1, 2]

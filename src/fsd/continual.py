@@ -667,8 +667,9 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
     """Combine runs of the same benchmark, method and settings made separately (seeds run in
     parallel, on other machines) into one ``out/results.json`` with statistics over all seeds.
 
-    Raises ``ValueError`` if the runs differ in benchmark, method or hyper-parameters, are
-    unfinished, or repeat a seed. Each run's device is kept per seed (``devices``).
+    Raises ``ValueError`` if the runs differ in benchmark, method or hyper-parameters (a
+    setting absent from an older run's file counts as ``None``, its default), are unfinished,
+    or repeat a seed. Each run's device is kept per seed (``devices``).
     """
     runs = []
     for path in paths:
@@ -681,9 +682,15 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
     first_file, first = runs[0]
     done: list[SeedResult] = []
     devices: list[str] = []
+    def settings(results: dict, key: str) -> Any:
+        if key != "hyperparameters":
+            return results[key]
+        # a setting added after a run was made is absent from its file; its default is None
+        return {k: v for k, v in results[key].items() if v is not None}
+
     for file, results in runs:
         for key in ("benchmark", "method", "hyperparameters"):
-            if results[key] != first[key]:
+            if settings(results, key) != settings(first, key):
                 raise ValueError(f"{file} differs from {first_file} in {key}: "
                                  f"{results[key]!r} vs {first[key]!r}")
         if not results.get("complete", True):
