@@ -133,6 +133,51 @@ def test_bgln_d_equals_exact_fsd_for_a_linear_model():
     assert a == pytest.approx(b, rel=1e-9)
 
 
+def test_bgln_d_clusters_reach_the_estimator_as_a_mixture():
+    torch.manual_seed(0)
+    x = torch.randn(30, 4, dtype=DTYPE)
+    y = torch.randn(30, 1, dtype=DTYPE)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).to(DTYPE)
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    # one cluster per point: every component is a point mass with its own 0/1 gates, where
+    # BGLN-D is exactly LAFTR over the data (true gates, no input variance)
+    clustered = influence.make_term("bgln-d", model, x, y, "squared", bgln_clusters=30)
+    laftr = fsd.LAFTR(inputs="coreset", coreset_size=None).fit(model, x)
+    torch.testing.assert_close(clustered(moved), laftr.distance(moved), rtol=1e-10, atol=1e-14)
+    assert clustered.estimator._state["weights"].shape[0] == 30
+    # a linear model: any mixture with the data's per-cluster moments gives the exact FSD
+    linear = nn.Sequential(nn.Linear(4, 2)).to(DTYPE)
+    moved_linear = copy.deepcopy(linear)
+    with torch.no_grad():
+        for p in moved_linear.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    exact = influence.make_term("exact", linear, x, y, "squared", batch_size=None)
+    three = influence.make_term("bgln-d", linear, x, y, "squared", bgln_clusters=3)
+    torch.testing.assert_close(three(moved_linear), exact(moved_linear), rtol=1e-10, atol=1e-12)
+
+
+def test_kmeans_labels_recovers_separated_clusters():
+    from fsd.statistics import kmeans_labels
+    g = torch.Generator().manual_seed(0)
+    centers = torch.tensor([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
+    truth = torch.arange(90) % 3
+    x = centers[truth] + 0.5 * torch.randn(90, 2, generator=g)
+    labels = kmeans_labels(x, 3, seed=1)
+    # the same partition up to renaming: each true cluster maps to one label, all distinct
+    mapping = {int(t): set(labels[truth == t].tolist()) for t in range(3)}
+    assert all(len(v) == 1 for v in mapping.values())
+    assert len(set.union(*mapping.values())) == 3
+    assert torch.equal(kmeans_labels(x, 3, seed=1), labels)  # deterministic
+    assert kmeans_labels(x, 1).unique().tolist() == [0]
+    with pytest.raises(ValueError, match="k must lie in 1..90"):
+        kmeans_labels(x, 0)
+    with pytest.raises(ValueError, match="k must lie"):
+        kmeans_labels(x, 91)
+
+
 def test_bgln_d_moments_option_reaches_the_estimator():
     # on a ReLU net the two propagations differ; "exact" equals a direct BGLN(moments="exact")
     torch.manual_seed(1)
@@ -274,6 +319,9 @@ def test_unknown_names_are_clear_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["influence", "uci", "--dataset", "concrete", "--methods", "magic",
               "--out", str(tmp_path)])
+    assert main(["influence", "uci", "--dataset", "concrete", "--bgln-clusters", "0",
+                 "--out", str(tmp_path)]) == 2
+    assert "--bgln-clusters must be a positive int" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not HAS_UCI, reason="UCI data not available")

@@ -65,6 +65,7 @@ from .estimator import Estimator
 from .ewc import EWC
 from .linearized import BGLN
 from .metrics import pointwise_distance
+from .statistics import kmeans_labels
 
 #: Methods that solve a PBRF (with their distance term) or estimate influence otherwise.
 PBRF_METHODS: tuple[str, ...] = ("exact", "ewc", "bgln-d")
@@ -172,8 +173,9 @@ class EstimatorTerm:
 
 def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
               batch_size: int | None = 128, seed: int = 0, bgln_covariance: str = "full",
-              bgln_rank: int = 64, bgln_moments: str = "paper", ewc_data: int | None = None,
-              ewc_fisher: str = "true", progress: bool = False) -> ExactTerm | EstimatorTerm:
+              bgln_rank: int = 64, bgln_moments: str = "paper", bgln_clusters: int | None = None,
+              ewc_data: int | None = None, ewc_fisher: str = "true", progress: bool = False
+              ) -> ExactTerm | EstimatorTerm:
     """Build the distance term of a PBRF method fitted at the model's current θ0.
 
     Args:
@@ -185,6 +187,10 @@ def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
             high-dimensional inputs such as MNIST).
         bgln_moments: BGLN-D's propagation, ``"paper"`` (Algorithm 2) or ``"exact"`` (joint
             moments, = E[BGLN-S]; see :class:`fsd.BGLN`).
+        bgln_clusters: fit BGLN-D as a mixture over this many k-means clusters of the inputs
+            (moments and gate frequencies per cluster, :func:`fsd.statistics.kmeans_labels`;
+            the paper's class-conditional variant with clusters for classes); ``None``: one
+            Gaussian.
         ewc_data: fit EWC's Fisher on this many random training points (``None``: all); the
             exact Fisher needs one gradient per example and class, costly for classifiers.
         ewc_fisher: EWC's diagonal, ``"true"`` (the exact Gauss-Newton / Fisher diagonal, the
@@ -203,8 +209,10 @@ def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
             model, data, progress=progress))
     if method == "bgln-d":
         # BGLN-D computes the Euclidean metric on outputs only (logits for classifiers)
+        if bgln_clusters is not None:
+            data = TensorBatches(x, kmeans_labels(x, bgln_clusters, seed=seed), 1024)
         estimator = BGLN(deterministic=True, covariance=bgln_covariance, rank=bgln_rank,
-                         moments=bgln_moments)
+                         moments=bgln_moments, classwise=bgln_clusters is not None)
         return EstimatorTerm(estimator.fit(model, data, progress=progress))
     raise ValueError(f"unknown PBRF method {method!r}; expected one of {', '.join(PBRF_METHODS)}")
 
@@ -298,7 +306,8 @@ def pbrf_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Seq
                 method: str, *, loss: str = "squared", damping: float = 1e-3, steps: int = 100,
                 lr: float = 0.01, batch_size: int | None = 128, seed: int = 0,
                 bgln_covariance: str = "full", bgln_rank: int = 64, bgln_moments: str = "paper",
-                ewc_data: int | None = None, ewc_fisher: str = "true", point_term: bool = False,
+                bgln_clusters: int | None = None, ewc_data: int | None = None,
+                ewc_fisher: str = "true", point_term: bool = False,
                 progress: bool = True) -> np.ndarray:
     """Self-influence scores of the training points ``indices`` under a PBRF method.
 
@@ -307,7 +316,8 @@ def pbrf_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Seq
     """
     term = make_term(method, model, x_train, y_train, loss, batch_size=batch_size, seed=seed,
                      bgln_covariance=bgln_covariance, bgln_rank=bgln_rank,
-                     bgln_moments=bgln_moments, ewc_data=ewc_data, ewc_fisher=ewc_fisher)
+                     bgln_moments=bgln_moments, bgln_clusters=bgln_clusters,
+                     ewc_data=ewc_data, ewc_fisher=ewc_fisher)
     solver = PBRF(model, term, x_train.shape[0], loss=loss, damping=damping, steps=steps, lr=lr,
                   point_term=point_term and method != "exact")
     scores = []
@@ -668,8 +678,8 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
             learning_rates: Sequence[float] = LEARNING_RATES, damping: float = 1e-3,
             batch_size: int = 128, width: int = 128, depth: int = 2, cg_iters: int = 200,
             cg_data: int | None = None, subset: int | None = None,
-            bgln_moments: str = "paper", point_term: bool = False,
-            oracle_repeat: bool = False, ewc_fisher: str = "true",
+            bgln_moments: str = "paper", bgln_clusters: int | None = None,
+            point_term: bool = False, oracle_repeat: bool = False, ewc_fisher: str = "true",
             dtype: torch.dtype = torch.float64,
             progress: bool = True) -> dict[str, Any]:
     """Self-influence on one UCI regression set: each method vs the ``exact`` PBRF oracle.
@@ -686,6 +696,8 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
             (``None``: all of them).
         subset: keep only this many random rows of the data set (tiny runs / tests).
         bgln_moments: BGLN-D's propagation (``"paper"`` or ``"exact"``), see :func:`make_term`.
+        bgln_clusters: BGLN-D as a mixture over k-means clusters of the inputs, see
+            :func:`make_term` (``None``: one Gaussian, the paper's setting).
         point_term: give the approximate terms (``ewc``, ``bgln-d``) the removed point's own
             exact term, see :class:`PBRF` (the exact D has it already).
         ewc_fisher: EWC's diagonal (``"true"``, ``"sampled"``, ``"empirical"``), see
@@ -740,7 +752,8 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
         "test_rmse_standardized": math.sqrt(2 * mean_loss(model, *splits["test"], "squared")),
         "pbrf": {"optimizer": "SGD (no momentum)", "lr": pbrf_lr, "steps": steps,
                  "epochs": pbrf_epochs, "damping": damping, "exact_batch_size": batch_size,
-                 "bgln_moments": bgln_moments, "point_term": point_term,
+                 "bgln_moments": bgln_moments, "bgln_clusters": bgln_clusters,
+                 "point_term": point_term,
                  "ewc_fisher": ewc_fisher},
         "cg": {"damping": damping, "max_iter": cg_iters},
         "removed_indices": indices, "scores": {}, "seconds": {}, "correlation": {},
@@ -756,6 +769,7 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
             scores = pbrf_scores(model, x_train, y_train, indices, method, loss="squared",
                                  damping=damping, steps=steps, lr=pbrf_lr,
                                  batch_size=batch_size, bgln_moments=bgln_moments,
+                                 bgln_clusters=bgln_clusters,
                                  point_term=point_term, ewc_fisher=ewc_fisher,
                                  seed=seed, progress=progress)
         result["seconds"][method] = time.perf_counter() - start
@@ -881,7 +895,9 @@ def write_uci_outputs(result: dict[str, Any], out: Path) -> None:
           f"{result['model']}, SGD lr {result['lr']} (validation-chosen), {result['epochs']} "
           f"epochs; PBRF: SGD lr {result['pbrf']['lr']}, {result['pbrf']['steps']} steps, "
           f"λ = {result['pbrf']['damping']}; BGLN-D moments "
-          f"{result['pbrf'].get('bgln_moments', 'paper')}; EWC Fisher "
+          f"{result['pbrf'].get('bgln_moments', 'paper')}"
+          + (f", mixture over {result['pbrf']['bgln_clusters']} k-means clusters"
+             if result["pbrf"].get("bgln_clusters") else "") + "; EWC Fisher "
           f"{result['pbrf'].get('ewc_fisher', 'true')}"
           + ("; approximate terms + the removed point's own exact term"
              if result["pbrf"].get("point_term") else "") + ".", ""]
@@ -1098,6 +1114,8 @@ def _cmd_uci(args: argparse.Namespace) -> int:
     try:
         names = list(UCI_DATASETS) if args.dataset == ["all"] else [
             _canonical_uci(d) for d in args.dataset]
+        if args.bgln_clusters is not None and args.bgln_clusters < 1:
+            raise ValueError(f"--bgln-clusters must be a positive int, got {args.bgln_clusters}")
         for name in names:  # fail on missing files before any long run
             load_uci(name, args.data_dir)
     except (ValueError, DataNotFoundError) as error:
@@ -1110,6 +1128,7 @@ def _cmd_uci(args: argparse.Namespace) -> int:
                          damping=args.damping,
                          cg_iters=args.cg_iters, cg_data=args.cg_data, subset=args.subset,
                          learning_rates=args.lrs, bgln_moments=args.bgln_moments,
+                         bgln_clusters=args.bgln_clusters,
                          point_term=args.point_term, oracle_repeat=args.oracle_repeat,
                          ewc_fisher=args.ewc_fisher,
                          progress=not args.no_progress)
@@ -1176,6 +1195,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     uci.add_argument("--bgln-moments", default="paper", choices=["paper", "exact"],
                      help="BGLN-D's moment propagation: paper (Algorithm 2, default) or exact "
                           "(joint moments, = E[BGLN-S])")
+    uci.add_argument("--bgln-clusters", type=int, default=None, metavar="K",
+                     help="fit BGLN-D as a mixture over K k-means clusters of the training "
+                          "inputs (default: one Gaussian, as the paper)")
     uci.add_argument("--ewc-fisher", choices=("true", "sampled", "empirical"), default="true",
                      help="EWC's diagonal: true (exact Gauss-Newton diagonal, default), sampled "
                           "(one model-drawn output per example, the paper's construction) or "
