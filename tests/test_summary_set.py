@@ -130,7 +130,8 @@ def test_exact_moment_summaries_are_batched_and_equal_the_sum(monkeypatch):
     batched = fsd.combine(estimators, weights).distance(moved)
     # one pass per covariance form (full, diag, lowrank); the lone paper summary goes alone
     assert len(calls) == 3
-    assert sorted(p["0.weight"].shape[0] for p in calls) == [2, 2, 1 + 4 + 1]  # components (4 classes)
+    # components per pass: the classwise summary brings one per class (4)
+    assert sorted(p["0.weight"].shape[0] for p in calls) == [2, 2, 1 + 4 + 1]
     one_by_one = sum(w * e.distance(moved) for w, e in zip(weights, estimators))
     torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=0)
     g_batched = torch.autograd.grad(batched, list(moved.parameters()))
