@@ -314,3 +314,13 @@ def test_merge_combines_seeds_run_separately(tmp_path, capsys):
     (tmp_path / "2" / "results.json").write_text(json.dumps(older))
     merged = continual.merge_runs([tmp_path / "1", tmp_path / "2"], tmp_path / "w", plots=False)
     assert merged["seeds"] == [1, 2]
+    # a run stopped before all its seeds: refused, unless its finished seeds are asked for
+    stopped = json.loads((tmp_path / "1" / "results.json").read_text())
+    stopped["complete"], stopped["seeds_requested"] = False, [1, 5]
+    (tmp_path / "1" / "results.json").write_text(json.dumps(stopped))
+    with pytest.raises(ValueError, match="unfinished"):
+        continual.merge_runs([tmp_path / "1", tmp_path / "2"], tmp_path / "v")
+    assert main(["cl", "merge", str(tmp_path / "1"), str(tmp_path / "2"), "--partial",
+                 "--out", str(tmp_path / "v"), "--no-plots"]) == 0
+    merged = json.loads((tmp_path / "v" / "results.json").read_text())
+    assert merged["seeds"] == [1, 2] and merged["complete"]

@@ -663,13 +663,15 @@ def write_results(results: dict, out: str | os.PathLike, plots: bool = True) -> 
 
 
 def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
-               plots: bool = True) -> dict:
+               plots: bool = True, partial: bool = False) -> dict:
     """Combine runs of the same benchmark, method and settings made separately (seeds run in
     parallel, on other machines) into one ``out/results.json`` with statistics over all seeds.
 
     Raises ``ValueError`` if the runs differ in benchmark, method or hyper-parameters (a
     setting absent from an older run's file counts as ``None``, its default), are unfinished,
-    or repeat a seed. Each run's device is kept per seed (``devices``).
+    or repeat a seed. ``partial=True`` accepts runs stopped before all their requested seeds
+    and takes the seeds they finished (a results.json only ever lists finished seeds). Each
+    run's device is kept per seed (``devices``).
     """
     runs = []
     for path in paths:
@@ -693,8 +695,9 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
             if settings(results, key) != settings(first, key):
                 raise ValueError(f"{file} differs from {first_file} in {key}: "
                                  f"{results[key]!r} vs {first[key]!r}")
-        if not results.get("complete", True):
-            raise ValueError(f"{file} is unfinished (complete: false); finish it first")
+        if not results.get("complete", True) and not partial:
+            raise ValueError(f"{file} is unfinished (complete: false); finish it first, or "
+                             "take its finished seeds with partial=True (--partial)")
         bytes_per_task = results.get("summary_bytes_per_task", 0.0)
         for seed, wall in zip(results["seeds"], results["wall_seconds"]["per_seed"]):
             if any(r.seed == seed for r in done):
@@ -898,7 +901,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
-    merged = merge_runs(args.dirs, args.out, plots=not args.no_plots)
+    merged = merge_runs(args.dirs, args.out, plots=not args.no_plots, partial=args.partial)
     print(results_markdown(merged))
     print(f"wrote {Path(args.out) / 'results.json'} (seeds {merged['seeds']})")
     return 0
@@ -986,4 +989,6 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     merge.add_argument("dirs", nargs="+", help="finished run directories")
     merge.add_argument("--out", required=True, help="directory for the merged results")
     merge.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    merge.add_argument("--partial", action="store_true",
+                       help="accept runs stopped before all their seeds; take the finished ones")
     merge.set_defaults(func=_cmd_merge)
