@@ -70,6 +70,16 @@ def test_lowrank_bgln_d_equals_full_when_rank_is_the_dimension():
         assert low.nbytes < full.nbytes + 7 * 8 * (2 if not classwise else 8)
 
 
+def _assert_equals_sum_with_gradients(batched, estimators, weights, moved):
+    """A summary set's distance equals Σ w·D_i evaluated one by one, value and gradient."""
+    one_by_one = sum(w * e.distance(moved) for w, e in zip(weights, estimators))
+    torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=0)
+    g_batched = torch.autograd.grad(batched, list(moved.parameters()))
+    g_single = torch.autograd.grad(one_by_one, list(moved.parameters()))
+    for a, b in zip(g_batched, g_single):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+
+
 def test_summary_set_equals_sum_of_distances_with_gradients():
     model, data = _mlp(), _data()
     estimators, weights = [], [1.0, 2.0, 0.5, 1.5, 3.0, 0.7]
@@ -82,12 +92,7 @@ def test_summary_set_equals_sum_of_distances_with_gradients():
     estimators.append(fsd.EWC(metric="euclidean").fit(model, data))
     moved = _moved(model, 0.3, seed=99)
     batched = fsd.combine(estimators, weights).distance(moved)
-    one_by_one = sum(w * e.distance(moved) for w, e in zip(weights, estimators))
-    torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=0)
-    g_batched = torch.autograd.grad(batched, list(moved.parameters()))
-    g_single = torch.autograd.grad(one_by_one, list(moved.parameters()))
-    for a, b in zip(g_batched, g_single):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+    _assert_equals_sum_with_gradients(batched, estimators, weights, moved)
 
 
 def test_summary_set_checks_architecture():
@@ -132,9 +137,4 @@ def test_exact_moment_summaries_are_batched_and_equal_the_sum(monkeypatch):
     assert len(calls) == 3
     # components per pass: the classwise summary brings one per class (4)
     assert sorted(p["0.weight"].shape[0] for p in calls) == [2, 2, 1 + 4 + 1]
-    one_by_one = sum(w * e.distance(moved) for w, e in zip(weights, estimators))
-    torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=0)
-    g_batched = torch.autograd.grad(batched, list(moved.parameters()))
-    g_single = torch.autograd.grad(one_by_one, list(moved.parameters()))
-    for a, b in zip(g_batched, g_single):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+    _assert_equals_sum_with_gradients(batched, estimators, weights, moved)
