@@ -15,6 +15,7 @@ import os
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -144,3 +145,19 @@ def test_continual_run_on_cuda_resumes_on_cpu(tmp_path, method):
     again = continual.run_seed("split-mnist", method, hp, 0, tmp_path, str(DATA_DIR),
                                device="cpu", progress=False)
     assert again.matrix == matrix
+
+
+@pytest.mark.skipif(not (DATA_DIR / "mnist").is_dir(), reason=f"no MNIST under {DATA_DIR}")
+def test_mislabeled_detection_on_cuda_scores_as_on_cpu():
+    from fsd import influence
+    tiny = dict(n_train=200, pool=30, width=16, epochs=1, pbrf_steps=3, cg_iters=3, cg_data=50,
+                bgln_rank=4, data_dir=DATA_DIR, progress=False)
+    methods = ["bgln-d", "ewc", "cg", "exact"]
+    on_device = influence.run_mislabeled(methods, device=DEVICE, **tiny)
+    on_cpu = influence.run_mislabeled(methods, device="cpu", **tiny)
+    assert on_device["pool"] == on_cpu["pool"]
+    for method in methods:
+        cpu_scores = np.asarray(on_cpu["scores"][method])
+        # float32 kernels differ between devices: agreement to 1e-3 of the scores' scale
+        np.testing.assert_allclose(on_device["scores"][method], cpu_scores, rtol=1e-3,
+                                   atol=1e-3 * np.abs(cpu_scores).max(), err_msg=method)

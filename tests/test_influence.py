@@ -396,3 +396,10 @@ def test_ewc_fisher_choice_reaches_the_pbrf_term():
         {f: f for f in terms}
     values = {f: float(t(moved).detach()) for f, t in terms.items()}
     assert len({round(v, 12) for v in values.values()}) == 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU-only machine")
+def test_cli_mislabeled_asks_for_missing_cuda(tmp_path, capsys):
+    assert main(["influence", "mislabeled", "--device", "cuda", "--out", str(tmp_path),
+                 "--data-dir", str(DATA_DIR), "--no-progress"]) == 2
+    assert "torch.cuda.is_available() is False" in capsys.readouterr().err

@@ -545,7 +545,8 @@ def run_continual(benchmark: str, method: str, seeds: Sequence[int], out: str | 
     return results
 
 
-def _device_name(device: str | torch.device) -> str:
+def device_name(device: str | torch.device) -> str:
+    """The GPU's name for a CUDA device (recorded with timings), else the device type."""
     dev = torch.device(device)
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
 
@@ -568,7 +569,7 @@ def _results_dict(benchmark: str, method: str, hp: dict, seeds: list[int],
         "summary_bytes_per_task": float(np.mean(bytes_per_task)) if bytes_per_task else 0.0,
         "hyperparameters": hp,
         "torch_threads": torch.get_num_threads(),
-        "device": _device_name(device),
+        "device": device_name(device),
     }
 
 
