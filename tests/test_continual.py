@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsd import continual
 from fsd import load as fsd_load
 from fsd.cli import main
+from fsd.compare import mlp
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
@@ -218,6 +220,45 @@ def test_shared_and_per_task_optimizer_differ(tmp_path):
     assert shared["accuracy_matrix"]["3"][0] == fresh["accuracy_matrix"]["3"][0]
     assert shared["accuracy_matrix"]["3"][1] != fresh["accuracy_matrix"]["3"][1]
     assert "per-task Adam" in continual.report([str(tmp_path / "b")])
+
+
+@needs_mnist
+def test_penalty_outputs_all_covers_the_other_heads(tmp_path):
+    # the authors' BGLN-D penalizes every logit on Split MNIST; their sampled penalties the head
+    assert continual.default_hyperparameters("split-mnist", "bgln-d")["penalty_outputs"] == "all"
+    assert continual.default_hyperparameters("split-mnist", "bgln-s")["penalty_outputs"] == "head"
+    extra = ("--tasks", "2", "--width", "32")
+    _run(tmp_path / "all", "split-mnist", "bgln-d", *extra)
+    _run(tmp_path / "head", "split-mnist", "bgln-d", *extra, "--penalty-outputs", "head")
+    summaries = {k: fsd_load(tmp_path / k / "checkpoints" / "seed3" / "task0.fsd")
+                 for k in ("all", "head")}
+    # move only the output rows of task 2's head (units 2, 3) away from task 1's reference
+    moved = mlp(28 * 28, 32, 2, 10)
+    moved.load_state_dict(summaries["all"].reference_state_dict())
+    with torch.no_grad():
+        last = [m for m in moved.modules() if isinstance(m, torch.nn.Linear)][-1]
+        last.weight[2:4] += 0.1
+    with torch.no_grad():
+        assert float(summaries["head"].distance(moved)) == pytest.approx(0.0, abs=1e-10)
+        assert float(summaries["all"].distance(moved)) > 1e-4
+    table = continual.report([str(tmp_path / "head")])
+    assert "head logits" in table and "penalty_outputs)" in table  # last of the changes
+    assert "penalty_outputs)" not in continual.report([str(tmp_path / "all")])
+    with pytest.raises(ValueError, match="penalty_outputs must be one of"):
+        continual.run_continual("split-mnist", "bgln-d", [0], tmp_path / "x",
+                                penalty_outputs="some")
+
+
+def test_results_older_than_penalty_outputs_read_as_head_only():
+    res = {"benchmark": "split-mnist", "method": "bgln-d",
+           "hyperparameters": continual.default_hyperparameters("split-mnist", "bgln-d")}
+    del res["hyperparameters"]["penalty_outputs"]
+    assert "penalty_outputs" in continual._protocol(res)
+    # single head: the head is every logit, so an old Permuted MNIST run is still the protocol
+    res = {"benchmark": "permuted-mnist", "method": "bgln-d",
+           "hyperparameters": continual.default_hyperparameters("permuted-mnist", "bgln-d")}
+    del res["hyperparameters"]["penalty_outputs"]
+    assert "not paper protocol" not in continual._protocol(res)
 
 
 def test_bad_optimizer_mode_is_refused(tmp_path):
