@@ -266,6 +266,57 @@ def test_detection_curve_and_auc():
     assert int(mask.sum()) == 3 and bool((y[mask] != (torch.arange(10) % 10)[mask]).all())
 
 
+def test_detection_auc_closed_form_matches_the_curve():
+    rng = np.random.default_rng(3)
+    corrupted = (rng.random(50) < 0.2).astype(float)
+    scores = rng.normal(size=50) + corrupted
+    rows = rng.integers(0, 50, size=(20, 50))  # resampled pools repeat points
+    fast = influence._detection_aucs(scores[rows], corrupted[rows])
+    slow = [influence.area_under(*influence.detection_curve(scores[r], corrupted[r]))
+            for r in rows]
+    assert fast == pytest.approx(slow, rel=1e-12)
+
+
+def test_detection_intervals_pairing_and_separation():
+    rng = np.random.default_rng(4)
+    corrupted = (rng.random(400) < 0.1).astype(float)
+    informative = corrupted + rng.normal(size=400)
+    boot = influence.detection_intervals(
+        {"ewc": informative, "bgln-d": informative.copy(), "random": rng.random(400),
+         "broken": np.where(np.arange(400) == 7, np.nan, informative)},
+        corrupted, resamples=500)
+    assert boot["difference"]["bgln-d"]["auc"] == pytest.approx([0, 0], abs=1e-12)
+    assert boot["difference"]["random"]["auc"][1] < 0  # clearly worse than EWC
+    assert "broken" not in boot["auc"]
+    lo, hi = boot["auc"]["ewc"]
+    point = influence.area_under(*influence.detection_curve(informative, corrupted))
+    assert lo < point < hi
+    with pytest.raises(ValueError, match="both corrupted and clean"):
+        influence.detection_intervals({"ewc": informative}, np.zeros(400))
+
+
+def test_detection_intervals_cover_a_random_rankers_auc():
+    # random scores rank each corrupted point uniformly: the expected AUC is exactly 1/2
+    rng = np.random.default_rng(5)
+    repeats, covered = 60, 0
+    for r in range(repeats):
+        corrupted = (rng.random(200) < 0.15).astype(float)
+        lo, hi = influence.detection_intervals({"random": rng.random(200)}, corrupted,
+                                               resamples=400, level=0.9, seed=r)["auc"]["random"]
+        covered += lo <= 0.5 <= hi
+    assert 0.8 <= covered / repeats <= 0.98
+
+
+def test_pool_mask_is_rebuilt_from_a_saved_curve():
+    rng = np.random.default_rng(6)
+    corrupted = (rng.random(30) < 0.3).astype(float)
+    scores = rng.normal(size=30)
+    _, found = influence.detection_curve(scores, corrupted)
+    old_format = {"pool": {"size": 30}, "scores": {"cg": scores.tolist()},
+                  "curves": {"cg": found.tolist()}}
+    assert influence.pool_corrupted(old_format).tolist() == corrupted.tolist()
+
+
 def test_bootstrap_intervals_degenerate_cases_and_pearson():
     rng = np.random.default_rng(1)
     reference = rng.normal(size=40)
@@ -353,6 +404,8 @@ def test_cli_mislabeled_end_to_end(tmp_path):
     assert all(0 <= a <= 1 for a in result["auc"].values())
     assert (tmp_path / "detection.png").stat().st_size > 0
     assert "MLP 2x16" in (tmp_path / "results.md").read_text()
+    assert set(result["bootstrap"]["auc"]) == set(result["auc"])
+    assert "AUC − EWC" in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.skipif(not HAS_UCI, reason="UCI data not available")

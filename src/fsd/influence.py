@@ -611,6 +611,85 @@ def area_under(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.sum((x[1:] - x[:-1]) * (y[1:] + y[:-1]) / 2))
 
 
+def _detection_aucs(scores: np.ndarray, corrupted: np.ndarray) -> np.ndarray:
+    # row-wise area under the detection curve: a corrupted point checked r-th (1-based) of n
+    # adds (n - r + 1/2) / (n m) to the trapezoidal area, m the number of corrupted points
+    n = scores.shape[-1]
+    order = np.argsort(-scores, axis=-1, kind="stable")
+    hits = np.take_along_axis(corrupted, order, axis=-1).astype(float)
+    weights = (n - np.arange(1, n + 1) + 0.5) / n
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (hits * weights).sum(-1) / hits.sum(-1)
+
+
+def detection_intervals(scores: dict[str, Sequence[float]], corrupted: Sequence[int], *,
+                        baseline: str | None = "ewc", resamples: int = 2000,
+                        level: float = 0.95, seed: int = 0) -> dict[str, Any]:
+    """Percentile-bootstrap intervals of each method's detection AUC over the scored pool.
+
+    The pool is resampled with replacement, the same resamples for every method, so the
+    differences to ``baseline`` are paired: they say whether a gap between two curves is
+    more than the pool's own sampling noise.
+
+    Args:
+        scores: method name → self-influence scores of the pool (methods with a non-finite
+            score are left out).
+        corrupted: 1 where the pool point's label was corrupted, else 0.
+        baseline: also give the paired difference (method − baseline) for every other method.
+        resamples, level: bootstrap resamples and the coverage of the two-sided intervals.
+
+    Returns:
+        ``{"resamples", "level", "auc": {m: [lo, hi]},
+        "difference": {m: {"baseline", "auc": [lo, hi]}}}``.
+    """
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be positive, got {resamples}")
+    corrupted = np.asarray(corrupted, dtype=float)
+    n = corrupted.shape[0]
+    if not 0 < corrupted.sum() < n:
+        raise ValueError("the pool needs both corrupted and clean points")
+    rows = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    hits = corrupted[rows]
+    tails = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
+    draws: dict[str, np.ndarray] = {}
+    for method, values in scores.items():
+        values = np.asarray(values, dtype=float)
+        if values.shape != corrupted.shape:
+            raise ValueError(f"{method}: {values.shape[0]} scores for a pool of {n}")
+        if np.isfinite(values).all():
+            draws[method] = _detection_aucs(values[rows], hits)
+
+    def interval(x: np.ndarray) -> list[float]:
+        return [float(v) for v in np.nanpercentile(x, tails)]
+
+    out: dict[str, Any] = {"resamples": resamples, "level": level, "auc": {}, "difference": {}}
+    for method, d in draws.items():
+        out["auc"][method] = interval(d)
+        if baseline in draws and method != baseline:
+            out["difference"][method] = {"baseline": baseline,
+                                         "auc": interval(d - draws[baseline])}
+    return out
+
+
+def pool_corrupted(result: dict[str, Any]) -> np.ndarray:
+    """The pool's corrupted mask of a mislabeled result (rebuilt from a curve in old files).
+
+    Results written before the mask was saved still hold each method's scores and its
+    detection curve; the curve rises exactly where the point checked next is corrupted.
+    """
+    if "is_corrupted" in result["pool"]:
+        return np.asarray(result["pool"]["is_corrupted"], dtype=float)
+    method = next(m for m, v in result["scores"].items()
+                  if v is not None and np.isfinite(np.asarray(v, dtype=float)).all())
+    scores = np.asarray(result["scores"][method], dtype=float)
+    steps = np.diff(np.asarray(result["curves"][method], dtype=float)) > 0
+    mask = np.zeros(scores.shape[0])
+    mask[np.argsort(-scores, kind="stable")[steps]] = 1.0
+    return mask
+
+
 def _json_safe(obj: Any) -> Any:
     # strict JSON has no NaN/inf: a diverged solve's score is written as null
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -1036,7 +1115,8 @@ def run_mislabeled(methods: Sequence[str] = ("bgln-d", "ewc", "cg", "random"), *
                                               .float().mean()),
         "test_accuracy": test_accuracy,
         "pool": {"size": int(pool_index.shape[0]), "corrupted": int(is_corrupt.sum()),
-                 "selection": f"random (seed {seed})"},
+                 "selection": f"random (seed {seed})", "index": pool_index.tolist(),
+                 "is_corrupted": is_corrupt.astype(int).tolist()},
         "pbrf": {"optimizer": "SGD (no momentum)", "lr": pbrf_lr, "steps": pbrf_steps,
                  "damping": damping, "exact_batch_size": batch_size,
                  "bgln_d": f"BGLN(deterministic=True, covariance={bgln_covariance!r}, "
@@ -1074,10 +1154,18 @@ def run_mislabeled(methods: Sequence[str] = ("bgln-d", "ewc", "cg", "random"), *
 
 
 def write_mislabeled_outputs(result: dict[str, Any], out: Path) -> None:
-    """results.json, results.md and detection.png in ``out``."""
+    """results.json, results.md and detection.png in ``out``.
+
+    Adds ``result["bootstrap"]``: :func:`detection_intervals` of the finished methods (also
+    for results written before it existed, whose pool mask :func:`pool_corrupted` rebuilds).
+    """
     out.mkdir(parents=True, exist_ok=True)
+    corrupted = pool_corrupted(result)
+    if 0 < corrupted.sum() < corrupted.shape[0]:
+        result["bootstrap"] = detection_intervals(result["scores"], corrupted)
     _write_json(out / "results.json", result)
     pool = result["pool"]
+    boot = result.get("bootstrap", {"auc": {}, "difference": {}, "level": 0.95})
     lines = [f"# Mislabeled-example detection (MNIST, seed {result['seed']})", "",
              f"{result['n_train']} training images, {result['corrupted_total']} labels corrupted; "
              f"{result['model']} (SGD lr {result['lr']}, {result['epochs']} epochs; train acc. "
@@ -1087,11 +1175,22 @@ def write_mislabeled_outputs(result: dict[str, Any], out: Path) -> None:
              f"({pool['corrupted']} corrupted). PBRF: SGD lr {result['pbrf']['lr']}, "
              f"{result['pbrf']['steps']} steps, λ = {result['pbrf']['damping']}; BGLN-D: "
              f"{result['pbrf']['bgln_d']}.", "",
-             "| method | AUC (fraction found vs fraction checked) | wall time (s) | "
-             "non-finite scores |", "|---|---:|---:|---:|"]
+             f"| method | AUC (fraction found vs fraction checked) | "
+             f"{boot['level']:.0%} interval | AUC − EWC ({boot['level']:.0%} interval) | "
+             "wall time (s) | non-finite scores |", "|---|---:|---:|---:|---:|---:|"]
+
+    def cell(interval: list[float] | None, sign: str = "") -> str:
+        if interval is None:
+            return "–"
+        return f"[{interval[0]:{sign}.3f}, {interval[1]:{sign}.3f}]"
+
     for m, auc in result["auc"].items():
-        lines.append(f"| {METHOD_TITLES[m]} | {auc:.3f} | {result['seconds'][m]:.1f} | "
+        difference = boot["difference"].get(m, {}).get("auc")
+        lines.append(f"| {METHOD_TITLES[m]} | {auc:.3f} | {cell(boot['auc'].get(m))} | "
+                     f"{cell(difference, '+')} | {result['seconds'][m]:.1f} | "
                      f"{result.get('nonfinite', {}).get(m, 0)} |")
+    lines += ["", "Intervals: paired percentile bootstrap over the pool's points "
+              f"({boot.get('resamples', 0)} resamples, the same for every method)."]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(4.5, 3.8))
