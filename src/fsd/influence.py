@@ -537,6 +537,22 @@ def _rowwise_pearson(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return (a * b).sum(axis=1) / np.sqrt((a * a).sum(axis=1) * (b * b).sum(axis=1))
 
 
+def _resampling(n: int, resamples: int, level: float, seed: int
+               ) -> tuple[np.ndarray, Callable[[np.ndarray], list[float]]]:
+    # the bootstraps' shared part: (resamples, n) row indices drawn with replacement, and the
+    # two-sided percentile interval of a vector of resampled statistics
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be positive, got {resamples}")
+    tails = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
+
+    def interval(x: np.ndarray) -> list[float]:
+        return [float(v) for v in np.nanpercentile(x, tails)]
+
+    return np.random.default_rng(seed).integers(0, n, size=(resamples, n)), interval
+
+
 def bootstrap_intervals(scores: dict[str, Sequence[float]], reference: Sequence[float], *,
                         baseline: str | None = "ewc", resamples: int = 2000,
                         level: float = 0.95, seed: int = 0) -> dict[str, Any]:
@@ -560,18 +576,13 @@ def bootstrap_intervals(scores: dict[str, Sequence[float]], reference: Sequence[
         "difference": {m: {"baseline", "pearson": [lo, hi], "spearman": [lo, hi]}}}``.
     """
     from scipy import stats
-    if not 0 < level < 1:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
-    if resamples < 1:
-        raise ValueError(f"resamples must be positive, got {resamples}")
     reference = np.asarray(reference, dtype=float)
     n = reference.shape[0]
     if n < 3 or not np.isfinite(reference).all():
         raise ValueError("the reference needs at least 3 finite scores")
-    rows = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    rows, interval = _resampling(n, resamples, level, seed)
     ref = reference[rows]
     ref_ranks = stats.rankdata(ref, axis=1)
-    tails = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
     draws: dict[str, dict[str, np.ndarray]] = {}
     for method, values in scores.items():
         values = np.asarray(values, dtype=float)
@@ -582,9 +593,6 @@ def bootstrap_intervals(scores: dict[str, Sequence[float]], reference: Sequence[
         sample = values[rows]
         draws[method] = {"pearson": _rowwise_pearson(sample, ref),
                          "spearman": _rowwise_pearson(stats.rankdata(sample, axis=1), ref_ranks)}
-
-    def interval(x: np.ndarray) -> list[float]:
-        return [float(v) for v in np.nanpercentile(x, tails)]
 
     out: dict[str, Any] = {"resamples": resamples, "level": level, "pearson": {},
                            "spearman": {}, "difference": {}}
@@ -642,17 +650,12 @@ def detection_intervals(scores: dict[str, Sequence[float]], corrupted: Sequence[
         ``{"resamples", "level", "auc": {m: [lo, hi]},
         "difference": {m: {"baseline", "auc": [lo, hi]}}}``.
     """
-    if not 0 < level < 1:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
-    if resamples < 1:
-        raise ValueError(f"resamples must be positive, got {resamples}")
     corrupted = np.asarray(corrupted, dtype=float)
     n = corrupted.shape[0]
     if not 0 < corrupted.sum() < n:
         raise ValueError("the pool needs both corrupted and clean points")
-    rows = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    rows, interval = _resampling(n, resamples, level, seed)
     hits = corrupted[rows]
-    tails = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
     draws: dict[str, np.ndarray] = {}
     for method, values in scores.items():
         values = np.asarray(values, dtype=float)
@@ -660,9 +663,6 @@ def detection_intervals(scores: dict[str, Sequence[float]], corrupted: Sequence[
             raise ValueError(f"{method}: {values.shape[0]} scores for a pool of {n}")
         if np.isfinite(values).all():
             draws[method] = _detection_aucs(values[rows], hits)
-
-    def interval(x: np.ndarray) -> list[float]:
-        return [float(v) for v in np.nanpercentile(x, tails)]
 
     out: dict[str, Any] = {"resamples": resamples, "level": level, "auc": {}, "difference": {}}
     for method, d in draws.items():
