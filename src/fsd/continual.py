@@ -380,12 +380,12 @@ def _fit_summary(method: str, hp: dict, model: nn.Module, task: Task,
                          statistics=collector)
 
 
-def _legacy_penalty_outputs(benchmark: str, method: str) -> str:
-    # what runs written before ``penalty_outputs`` existed did: every summary on its task's
+def _with_legacy_outputs(hp: dict, benchmark: str, method: str) -> dict:
+    # settings written before ``penalty_outputs`` existed: every summary covered its task's
     # head, which on a single-head benchmark is every logit, whatever the setting says
-    if benchmark.startswith("split"):
-        return "head"
-    return default_hyperparameters(benchmark, method)["penalty_outputs"]
+    legacy = ("head" if benchmark.startswith("split")
+              else default_hyperparameters(benchmark, method)["penalty_outputs"])
+    return {"penalty_outputs": legacy, **hp}
 
 
 def summary_outputs(task: Task, hp: dict[str, Any]) -> list[int] | None:
@@ -443,8 +443,8 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
     if state_path.exists():
         # map_location: a run started on a GPU can be resumed on a CPU-only machine
         state = torch.load(state_path, map_location=dev, weights_only=True)
-        saved_hp = {"penalty_outputs": _legacy_penalty_outputs(benchmark, method),
-                    **json.loads(state["hyperparameters"])}
+        saved_hp = _with_legacy_outputs(json.loads(state["hyperparameters"]), benchmark,
+                                        method)
         if saved_hp != _comparable(hp, benchmark, method):
             raise RuntimeError(
                 f"{state_path} was written with other settings ({saved_hp}); use another --out "
@@ -788,9 +788,8 @@ def _find_results(paths: Sequence[str]) -> list[Path]:
 
 def _protocol(results: dict) -> str:
     # results written before these settings existed used a fresh Adam per task and the sum
-    hp = {"optimizer": "per-task", "penalty": "sum",
-          "penalty_outputs": _legacy_penalty_outputs(results["benchmark"], results["method"]),
-          **results["hyperparameters"]}
+    hp = {"optimizer": "per-task", "penalty": "sum", **_with_legacy_outputs(
+        results["hyperparameters"], results["benchmark"], results["method"])}
     paper = default_hyperparameters(results["benchmark"], results["method"])
     parts = [f"{hp['epochs']} ep", f"bs {hp['batch_size']}", f"λ {hp['fsd_scale']:g}",
              f"lr {hp['lr']:g}", f"w {hp['width']}"]
@@ -887,9 +886,8 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
             reference = mlp(28 * 28, hp["width"], hp["depth"], n_out)
             reference.load_state_dict(summary.reference_state_dict())
             x = tasks[t].x_train[:examples]
-            outputs = summary_outputs(tasks[t], {
-                "penalty_outputs": _legacy_penalty_outputs(benchmark, results["method"]),
-                **hp})
+            outputs = summary_outputs(tasks[t],
+                                      _with_legacy_outputs(hp, benchmark, results["method"]))
             truth = ExactFSD(metric=summary.config.get("metric", "euclidean")).fit(
                 reference, x, outputs=outputs)
             with torch.no_grad():
