@@ -195,10 +195,17 @@ def test_killed_run_resumes_after_last_finished_task(tmp_path, capsys):
 
 
 @needs_mnist
-def test_resume_with_other_settings_is_refused(tmp_path):
+def test_resume_with_other_settings_is_refused(tmp_path, capsys):
     _run(tmp_path, "split-mnist", "finetune", "--tasks", "2")
     with pytest.raises(RuntimeError, match="other settings"):
-        _run(tmp_path, "split-mnist", "finetune", "--tasks", "2", "--lr", "0.01")
+        continual.run_continual("split-mnist", "finetune", [3], tmp_path, data_dir=DATA_DIR,
+                                progress=False, plots=False, epochs=1, train_subset=200,
+                                test_subset=100, tasks=2, num_samples=16, lr=0.01)
+    # the command line says so in one line, without a traceback
+    assert main(["cl", "--benchmark", "split-mnist", "--method", "finetune", "--seeds", "3",
+                 "--out", str(tmp_path), "--no-plots", *TINY, "--tasks", "2",
+                 "--lr", "0.01"]) == 2
+    assert "written with other settings" in capsys.readouterr().err
 
 
 # ----- optimizer and penalty modes ------------------------------------------------------------

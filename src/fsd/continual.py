@@ -80,6 +80,10 @@ PENALTY_MODES: tuple[str, ...] = ("mean", "sum")
 PENALTY_OUTPUTS: tuple[str, ...] = ("head", "all")
 
 
+class CheckpointMismatchError(RuntimeError):
+    """A run directory holds a checkpoint written with other settings than those asked for."""
+
+
 # ------------------------------------------------------------------------------------------
 # Tasks
 # ------------------------------------------------------------------------------------------
@@ -446,7 +450,7 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
         saved_hp = _with_legacy_outputs(json.loads(state["hyperparameters"]), benchmark,
                                         method)
         if saved_hp != _comparable(hp, benchmark, method):
-            raise RuntimeError(
+            raise CheckpointMismatchError(
                 f"{state_path} was written with other settings ({saved_hp}); use another --out "
                 f"or delete {ckpt_dir} to start over")
         model.load_state_dict(state["model"])
@@ -919,15 +923,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    results = run_continual(
-        args.benchmark, args.method, args.seeds, args.out, data_dir=args.data_dir,
-        device=args.device, progress=not args.no_progress, plots=not args.no_plots,
-        epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, fsd_scale=args.fsd_scale,
-        width=args.width, momentum=args.momentum, coreset_size=args.coreset_size,
-        num_samples=args.num_samples, train_subset=args.train_subset,
-        test_subset=args.test_subset, tasks=args.tasks, optimizer=args.optimizer,
-        penalty=args.penalty, rank=args.rank, metric=args.metric,
-        penalty_outputs=args.penalty_outputs)
+    try:
+        results = run_continual(
+            args.benchmark, args.method, args.seeds, args.out, data_dir=args.data_dir,
+            device=args.device, progress=not args.no_progress, plots=not args.no_plots,
+            epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+            fsd_scale=args.fsd_scale, width=args.width, momentum=args.momentum,
+            coreset_size=args.coreset_size, num_samples=args.num_samples,
+            train_subset=args.train_subset, test_subset=args.test_subset, tasks=args.tasks,
+            optimizer=args.optimizer, penalty=args.penalty, rank=args.rank,
+            metric=args.metric, penalty_outputs=args.penalty_outputs)
+    except CheckpointMismatchError as error:  # a message, not a traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     print(results_markdown(results))
     print(f"wrote {Path(args.out) / 'results.json'}, results.md"
           + ("" if args.no_plots else ", accuracy_matrix.png, task_accuracy.png"))
