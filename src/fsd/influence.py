@@ -1174,7 +1174,7 @@ def write_mislabeled_outputs(result: dict[str, Any], out: Path) -> None:
              f"{result['test_accuracy']:.3f}). Pool: {pool['size']} random training points "
              f"({pool['corrupted']} corrupted). PBRF: SGD lr {result['pbrf']['lr']}, "
              f"{result['pbrf']['steps']} steps, λ = {result['pbrf']['damping']}; BGLN-D: "
-             f"{result['pbrf']['bgln_d']}.", "",
+             f"{result['pbrf']['bgln_d']}. Device: {result.get('device', 'cpu')}.", "",
              f"| method | AUC (fraction found vs fraction checked) | "
              f"{boot['level']:.0%} interval | AUC − EWC ({boot['level']:.0%} interval) | "
              "wall time (s) | non-finite scores |", "|---|---:|---:|---:|---:|---:|"]
