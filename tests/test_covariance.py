@@ -46,3 +46,16 @@ def test_covariance_that_requires_grad_gets_its_gradient():
     grad, = torch.autograd.grad(quadratic_trace(rows, cov).sum(), cov)
     expected = torch.einsum("gki,gkj->gij", rows, rows)
     torch.testing.assert_close(grad, expected)
+
+
+def test_full_covariance_trace_runs_under_vmap_and_func_grad():
+    # batched PBRF solves differentiate it with torch.func.grad inside torch.func.vmap
+    rows, cov = _problem(3)
+    stacked = torch.stack([rows, 2 * rows, -rows])
+    batched = torch.func.vmap(lambda r: quadratic_trace(r, cov))(stacked)
+    torch.testing.assert_close(batched, torch.stack([_dense(r, cov) for r in stacked]))
+    grads = torch.func.vmap(torch.func.grad(lambda r: quadratic_trace(r, cov).sum()))(stacked)
+    for r, g in zip(stacked, grads):
+        r = r.clone().requires_grad_(True)
+        expected, = torch.autograd.grad(_dense(r, cov).sum(), r)
+        torch.testing.assert_close(g, expected)

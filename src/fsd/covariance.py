@@ -13,7 +13,7 @@ Every function here accepts all three, so estimators never branch on the form.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -34,20 +34,32 @@ def sandwich(weight: Tensor, cov: Covariance) -> Tensor:
 
 class _SymmetricQuadraticTrace(torch.autograd.Function):
     """tr(P C Pᵀ) for a fixed symmetric C: the gradient 2 P C reuses the forward's P C, so
-    the backward pass does not multiply by the (G, d, d) covariance a second time."""
+    the backward pass does not multiply by the (G, d, d) covariance a second time.
+
+    Written in the ``setup_context`` form with a generated vmap rule, so it also runs under
+    ``torch.func`` transforms (batched PBRF solves vmap over stacked parameters)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, rows: Tensor, cov: Tensor) -> Tensor:
+    def forward(rows: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
         rows_cov = rows @ cov
-        ctx.save_for_backward(rows, cov, rows_cov)
-        return (rows_cov * rows).sum((-1, -2))
+        return (rows_cov * rows).sum((-1, -2)), rows_cov
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor], output: tuple[Tensor, Tensor]
+                      ) -> None:
+        rows, cov = inputs
+        rows_cov = output[1]
+        ctx.mark_non_differentiable(rows_cov)
+        ctx.save_for_backward(rows, cov, rows_cov)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, _unused: Tensor | None) -> tuple[Tensor, None]:
         rows, cov, rows_cov = ctx.saved_tensors
         if torch.is_grad_enabled():  # double backward: keep the graph through rows
             rows_cov = rows @ cov
-        return 2 * grad[:, None, None] * rows_cov, None
+        return 2 * grad[..., None, None] * rows_cov, None
 
 
 def quadratic_trace(rows: Tensor, cov: Covariance) -> Tensor:
@@ -61,7 +73,7 @@ def quadratic_trace(rows: Tensor, cov: Covariance) -> Tensor:
         return (rows.pow(2) * cov.unsqueeze(1)).sum((-1, -2))
     if cov.requires_grad or rows.dim() != 3:
         return ((rows @ cov) * rows).sum((-1, -2))
-    return _SymmetricQuadraticTrace.apply(rows, cov)
+    return _SymmetricQuadraticTrace.apply(rows, cov)[0]
 
 
 def gate(cov: Tensor, mu: Tensor) -> Tensor:

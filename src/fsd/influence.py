@@ -223,12 +223,42 @@ def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
 # --------------------------------------------------------------------------------------------
 
 
+class _Objective(nn.Module):
+    """The PBRF objective of one point as a module around the working network, so that
+    ``functional_call`` can evaluate it, distance term included, at any parameters."""
+
+    def __init__(self, solver: "PBRF") -> None:
+        super().__init__()
+        self.model = solver.work
+        self._solver = [solver]  # a list: not registered as a submodule
+
+    def forward(self, x: Tensor, y: Tensor, reference_output: Tensor | None) -> Tensor:
+        solver = self._solver[0]
+        output = self.model(x)
+        removed = pointwise_loss(solver.loss, output, y).sum() / solver.n_train
+        proximity = sum((p - p0).pow(2).sum() for p, p0 in zip(self.model.parameters(),
+                                                               solver.theta0))
+        value = -removed + solver.term(self.model) + 0.5 * solver.damping * proximity
+        if reference_output is not None:
+            value = value + pointwise_distance(bregman_metric(solver.loss), reference_output,
+                                               output - reference_output).sum() / solver.n_train
+        return value
+
+
 class PBRF:
-    """Solves the PBRF of single training points by SGD from θ0 and scores self-influence.
+    """Solves the PBRFs of training points by SGD from θ0 and scores self-influence.
+
+    The PBRFs of several points are independent problems; :meth:`solve` runs a batch of them
+    side by side (``torch.func.vmap`` over stacked copies of θ), which is the same arithmetic
+    as solving them one at a time — every solve restarts the distance term (the ``exact``
+    minibatch stream), so step t of every point sees the same minibatch either way — but
+    one kernel per operation instead of one per point and operation.
 
     Args:
         model: the trained network (θ0 is its current parameters; it is not modified).
-        term: the distance term D (e.g. from :func:`make_term`), a callable ``term(model)``.
+        term: the distance term D (e.g. from :func:`make_term`), a callable ``term(model)``
+            built from operations that ``torch.func.vmap`` supports (every term of
+            :func:`make_term` does).
         n_train: N, the training-set size that weights the removed point's loss.
         loss: ``"squared"`` or ``"cross_entropy"``.
         damping: λ of the proximity term (λ/2)‖θ − θ0‖².
@@ -248,59 +278,71 @@ class PBRF:
         self.n_train, self.damping, self.steps, self.lr = int(n_train), damping, int(steps), lr
         self.point_term = bool(point_term)
         self.work = copy.deepcopy(model).eval()
+        self.names = [name for name, _ in self.work.named_parameters()]
         self.theta0 = [p.detach().clone() for p in self.work.parameters()]
-        for p in self.work.parameters():
-            p.requires_grad_(True)
+        self._objective_module = _Objective(self)
 
     def _reference_output(self, x: Tensor) -> Tensor:
-        names = [name for name, _ in self.work.named_parameters()]
         with torch.no_grad():
-            return functional_call(self.work, dict(zip(names, self.theta0)), (x,))
+            return functional_call(self.work, dict(zip(self.names, self.theta0)), (x,))
 
-    def objective(self, x: Tensor, y: Tensor, reference_output: Tensor | None = None) -> Tensor:
-        """The PBRF objective at the working parameters, for the point(s) (x, y).
+    def objective(self, params: dict[str, Tensor], x: Tensor, y: Tensor,
+                  reference_output: Tensor | None = None) -> Tensor:
+        """The PBRF objective of one point (x, y) (batch of one) at parameters ``params``.
 
-        ``reference_output`` (f(x, θ0), used with ``point_term``) is computed when not given.
+        ``reference_output`` is f(x, θ0); with ``point_term`` it is computed when not given.
         """
-        output = self.work(x)
-        removed = pointwise_loss(self.loss, output, y).sum() / self.n_train
-        proximity = sum((p - p0).pow(2).sum() for p, p0 in zip(self.work.parameters(),
-                                                               self.theta0))
-        value = -removed + self.term(self.work) + 0.5 * self.damping * proximity
-        if self.point_term:
-            if reference_output is None:
-                reference_output = self._reference_output(x)
-            value = value + pointwise_distance(bregman_metric(self.loss), reference_output,
-                                               output - reference_output).sum() / self.n_train
-        return value
+        if self.point_term and reference_output is None:
+            reference_output = self._reference_output(x)
+        if not self.point_term:
+            reference_output = None
+        prefixed = {f"model.{name}": value for name, value in params.items()}
+        return functional_call(self._objective_module, prefixed, (x, y, reference_output))
 
-    def solve(self, x: Tensor, y: Tensor) -> nn.Module:
-        """Minimize the PBRF for the point (x, y) (batch of one); returns the working model."""
-        with torch.no_grad():
-            for p, p0 in zip(self.work.parameters(), self.theta0):
-                p.copy_(p0)
+    def solve(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """Minimize the PBRFs of the points (x[b], y[b]), b < B, side by side.
+
+        Returns the solutions θ₋ stacked along a leading dimension: ``{name: (B, ...)}``.
+        """
+        if x.shape[0] != y.shape[0] or x.shape[0] < 1:
+            raise ValueError(f"x and y must hold the same number (≥ 1) of points; got "
+                             f"{x.shape[0]} and {y.shape[0]}")
+        count = x.shape[0]
+        params = {name: p0.unsqueeze(0).expand(count, *p0.shape).clone()
+                  for name, p0 in zip(self.names, self.theta0)}
+        reference = self._reference_output(x) if self.point_term else None
+
+        def one(p: dict[str, Tensor], xi: Tensor, yi: Tensor, ri: Tensor | None) -> Tensor:
+            return self.objective(p, xi.unsqueeze(0), yi.unsqueeze(0),
+                                  None if ri is None else ri.unsqueeze(0))
+
+        # randomness="same": the exact term's minibatch is one draw shared by every point
+        step_grads = vmap(grad(one), in_dims=(0, 0, 0, None if reference is None else 0),
+                          randomness="same")
         if hasattr(self.term, "reset"):
             self.term.reset()
-        params = list(self.work.parameters())
-        reference_output = self._reference_output(x) if self.point_term else None
         for _ in range(self.steps):
-            # plain SGD; autograd.grad + in-place update skips the optimizer's per-step overhead
-            grads = torch.autograd.grad(self.objective(x, y, reference_output), params)
-            with torch.no_grad():
-                for p, g in zip(params, grads):
-                    p.sub_(g, alpha=self.lr)
-        return self.work
+            # plain SGD, no optimizer object: the update is all there is
+            grads = step_grads(params, x, y, reference)
+            params = {name: value - self.lr * grads[name] for name, value in params.items()}
+        return {name: value.detach() for name, value in params.items()}
 
-    def self_influence(self, x: Tensor, y: Tensor) -> float:
-        """L(f(x, θ₋), y) − L(f(x, θ0), y) for one point (x, y) of shape (1, ...)."""
+    def losses(self, params: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        """L(f(x[b], θ_b), y[b]) for stacked parameters ``{name: (B, ...)}``; shape (B,)."""
+
+        def one(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+            output = functional_call(self.work, p, (xi.unsqueeze(0),))
+            return pointwise_loss(self.loss, output, yi.unsqueeze(0)).sum()
+
         with torch.no_grad():
-            for p, p0 in zip(self.work.parameters(), self.theta0):
-                p.copy_(p0)
-            before = pointwise_loss(self.loss, self.work(x), y).sum()
-        model = self.solve(x, y)
+            return vmap(one)(params, x, y)
+
+    def self_influence(self, x: Tensor, y: Tensor) -> Tensor:
+        """L(f(x, θ₋), y) − L(f(x, θ0), y) for each of the points x (B, ...); shape (B,)."""
         with torch.no_grad():
-            after = pointwise_loss(self.loss, model(x), y).sum()
-        return float(after - before)
+            before = pointwise_loss(self.loss, self._reference_output(x), y)
+            before = before.reshape(x.shape[0], -1).sum(1)
+        return self.losses(self.solve(x, y), x, y) - before
 
 
 def pbrf_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Sequence[int],
@@ -308,24 +350,34 @@ def pbrf_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Seq
                 lr: float = 0.01, batch_size: int | None = 128, seed: int = 0,
                 bgln_covariance: str = "full", bgln_rank: int = 64, bgln_moments: str = "paper",
                 bgln_clusters: int | None = None, ewc_data: int | None = None,
-                ewc_fisher: str = "true", point_term: bool = False,
+                ewc_fisher: str = "true", point_term: bool = False, points_per_solve: int = 32,
                 progress: bool = True) -> np.ndarray:
     """Self-influence scores of the training points ``indices`` under a PBRF method.
 
-    Fits the method's distance term at the model's parameters (θ0), then solves one PBRF per
-    point. See :class:`PBRF` and :func:`make_term` for the arguments.
+    Fits the method's distance term at the model's parameters (θ0), then solves the PBRFs,
+    ``points_per_solve`` points side by side (memory grows with it: one copy of θ, its
+    gradient and the term's intermediates per point). See :class:`PBRF` and
+    :func:`make_term` for the other arguments.
     """
+    if points_per_solve < 1:
+        raise ValueError(f"points_per_solve must be ≥ 1, got {points_per_solve}")
     term = make_term(method, model, x_train, y_train, loss, batch_size=batch_size, seed=seed,
                      bgln_covariance=bgln_covariance, bgln_rank=bgln_rank,
                      bgln_moments=bgln_moments, bgln_clusters=bgln_clusters,
                      ewc_data=ewc_data, ewc_fisher=ewc_fisher)
     solver = PBRF(model, term, x_train.shape[0], loss=loss, damping=damping, steps=steps, lr=lr,
                   point_term=point_term and method != "exact")
+    indices = torch.as_tensor([int(i) for i in indices], dtype=torch.long)
     scores = []
-    for i in tqdm(list(indices), desc=f"PBRF {method}", leave=False, disable=not progress):
-        i = int(i)
-        scores.append(solver.self_influence(x_train[i:i + 1], y_train[i:i + 1]))
-    return np.asarray(scores, dtype=np.float64)
+    with tqdm(total=len(indices), desc=f"PBRF {method}", leave=False,
+              disable=not progress) as bar:
+        for chunk in torch.split(indices, points_per_solve):
+            chunk = chunk.to(x_train.device)
+            scores.append(solver.self_influence(x_train[chunk], y_train[chunk]).cpu())
+            bar.update(len(chunk))
+    if not scores:
+        return np.zeros(0, dtype=np.float64)
+    return torch.cat(scores).to(torch.float64).numpy()
 
 
 # --------------------------------------------------------------------------------------------
@@ -760,7 +812,7 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
             cg_data: int | None = None, subset: int | None = None,
             bgln_moments: str = "paper", bgln_clusters: int | None = None,
             point_term: bool = False, oracle_repeat: bool = False, ewc_fisher: str = "true",
-            dtype: torch.dtype = torch.float64,
+            points_per_solve: int = 32, dtype: torch.dtype = torch.float64,
             progress: bool = True) -> dict[str, Any]:
     """Self-influence on one UCI regression set: each method vs the ``exact`` PBRF oracle.
 
@@ -772,6 +824,8 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
 
     Args:
         pbrf_lr: SGD learning rate of the PBRF solves (default: the chosen training rate).
+        points_per_solve: PBRFs solved side by side (speed and memory only, see
+            :func:`pbrf_scores`).
         cg_data: average CG's Gauss-Newton matrix over this many random training points
             (``None``: all of them).
         subset: keep only this many random rows of the data set (tiny runs / tests).
@@ -834,7 +888,7 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
                  "epochs": pbrf_epochs, "damping": damping, "exact_batch_size": batch_size,
                  "bgln_moments": bgln_moments, "bgln_clusters": bgln_clusters,
                  "point_term": point_term,
-                 "ewc_fisher": ewc_fisher},
+                 "ewc_fisher": ewc_fisher, "points_per_solve": points_per_solve},
         "cg": {"damping": damping, "max_iter": cg_iters},
         "removed_indices": indices, "scores": {}, "seconds": {}, "correlation": {},
     }
@@ -851,7 +905,8 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
                                  batch_size=batch_size, bgln_moments=bgln_moments,
                                  bgln_clusters=bgln_clusters,
                                  point_term=point_term, ewc_fisher=ewc_fisher,
-                                 seed=seed, progress=progress)
+                                 points_per_solve=points_per_solve, seed=seed,
+                                 progress=progress)
         result["seconds"][method] = time.perf_counter() - start
         result["scores"][method] = scores.tolist()
         # a diverged solve (approximate D not bounding the PBRF) shows up as inf/nan
@@ -867,7 +922,8 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
             start = time.perf_counter()
             again = pbrf_scores(model, x_train, y_train, indices, "exact", loss="squared",
                                 damping=damping, steps=steps, lr=pbrf_lr,
-                                batch_size=batch_size, seed=seed + 1000, progress=progress)
+                                batch_size=batch_size, seed=seed + 1000,
+                                points_per_solve=points_per_solve, progress=progress)
             result["oracle_repeat"] = {
                 "minibatch_seed": seed + 1000, "scores": again.tolist(),
                 "seconds": time.perf_counter() - start,
@@ -1055,7 +1111,7 @@ def run_mislabeled(methods: Sequence[str] = ("bgln-d", "ewc", "cg", "random"), *
                    damping: float = 1e-3, cg_iters: int = 10, cg_data: int | None = 500,
                    ewc_data: int | None = 1000, bgln_covariance: str = "lowrank",
                    bgln_rank: int = 64, device: str | torch.device = "cpu",
-                   progress: bool = True) -> dict[str, Any]:
+                   points_per_solve: int = 32, progress: bool = True) -> dict[str, Any]:
     """Mislabeled-example detection by self-influence on a corrupted MNIST subset.
 
     ``n_train`` random MNIST training images (seeded), ``corrupt`` of them relabelled to a
@@ -1065,6 +1121,8 @@ def run_mislabeled(methods: Sequence[str] = ("bgln-d", "ewc", "cg", "random"), *
 
     Args:
         pbrf_steps: SGD steps per PBRF solve (same for ``exact``, ``ewc``, ``bgln-d``).
+        points_per_solve: PBRFs solved side by side (speed and memory only, see
+            :func:`pbrf_scores`).
         pbrf_lr: PBRF learning rate (``None``: the training ``lr``). The default 0.003 keeps
             SGD stable on BGLN-D's Euclidean-on-logits term, whose curvature is far above the
             KL's (lr 0.1 and 0.01 diverge).
@@ -1119,6 +1177,7 @@ def run_mislabeled(methods: Sequence[str] = ("bgln-d", "ewc", "cg", "random"), *
                  "is_corrupted": is_corrupt.astype(int).tolist()},
         "pbrf": {"optimizer": "SGD (no momentum)", "lr": pbrf_lr, "steps": pbrf_steps,
                  "damping": damping, "exact_batch_size": batch_size,
+                 "points_per_solve": points_per_solve,
                  "bgln_d": f"BGLN(deterministic=True, covariance={bgln_covariance!r}, "
                            f"rank={bgln_rank}), Euclidean metric on logits",
                  "ewc": f"EWC(fisher='true', metric='kl') fitted on {ewc_data or n_train} "
@@ -1141,7 +1200,8 @@ def run_mislabeled(methods: Sequence[str] = ("bgln-d", "ewc", "cg", "random"), *
                                  damping=damping, steps=pbrf_steps, lr=pbrf_lr,
                                  batch_size=batch_size, seed=seed,
                                  bgln_covariance=bgln_covariance, bgln_rank=bgln_rank,
-                                 ewc_data=ewc_data, progress=progress)
+                                 ewc_data=ewc_data, points_per_solve=points_per_solve,
+                                 progress=progress)
         result["seconds"][method] = time.perf_counter() - start
         result.setdefault("nonfinite", {})[method] = int((~np.isfinite(scores)).sum())
         checked, found = detection_curve(scores, is_corrupt)
@@ -1238,6 +1298,7 @@ def _cmd_uci(args: argparse.Namespace) -> int:
                          bgln_clusters=args.bgln_clusters,
                          point_term=args.point_term, oracle_repeat=args.oracle_repeat,
                          ewc_fisher=args.ewc_fisher,
+                         points_per_solve=args.points_per_solve,
                          progress=not args.no_progress)
         print((out / name / "results.md").read_text())
         print(f"{name}: wrote {out / name}/results.json, results.md, scatter.png "
@@ -1255,7 +1316,8 @@ def _cmd_mislabeled(args: argparse.Namespace) -> int:
             epochs=args.epochs, lr=args.lr, pool=args.pool, pbrf_steps=args.pbrf_steps,
             pbrf_lr=args.pbrf_lr, damping=args.damping, cg_iters=args.cg_iters,
             cg_data=args.cg_data, ewc_data=args.ewc_data, bgln_covariance=args.bgln_covariance,
-            bgln_rank=args.bgln_rank, device=args.device, progress=not args.no_progress)
+            bgln_rank=args.bgln_rank, device=args.device,
+            points_per_solve=args.points_per_solve, progress=not args.no_progress)
     except (ValueError, RuntimeError) as error:
         return _error(str(error))
     print((Path(args.out) / "results.md").read_text())
@@ -1279,6 +1341,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("--damping", type=float, default=1e-3,
                        help="λ: PBRF proximity weight and CG damping (default 1e-3)")
         p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+        p.add_argument("--points-per-solve", type=int, default=32,
+                       help="PBRFs solved side by side, vmapped (default 32; lower it if "
+                            "memory runs short, the scores do not depend on it)")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     uci = sub.add_parser("uci", help="self-influence vs exact PBRF on UCI regression sets")

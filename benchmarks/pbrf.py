@@ -1,0 +1,127 @@
+"""Batched PBRF solves (vmap over stacked θ) vs one solve after another (issue: influence).
+
+Run:  .venv/bin/python benchmarks/pbrf.py [--threads 1] [--points 32] [--steps 40]
+      [--device cuda] [--width 128]
+
+For each distance term (exact minibatch oracle, EWC, BGLN-D with 30 k-means clusters and the
+point term), times in one process:
+ (a) a plain autograd SGD loop on the module, one point after another (what ``fsd.influence``
+     did before batching; written out here as the baseline);
+ (b) ``PBRF.self_influence`` on one point at a time (the vmapped solver with P = 1);
+ (c) ``PBRF.self_influence`` on P points at once (``pbrf_scores(points_per_solve=P)``);
+and prints seconds per point, the ratios (a)/(c) and (b)/(c), and the largest difference
+between the scores of (a) and (c) (float32 roundoff only). Fitting the terms is not timed.
+Problem: a kin8nm-sized synthetic regression (N = 6636, d = 8, Gaussian inputs, MLP
+8-W-W-1 trained for a few epochs), as in ``fsd influence uci``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from fsd import influence
+from fsd.compare import mlp
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def one_at_a_time(model: nn.Module, term, n: int, x: torch.Tensor, y: torch.Tensor, *,
+                  damping: float, steps: int, lr: float, point_term: bool) -> np.ndarray:
+    """The baseline: module parameters updated in place, autograd, one point after another."""
+    scores = []
+    for i in range(x.shape[0]):
+        work = copy.deepcopy(model)
+        theta0 = [p.detach().clone() for p in work.parameters()]
+        xi, yi = x[i:i + 1], y[i:i + 1]
+        with torch.no_grad():
+            reference = work(xi)
+            before = influence.pointwise_loss("squared", reference, yi).sum()
+        term.reset()
+        for _ in range(steps):
+            out = work(xi)
+            value = (-influence.pointwise_loss("squared", out, yi).sum() / n + term(work)
+                     + 0.5 * damping * sum((p - p0).pow(2).sum()
+                                           for p, p0 in zip(work.parameters(), theta0)))
+            if point_term:
+                value = value + 0.5 * (out - reference).pow(2).sum() / n
+            grads = torch.autograd.grad(value, list(work.parameters()))
+            with torch.no_grad():
+                for p, g in zip(work.parameters(), grads):
+                    p.sub_(lr * g)
+        with torch.no_grad():
+            scores.append(float(influence.pointwise_loss("squared", work(xi), yi).sum()
+                                - before))
+    return np.array(scores)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--points", type=int, default=32, help="points scored (= P)")
+    parser.add_argument("--steps", type=int, default=40, help="SGD steps per solve")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{args.threads} thread(s), device {device}, float32")
+
+    g = torch.Generator().manual_seed(0)
+    n, d = 6636, 8
+    x = torch.randn(n, d, generator=g)
+    y = (x[:, :1] * x[:, 1:2] + torch.sin(x[:, 2:3]) + 0.1 * torch.randn(n, 1, generator=g))
+    model = mlp(d, args.width, 2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.03)
+    for _ in range(3):
+        for index in torch.randperm(n, generator=g).split(128):
+            optimizer.zero_grad()
+            influence.pointwise_loss("squared", model(x[index]), y[index]).mean().backward()
+            optimizer.step()
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    points = list(range(args.points))
+    settings = dict(damping=1e-3, steps=args.steps, lr=0.03)
+
+    print(f"N = {n}, MLP {d}-{args.width}-{args.width}-1, {args.points} points, "
+          f"{args.steps} steps per solve")
+    print(f"{'term':>28} | {'(a) loop s/pt':>13} | {'(b) P=1 s/pt':>12} | "
+          f"{'(c) P s/pt':>10} | {'(a)/(c)':>7} | {'(b)/(c)':>7} | max |a−c|/max|a|")
+    for method, clusters, point_term in (("exact", None, False), ("ewc", None, True),
+                                         ("bgln-d", 30, True)):
+        term = influence.make_term(method, model, x, y, "squared", bgln_clusters=clusters)
+        point_term = point_term and method != "exact"
+        times = {}
+        _sync(device)
+        start = time.perf_counter()
+        baseline = one_at_a_time(model, term, n, x[:args.points], y[:args.points],
+                                 point_term=point_term, **settings)
+        _sync(device)
+        times["a"] = time.perf_counter() - start
+        solver = influence.PBRF(model, term, n, loss="squared", point_term=point_term,
+                                **settings)
+        for key, per_solve in (("b", 1), ("c", args.points)):
+            start = time.perf_counter()
+            scores = torch.cat([solver.self_influence(x[i:i + per_solve], y[i:i + per_solve])
+                                for i in range(0, args.points, per_solve)]).cpu().numpy()
+            _sync(device)
+            times[key] = time.perf_counter() - start
+        name = f"{method}{f' K={clusters}' if clusters else ''}{' +point' if point_term else ''}"
+        error = np.abs(baseline - scores).max() / np.abs(baseline).max()
+        print(f"{name:>28} | {times['a'] / args.points:13.4f} | "
+              f"{times['b'] / args.points:12.4f} | {times['c'] / args.points:10.4f} | "
+              f"{times['a'] / times['c']:7.1f} | {times['b'] / times['c']:7.1f} | {error:.1e}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
