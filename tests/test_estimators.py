@@ -748,6 +748,57 @@ def test_ewc_fisher_with_output_restriction():
     assert float(est._state["fisher.2.weight"][[0, 2]].abs().max()) == 0.0
 
 
+@pytest.mark.parametrize("kind, metric", [("true", "kl"), ("true", "softmax_euclidean"),
+                                          ("sampled", "kl"), ("empirical", "euclidean")])
+def test_ewc_linear_fast_path_equals_per_example_gradients(kind, metric, monkeypatch):
+    # an all-Linear model takes the (g²)ᵀ(a²) path; forcing the generic per-example vmap path
+    # must give the same Fisher (sampled: the same seed draws the same labels on both paths)
+    model = mlp([4, 6, 5, 3], seed=96)
+    data = labelled_batches(11, (4,), seed=97, batch=4)
+    if metric == "euclidean":
+        gen = torch.Generator().manual_seed(4)
+        data = [(x, torch.randn(x.shape[0], 3, generator=gen, dtype=DTYPE)) for x, _ in data]
+    calls = []
+    fast = fsd.ewc._linear_fisher_diagonal
+    monkeypatch.setattr(fsd.ewc, "_linear_fisher_diagonal",
+                        lambda *a: calls.append(1) or fast(*a))
+    est = fsd.EWC(fisher=kind, metric=metric, chunk_size=3).fit(model, data)
+    assert len(calls) == len(data)
+    monkeypatch.setattr(fsd.ewc, "_linear_layers", lambda m: None)
+    generic = fsd.EWC(fisher=kind, metric=metric, chunk_size=3).fit(model, data)
+    assert len(calls) == len(data)
+    for key, value in generic._state.items():
+        if key.startswith("fisher."):
+            torch.testing.assert_close(est._state[key], value, rtol=1e-12, atol=1e-15)
+
+
+class _SharedLinear(nn.Module):
+    """One Linear applied twice: per-example gradients are not one outer product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(3, 3).to(DTYPE)
+        self.head = nn.Linear(3, 2).to(DTYPE)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.inner(torch.relu(self.inner(x)))))
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: _SharedLinear(), id="linear-called-twice"),
+    pytest.param(lambda: nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.ReLU(),
+                                       nn.Linear(4, 2)).to(DTYPE), id="layernorm"),
+])
+def test_ewc_fisher_outside_the_linear_fast_path_matches_brute_force(make):
+    torch.manual_seed(98)
+    model = make()
+    data = labelled_batches(7, (3,), classes=2, seed=99, batch=3)
+    est = fsd.EWC(fisher="true", metric="kl").fit(model, data)
+    fisher = brute_fisher(model, stack(data)[0], "true", "kl")
+    for name, f in fisher.items():
+        torch.testing.assert_close(est._state[f"fisher.{name}"], f, rtol=1e-10, atol=1e-14)
+
+
 @pytest.mark.parametrize("metric", ["kl", "euclidean"])
 def test_ewc_sampled_fisher_is_unbiased(metric):
     """The sampled Fisher averages to the true Fisher: the trace over independent seeds

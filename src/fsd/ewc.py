@@ -84,6 +84,16 @@ class EWC(Estimator):
             grads = vmap(grad(projected), in_dims=(None, None, 0))(params, x, hs)
             return {k: g.pow(2).sum(0) for k, g in grads.items()}
 
+        def generic(x: Tensor, hs: Tensor) -> dict[str, Tensor]:
+            out = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
+            for xs, hc in zip(torch.split(x, self.config["chunk_size"]),
+                              torch.split(hs, self.config["chunk_size"])):
+                diag = vmap(example_diag)(xs, hc)
+                for k in out:
+                    out[k] += diag[k].sum(0).to(torch.float64)
+            return out
+
+        linear_layers = _linear_layers(model)
         total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
         count = 0
         for x, y in iter_batches(data, dtype=dtype, device=device, progress=progress,
@@ -91,11 +101,14 @@ class EWC(Estimator):
             with torch.no_grad():
                 z0 = select(functional_call(model, {**params, **buffers}, (x,)))
             hs = self._factors(z0, y, generator).detach()
-            for xs, hc in zip(torch.split(x, self.config["chunk_size"]),
-                              torch.split(hs, self.config["chunk_size"])):
-                diag = vmap(example_diag)(xs, hc)
-                for k in total:
-                    total[k] += diag[k].sum(0).to(torch.float64)
+            batch = None
+            if linear_layers is not None:
+                batch = _linear_fisher_diagonal(model, linear_layers, params, buffers, select,
+                                                x, hs)
+            if batch is None:
+                batch = generic(x, hs)
+            for k in total:
+                total[k] += batch[k].to(torch.float64)
             count += x.shape[0]
         for k, v in total.items():
             self._state[f"fisher.{k}"] = (v / count).to(dtype)
@@ -106,3 +119,62 @@ class EWC(Estimator):
         for name, p in model.named_parameters():
             total = total + (self._state[f"fisher.{name}"] * (p - theta0[name]).pow(2)).sum()
         return 0.5 * total
+
+
+def _linear_layers(model: nn.Module) -> dict[str, nn.Linear] | None:
+    """The model's ``nn.Linear`` modules by path if they hold every parameter, else ``None``."""
+    layers = {}
+    for path, module in model.named_modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            if type(module) is not nn.Linear:
+                return None
+            layers[path] = module
+    return layers or None
+
+
+def _linear_fisher_diagonal(model: nn.Module, layers: dict[str, nn.Linear],
+                            params: dict[str, Tensor], buffers: dict[str, Tensor],
+                            select: Any, x: Tensor, hs: Tensor) -> dict[str, Tensor] | None:
+    """Σ over examples and factors of (Jᵀh)² for a model whose parameters are all in Linears.
+
+    An example's gradient of h·z with respect to a Linear's weight is the outer product of
+    g = ∂(h·z)/∂s (s the layer's output) and the layer's input a, so the squared gradient
+    summed over examples is (g²)ᵀ(a²): one backward pass per factor for the whole batch, no
+    per-example gradient held. Returns ``None`` (use the generic path) when a Linear is not
+    called exactly once on a (batch, features) input, where that identity does not hold.
+    """
+    inputs: dict[str, list[Tensor]] = {path: [] for path in layers}
+    outputs: dict[str, list[Tensor]] = {path: [] for path in layers}
+
+    def record(path: str):
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
+            inputs[path].append(args[0])
+            outputs[path].append(output)
+        return hook
+
+    handles = [m.register_forward_hook(record(path)) for path, m in layers.items()]
+    try:
+        live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        z = select(functional_call(model, {**live, **buffers}, (x,)))
+    finally:
+        for handle in handles:
+            handle.remove()
+    if any(len(inputs[p]) != 1 or inputs[p][0].dim() != 2 or outputs[p][0].dim() != 2
+           or inputs[p][0].shape[0] != x.shape[0] for p in layers):
+        return None
+    paths = list(layers)
+    acts_sq = {p: inputs[p][0].detach().pow(2) for p in paths}
+    out = {k: torch.zeros_like(v) for k, v in params.items()}
+    factors = hs.shape[1]
+    for j in range(factors):
+        grads = torch.autograd.grad((z * hs[:, j]).sum(), [outputs[p][0] for p in paths],
+                                    retain_graph=j < factors - 1, allow_unused=True)
+        for path, g in zip(paths, grads):
+            if g is None:
+                continue
+            prefix = f"{path}." if path else ""
+            g_sq = g.pow(2)
+            out[f"{prefix}weight"] += g_sq.T @ acts_sq[path]
+            if f"{prefix}bias" in out:
+                out[f"{prefix}bias"] += g_sq.sum(0)
+    return out
