@@ -59,3 +59,19 @@ def test_full_covariance_trace_runs_under_vmap_and_func_grad():
         r = r.clone().requires_grad_(True)
         expected, = torch.autograd.grad(_dense(r, cov).sum(), r)
         torch.testing.assert_close(g, expected)
+
+
+def test_trace_under_vmap_with_batched_covariances_and_second_derivatives():
+    rows, cov = _problem(4)
+    covs = torch.stack([cov, 2 * cov])
+    stacked = torch.stack([rows, -rows])
+    batched = torch.func.vmap(quadratic_trace)(stacked, covs)  # both batched: no sharing
+    torch.testing.assert_close(batched, torch.stack([_dense(r, c) for r, c in zip(stacked, covs)]))
+    # reverse-over-reverse under vmap (shared C): the Hessian of Σ tr(P C Pᵀ) in P is 2 C per row
+    hess = torch.func.vmap(torch.func.jacrev(torch.func.jacrev(
+        lambda r: quadratic_trace(r, cov).sum())))(stacked)
+    g, k, d = rows.shape
+    for h in hess:
+        h = h.reshape(g * k * d, g * k * d)
+        expected = torch.block_diag(*[torch.kron(torch.eye(k, dtype=DTYPE), 2 * c) for c in cov])
+        torch.testing.assert_close(h, expected)

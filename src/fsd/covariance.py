@@ -32,14 +32,53 @@ def sandwich(weight: Tensor, cov: Covariance) -> Tensor:
     return weight @ cov @ weight.T
 
 
+def _fold_shared(rows: Tensor, rows_dim: int | None, cov: Tensor, cov_dim: int | None
+                 ) -> tuple[Tensor, Tensor, int]:
+    """rows @ cov per component for vmap rules; returns (rows, rows @ cov, batch dim).
+
+    With rows batched and cov shared, the batch is folded into rows' k: one (G, B·k, d) ×
+    (G, d, d) product. Broadcasting matmul would instead copy cov once per batch element
+    (for a 30-component mixture that copy was most of a batched PBRF step).
+    """
+    if cov_dim is None and rows_dim is not None:
+        rows = rows.movedim(rows_dim, 1)  # (G, B, k, d)
+        groups, batch, k, d = rows.shape
+        return rows, torch.bmm(rows.reshape(groups, batch * k, d), cov).reshape(rows.shape), 1
+    rows = rows.movedim(rows_dim, 0) if rows_dim is not None else rows.unsqueeze(0)
+    cov = cov.movedim(cov_dim, 0) if cov_dim is not None else cov.unsqueeze(0)
+    return rows, rows @ cov, 0
+
+
+class _RowsTimesCovariance(torch.autograd.Function):
+    """P C for a fixed symmetric C, differentiable in P, with the folding vmap rule."""
+
+    @staticmethod
+    def forward(rows: Tensor, cov: Tensor) -> Tensor:
+        return rows @ cov
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        cov, = ctx.saved_tensors
+        return _RowsTimesCovariance.apply(grad, cov), None  # C symmetric
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, int | None], rows: Tensor, cov: Tensor
+             ) -> tuple[Tensor, int]:
+        _, rows_cov, dim = _fold_shared(rows, in_dims[0], cov, in_dims[1])
+        return rows_cov, dim
+
+
 class _SymmetricQuadraticTrace(torch.autograd.Function):
     """tr(P C Pᵀ) for a fixed symmetric C: the gradient 2 P C reuses the forward's P C, so
     the backward pass does not multiply by the (G, d, d) covariance a second time.
 
-    Written in the ``setup_context`` form with a generated vmap rule, so it also runs under
-    ``torch.func`` transforms (batched PBRF solves vmap over stacked parameters)."""
-
-    generate_vmap_rule = True
+    Written in the ``setup_context`` form with its own vmap rule, so it also runs under
+    ``torch.func`` transforms (batched PBRF solves vmap ``grad`` over stacked parameters),
+    without copying C per batch element (:func:`_fold_shared`)."""
 
     @staticmethod
     def forward(rows: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
@@ -57,9 +96,15 @@ class _SymmetricQuadraticTrace(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor, _unused: Tensor | None) -> tuple[Tensor, None]:
         rows, cov, rows_cov = ctx.saved_tensors
-        if torch.is_grad_enabled():  # double backward: keep the graph through rows
-            rows_cov = rows @ cov
+        if torch.is_grad_enabled():  # double backward (torch.func.grad always asks for it)
+            rows_cov = _RowsTimesCovariance.apply(rows, cov)  # keeps the graph through rows
         return 2 * grad[..., None, None] * rows_cov, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, int | None], rows: Tensor, cov: Tensor
+             ) -> tuple[tuple[Tensor, Tensor], tuple[int, int]]:
+        rows, rows_cov, dim = _fold_shared(rows, in_dims[0], cov, in_dims[1])
+        return ((rows_cov * rows).sum((-1, -2)), rows_cov), (dim, dim)
 
 
 def quadratic_trace(rows: Tensor, cov: Covariance) -> Tensor:
