@@ -25,7 +25,9 @@ Distance terms D, one per method (all solved with the *same* optimizer and numbe
   set; no training data is touched while optimizing. BGLN-D only computes the Euclidean metric
   on outputs (logits), so for classification it stands in for the KL term.
 
-The PBRF is minimized by plain SGD (no momentum) from θ0 with learning rate ``pbrf_lr``; the UCI
+The PBRF is minimized by plain SGD (no momentum) from θ0 with learning rate ``pbrf_lr``, the
+PBRFs of ``points_per_solve`` points side by side (:class:`PBRF`: vmap over stacked copies of
+θ, the same arithmetic as one solve after another); the UCI
 experiment uses the base network's (validation-chosen) learning rate and 20 epochs' worth of
 steps (20·⌈N/128⌉), as in the paper's appendix; the MNIST experiment uses 0.003 for 100 steps
 (larger rates make SGD diverge on BGLN-D's Euclidean-on-logits term).
