@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 DATA_DIR ?= $(if $(FSD_DATA_DIR),$(FSD_DATA_DIR),$(abspath ../shared/data))
 
-.PHONY: setup test demo clean
+.PHONY: setup test lint docs demo clean
 
 setup: $(STAMP)
 
@@ -17,11 +17,20 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,lint,docs]"
 	touch $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# ruff (pyflakes, import order, bugbear, docstrings of public names) and pyright on the sources
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/pyright src
+
+# API reference from the docstrings (docs/api/, not committed); warnings fail the build
+docs: $(STAMP)
+	$(PY) -W error -m pdoc --docformat google -o docs/api fsd
 
 # Split MNIST, BGLN-D vs finetune, one seed, 3 epochs per task (≈1.5 min on 2 idle cores);
 # λ = 3.2 for BGLN-D with each summary on its task's head: the setting docs/results.md

@@ -21,7 +21,7 @@ import torch
 
 import fsd
 import fsd.ewc
-from fsd.compare import mlp
+from fsd_experiments.compare import mlp
 
 
 def _fit(model: torch.nn.Module, data: list, device: torch.device) -> tuple[float, dict]:

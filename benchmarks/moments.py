@@ -16,8 +16,8 @@ import platform
 import torch
 
 import fsd
-from fsd.compare import mlp
-from fsd.data import DataNotFoundError, TensorBatches, load_mnist
+from fsd_experiments.compare import mlp
+from fsd_experiments.data import DataNotFoundError, TensorBatches, load_mnist
 
 from penalty import median_ms, perturbed  # noqa: E402  (same folder)
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from fsd import influence
-from fsd.compare import mlp
+from fsd_experiments.compare import mlp
 
 
 def _sync(device: torch.device) -> None:

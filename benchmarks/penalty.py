@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 import fsd
-from fsd.compare import mlp, train
-from fsd.data import DataNotFoundError, TensorBatches, load_mnist, split_by_classes
+from fsd_experiments.compare import mlp, train
+from fsd_experiments.data import DataNotFoundError, TensorBatches, load_mnist, split_by_classes
 
 
 DEVICE = torch.device("cpu")

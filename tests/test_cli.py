@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fsd.cli import main
+from fsd_experiments.cli import main
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
@@ -25,8 +25,8 @@ def test_help_lists_commands(capsys):
     assert "compare-estimators" in out and "data" in out
 
 
-def test_python_dash_m_fsd_runs():
-    result = subprocess.run([sys.executable, "-m", "fsd", "--help"], capture_output=True,
+def test_python_dash_m_fsd_experiments_runs():
+    result = subprocess.run([sys.executable, "-m", "fsd_experiments", "--help"], capture_output=True,
                             text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert "usage: fsd" in result.stdout

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsd import continual
+from fsd_experiments import continual
 from fsd import load as fsd_load
-from fsd.cli import main
-from fsd.compare import mlp
+from fsd_experiments.cli import main
+from fsd_experiments.compare import mlp
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
@@ -157,7 +157,7 @@ def test_missing_data_gives_clear_error(tmp_path, capsys):
 
 @needs_mnist
 def test_killed_run_resumes_after_last_finished_task(tmp_path, capsys):
-    args = [sys.executable, "-m", "fsd", "cl", "--benchmark", "split-mnist", "--method",
+    args = [sys.executable, "-m", "fsd_experiments", "cl", "--benchmark", "split-mnist", "--method",
             "bgln-d", "--seeds", "5", "--no-plots", "--epochs", "2", "--train-subset", "800",
             "--width", "64",
             "--test-subset", "100", "--tasks", "3", "--no-progress", "--data-dir",
@@ -312,7 +312,7 @@ def test_penalty_gap_compares_each_summary_with_the_true_fsd(tmp_path, capsys):
         assert r["ratio"] == pytest.approx(r["estimate"] / r["true_fsd"])
     # the true FSD by hand: ½‖Δz‖² on the task's head, averaged over its first 200 inputs
     import torch
-    from fsd.compare import mlp
+    from fsd_experiments.compare import mlp
     tasks, _ = continual.make_tasks("split-mnist", str(DATA_DIR), 3, train_subset=200,
                                     test_subset=100, num_tasks=3)
     final = mlp(784, 32, 2, 10)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import fsd
-from fsd import continual
+from fsd_experiments import continual
 
 from conftest import labelled_batches, mlp, perturbed
 
@@ -149,7 +149,7 @@ def test_continual_run_on_cuda_resumes_on_cpu(tmp_path, method):
 
 @pytest.mark.skipif(not (DATA_DIR / "mnist").is_dir(), reason=f"no MNIST under {DATA_DIR}")
 def test_mislabeled_detection_on_cuda_scores_as_on_cpu():
-    from fsd import influence
+    from fsd_experiments import influence
     tiny = dict(n_train=200, pool=30, width=16, epochs=1, pbrf_steps=3, cg_iters=3, cg_data=50,
                 bgln_rank=4, data_dir=DATA_DIR, progress=False)
     methods = ["bgln-d", "ewc", "cg", "exact"]

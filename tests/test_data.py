@@ -1,4 +1,4 @@
-"""Tests for fsd.data: idx parsing, MNIST/UCI/CIFAR loaders, fetching and small utilities."""
+"""Tests for fsd_experiments.data: idx parsing, MNIST/UCI/CIFAR loaders, fetching and small utilities."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from fsd import data
-from fsd.data import (
+from fsd_experiments import data
+from fsd_experiments.data import (
     MNIST_FILES,
     MNIST_SHA256,
     UCI_DATASETS,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsd.cli import main
-from fsd.fidelity import (Benchmark, FidelityConfig, Task, fidelity_metrics, fit_suite,
+from fsd_experiments.cli import main
+from fsd_experiments.fidelity import (Benchmark, FidelityConfig, Task, fidelity_metrics, fit_suite,
                           load_benchmark, run_fidelity, train_reference)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"

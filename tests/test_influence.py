@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 import fsd
-import fsd.data
+import fsd_experiments.data
 from fsd import influence
-from fsd.cli import main
+from fsd_experiments import influence as studies
+from fsd_experiments.cli import main
+from fsd_experiments.stats import kmeans_labels
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
@@ -150,8 +152,8 @@ def test_batched_solves_equal_solving_one_point_at_a_time(method, point_term):
     y = torch.randn(40, 1, dtype=DTYPE)
     model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
                           nn.Linear(8, 1)).to(DTYPE)
-    term = influence.make_term(method, model, x, y, "squared", batch_size=16,
-                               bgln_clusters=3 if method == "bgln-d" else None)
+    groups = kmeans_labels(x, 3) if method == "bgln-d" else None
+    term = influence.make_term(method, model, x, y, "squared", batch_size=16, bgln_groups=groups)
     settings = dict(damping=0.01, steps=12, lr=0.3, point_term=point_term)
     expected = _one_point_at_a_time(model, term, 40, x[:5], y[:5], **settings)
     solver = influence.PBRF(model, term, 40, loss="squared", **settings)
@@ -201,9 +203,9 @@ def test_bgln_d_clusters_reach_the_estimator_as_a_mixture():
     with torch.no_grad():
         for p in moved.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    # one cluster per point: every component is a point mass with its own 0/1 gates, where
+    # one group per point: every component is a point mass with its own 0/1 gates, where
     # BGLN-D is exactly LAFTR over the data (true gates, no input variance)
-    clustered = influence.make_term("bgln-d", model, x, y, "squared", bgln_clusters=30)
+    clustered = influence.make_term("bgln-d", model, x, y, "squared", bgln_groups=torch.arange(30))
     laftr = fsd.LAFTR(inputs="coreset", coreset_size=None).fit(model, x)
     torch.testing.assert_close(clustered(moved), laftr.distance(moved), rtol=1e-10, atol=1e-14)
     assert clustered.estimator._state["weights"].shape[0] == 30
@@ -214,12 +216,13 @@ def test_bgln_d_clusters_reach_the_estimator_as_a_mixture():
         for p in moved_linear.parameters():
             p.add_(0.2 * torch.randn_like(p))
     exact = influence.make_term("exact", linear, x, y, "squared", batch_size=None)
-    three = influence.make_term("bgln-d", linear, x, y, "squared", bgln_clusters=3)
+    three = influence.make_term("bgln-d", linear, x, y, "squared", bgln_groups=kmeans_labels(x, 3))
+    with pytest.raises(ValueError, match="bgln_groups has 3 labels for 30"):
+        influence.make_term("bgln-d", linear, x, y, "squared", bgln_groups=torch.arange(3))
     torch.testing.assert_close(three(moved_linear), exact(moved_linear), rtol=1e-10, atol=1e-12)
 
 
 def test_kmeans_labels_recovers_separated_clusters():
-    from fsd.statistics import kmeans_labels
     g = torch.Generator().manual_seed(0)
     centers = torch.tensor([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
     truth = torch.arange(90) % 3
@@ -249,7 +252,7 @@ def test_bgln_d_moments_option_reaches_the_estimator():
     paper = influence.make_term("bgln-d", model, x, y, "squared")(moved)
     exact = influence.make_term("bgln-d", model, x, y, "squared", bgln_moments="exact")(moved)
     direct = fsd.BGLN(deterministic=True, moments="exact").fit(
-        model, fsd.data.TensorBatches(x, y, 1024)).distance(moved)
+        model, fsd_experiments.data.TensorBatches(x, y, 1024)).distance(moved)
     torch.testing.assert_close(exact, direct, rtol=1e-10, atol=1e-12)
     assert abs(float(exact - paper)) > 1e-3 * float(exact)
 
@@ -317,10 +320,10 @@ def test_ewc_term_is_the_gauss_newton_diagonal():
 
 def test_detection_curve_and_auc():
     corrupted = np.array([1, 0, 1, 0, 0], dtype=float)
-    checked, found = influence.detection_curve(np.array([5, 1, 4, 2, 3.0]), corrupted)
+    checked, found = studies.detection_curve(np.array([5, 1, 4, 2, 3.0]), corrupted)
     assert found.tolist() == [0, 0.5, 1, 1, 1, 1]
-    assert influence.area_under(checked, found) == pytest.approx(0.8)
-    y, mask = influence.corrupt_labels(torch.arange(10) % 10, 0.3, 10,
+    assert studies.area_under(checked, found) == pytest.approx(0.8)
+    y, mask = studies.corrupt_labels(torch.arange(10) % 10, 0.3, 10,
                                        torch.Generator().manual_seed(0))
     assert int(mask.sum()) == 3 and bool((y[mask] != (torch.arange(10) % 10)[mask]).all())
 
@@ -330,8 +333,8 @@ def test_detection_auc_closed_form_matches_the_curve():
     corrupted = (rng.random(50) < 0.2).astype(float)
     scores = rng.normal(size=50) + corrupted
     rows = rng.integers(0, 50, size=(20, 50))  # resampled pools repeat points
-    fast = influence._detection_aucs(scores[rows], corrupted[rows])
-    slow = [influence.area_under(*influence.detection_curve(scores[r], corrupted[r]))
+    fast = studies._detection_aucs(scores[rows], corrupted[rows])
+    slow = [studies.area_under(*studies.detection_curve(scores[r], corrupted[r]))
             for r in rows]
     assert fast == pytest.approx(slow, rel=1e-12)
 
@@ -340,7 +343,7 @@ def test_detection_intervals_pairing_and_separation():
     rng = np.random.default_rng(4)
     corrupted = (rng.random(400) < 0.1).astype(float)
     informative = corrupted + rng.normal(size=400)
-    boot = influence.detection_intervals(
+    boot = studies.detection_intervals(
         {"ewc": informative, "bgln-d": informative.copy(), "random": rng.random(400),
          "broken": np.where(np.arange(400) == 7, np.nan, informative)},
         corrupted, resamples=500)
@@ -348,10 +351,10 @@ def test_detection_intervals_pairing_and_separation():
     assert boot["difference"]["random"]["auc"][1] < 0  # clearly worse than EWC
     assert "broken" not in boot["auc"]
     lo, hi = boot["auc"]["ewc"]
-    point = influence.area_under(*influence.detection_curve(informative, corrupted))
+    point = studies.area_under(*studies.detection_curve(informative, corrupted))
     assert lo < point < hi
     with pytest.raises(ValueError, match="both corrupted and clean"):
-        influence.detection_intervals({"ewc": informative}, np.zeros(400))
+        studies.detection_intervals({"ewc": informative}, np.zeros(400))
 
 
 def test_detection_intervals_cover_a_random_rankers_auc():
@@ -360,7 +363,7 @@ def test_detection_intervals_cover_a_random_rankers_auc():
     repeats, covered = 60, 0
     for r in range(repeats):
         corrupted = (rng.random(200) < 0.15).astype(float)
-        lo, hi = influence.detection_intervals({"random": rng.random(200)}, corrupted,
+        lo, hi = studies.detection_intervals({"random": rng.random(200)}, corrupted,
                                                resamples=400, level=0.9, seed=r)["auc"]["random"]
         covered += lo <= 0.5 <= hi
     assert 0.8 <= covered / repeats <= 0.98
@@ -370,17 +373,17 @@ def test_pool_mask_is_rebuilt_from_a_saved_curve():
     rng = np.random.default_rng(6)
     corrupted = (rng.random(30) < 0.3).astype(float)
     scores = rng.normal(size=30)
-    _, found = influence.detection_curve(scores, corrupted)
+    _, found = studies.detection_curve(scores, corrupted)
     old_format = {"pool": {"size": 30}, "scores": {"cg": scores.tolist()},
                   "curves": {"cg": found.tolist()}}
-    assert influence.pool_corrupted(old_format).tolist() == corrupted.tolist()
+    assert studies.pool_corrupted(old_format).tolist() == corrupted.tolist()
 
 
 def test_bootstrap_intervals_degenerate_cases_and_pearson():
     rng = np.random.default_rng(1)
     reference = rng.normal(size=40)
     noisy = reference + rng.normal(size=40)
-    boot = influence.bootstrap_intervals(
+    boot = studies.bootstrap_intervals(
         {"bgln-d": 3 * reference + 1, "ewc": 3 * reference + 1, "cg": noisy,
          "broken": np.where(np.arange(40) == 3, np.nan, noisy)}, reference, resamples=300)
     # an exact linear function of the reference: every resample correlates perfectly
@@ -390,17 +393,17 @@ def test_bootstrap_intervals_degenerate_cases_and_pearson():
     assert boot["difference"]["bgln-d"]["pearson"] == pytest.approx([0, 0], abs=1e-12)
     assert "broken" not in boot["pearson"]  # non-finite scores: left out
     lo, hi = boot["pearson"]["cg"]
-    point = influence.correlations(noisy, reference)["pearson"]
+    point = studies.correlations(noisy, reference)["pearson"]
     assert lo < point < hi and hi - lo > 0.05
     # the vectorized Pearson is scipy's
     from scipy import stats
     rows = rng.integers(0, 40, size=(5, 40))
-    assert influence._rowwise_pearson(noisy[rows], reference[rows]) == pytest.approx(
+    assert studies._rowwise_pearson(noisy[rows], reference[rows]) == pytest.approx(
         [stats.pearsonr(noisy[r], reference[r])[0] for r in rows], rel=1e-12)
     with pytest.raises(ValueError, match="level"):
-        influence.bootstrap_intervals({"cg": noisy}, reference, level=1.5)
+        studies.bootstrap_intervals({"cg": noisy}, reference, level=1.5)
     with pytest.raises(ValueError, match="scores for 40"):
-        influence.bootstrap_intervals({"cg": noisy[:10]}, reference)
+        studies.bootstrap_intervals({"cg": noisy[:10]}, reference)
 
 
 def test_bootstrap_intervals_cover_the_true_correlation():
@@ -411,7 +414,7 @@ def test_bootstrap_intervals_cover_the_true_correlation():
     for r in range(repeats):
         z = rng.normal(size=(n, 2))
         x, y = z[:, 0], rho * z[:, 0] + np.sqrt(1 - rho ** 2) * z[:, 1]
-        lo, hi = influence.bootstrap_intervals({"m": y}, x, resamples=400, level=0.9,
+        lo, hi = studies.bootstrap_intervals({"m": y}, x, resamples=400, level=0.9,
                                                seed=r)["pearson"]["m"]
         covered += lo <= rho <= hi
     assert 0.8 <= covered / repeats <= 0.98
@@ -419,7 +422,7 @@ def test_bootstrap_intervals_cover_the_true_correlation():
 
 def test_unknown_names_are_clear_errors(tmp_path, capsys):
     with pytest.raises(ValueError, match="unknown method"):
-        influence.run_uci("concrete", ["exact", "magic"], data_dir=tmp_path)
+        studies.run_uci("concrete", ["exact", "magic"], data_dir=tmp_path)
     assert main(["influence", "uci", "--dataset", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown UCI data set 'nope'" in capsys.readouterr().err
     assert main(["influence", "uci", "--dataset", "concrete", "--out", str(tmp_path),
@@ -473,14 +476,14 @@ def test_oracle_repeat_measures_the_oracles_own_noise(tmp_path, capsys):
                 progress=False)
     # fewer training points than one batch: the oracle's "minibatches" are the whole set, so
     # a second stream must give the very same scores
-    small = influence.run_uci("concrete", ["exact"], subset=100, oracle_repeat=True,
+    small = studies.run_uci("concrete", ["exact"], subset=100, oracle_repeat=True,
                               out=tmp_path / "small", **tiny)
     assert "exact repeat P" in (tmp_path / "small" / "results.md").read_text()
     assert small["n_train"] < 128
     np.testing.assert_allclose(small["oracle_repeat"]["scores"], small["scores"]["exact"],
                                rtol=1e-12)
     # with real minibatches the second stream differs, and its correlation is the one reported
-    big = influence.run_uci("concrete", ["exact", "ewc"], subset=400, oracle_repeat=True,
+    big = studies.run_uci("concrete", ["exact", "ewc"], subset=400, oracle_repeat=True,
                             out=tmp_path / "big", **tiny)
     again, first = (np.asarray(big["oracle_repeat"]["scores"]),
                     np.asarray(big["scores"]["exact"]))
@@ -489,7 +492,7 @@ def test_oracle_repeat_measures_the_oracles_own_noise(tmp_path, capsys):
         float(np.corrcoef(again, first)[0, 1]))
     assert "exact repeat P" in (tmp_path / "big" / "results.md").read_text()
     with pytest.raises(ValueError, match="oracle_repeat needs 'exact'"):
-        influence.run_uci("concrete", ["ewc"], subset=100, oracle_repeat=True, **tiny)
+        studies.run_uci("concrete", ["ewc"], subset=100, oracle_repeat=True, **tiny)
 
 
 def test_ewc_fisher_choice_reaches_the_pbrf_term():

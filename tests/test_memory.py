@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from fsd.cli import main
-from fsd.memory import (CIFAR_CNN_P, PAPER_MEMORY_GAIN, cifar_cnn, count_architecture,
+from fsd_experiments.cli import main
+from fsd_experiments.memory import (CIFAR_CNN_P, PAPER_MEMORY_GAIN, cifar_cnn, count_architecture,
                         measured_counts, memory_costs, memory_gain_table, percentage_reduction)
 
 

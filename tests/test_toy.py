@@ -7,8 +7,8 @@ import copy
 import torch
 
 from fsd import LAFTR, NTK
-from fsd.compare import mlp
-from fsd.toy import ToyConfig, format_toy, laftr_outputs, ntk_outputs, run_toy, toy_plot
+from fsd_experiments.compare import mlp
+from fsd_experiments.toy import ToyConfig, format_toy, laftr_outputs, ntk_outputs, run_toy, toy_plot
 
 
 def pair() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:

@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from .compare import mlp
-from .estimator import Estimator
-from .ewc import EWC
-from .linearized import BGLN, LAFTR
-from .ntk import NTK
+from fsd.estimator import Estimator
+from fsd.ewc import EWC
+from fsd.linearized import BGLN, LAFTR
+from fsd.ntk import NTK
 
 #: the paper's memory-gain table: (C, N) -> (LAFTR at d = 1000, 2000, 3000; LAFTR (coreset))
 PAPER_MEMORY_GAIN: dict[tuple[int, int], tuple[tuple[float, ...], tuple[float, ...]]] = {

@@ -56,14 +56,14 @@ from tqdm.auto import tqdm
 
 from .compare import mlp
 from .data import TensorBatches, load_mnist, resolve_data_dir, split_by_classes
-from .estimator import Estimator, atomic_torch_save, load
-from .ewc import EWC
-from .exact import ExactFSD
-from .linearized import BGLN, LAFTR
-from .metrics import METRICS, check_metric
-from .ntk import NTK
-from .statistics import StatisticsCollector
-from .summary_set import combine
+from fsd.estimator import Estimator, atomic_torch_save, load
+from fsd.ewc import EWC
+from fsd.exact import ExactFSD
+from fsd.linearized import BGLN, LAFTR
+from fsd.metrics import METRICS, check_metric
+from fsd.ntk import NTK
+from fsd.statistics import StatisticsCollector
+from fsd.summary_set import combine
 
 __all__ = [
     "BENCHMARKS", "METHODS", "PAPER", "MethodSpec", "Task", "accuracy_summary", "add_cli",

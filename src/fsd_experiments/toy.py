@@ -31,10 +31,10 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp
 
 from .compare import mlp
-from .estimator import Estimator
-from .ewc import EWC
-from .linearized import BGLN
-from .ntk import NTK
+from fsd.estimator import Estimator
+from fsd.ewc import EWC
+from fsd.linearized import BGLN
+from fsd.ntk import NTK
 
 REGULARIZERS: dict[str, Callable[[], Estimator]] = {
     "BGLN-D": lambda: BGLN(deterministic=True),

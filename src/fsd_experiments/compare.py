@@ -17,11 +17,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .data import TensorBatches, load_mnist, split_by_classes
-from .estimator import Estimator
-from .ewc import EWC
-from .exact import ExactFSD
-from .linearized import BGLN, LAFTR
-from .ntk import NTK
+from fsd.estimator import Estimator
+from fsd.ewc import EWC
+from fsd.exact import ExactFSD
+from fsd.linearized import BGLN, LAFTR
+from fsd.ntk import NTK
 
 
 def mlp(input_dim: int, width: int, depth: int, outputs: int) -> nn.Sequential:

@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from . import __version__
+from fsd import __version__
 
 
 def _add_data_dir(parser: argparse.ArgumentParser) -> None:

@@ -33,12 +33,12 @@ from torch import Tensor, nn
 
 from .compare import mlp
 from .data import TensorBatches, load_mnist, split_by_classes
-from .estimator import Estimator
-from .ewc import EWC
-from .exact import ExactFSD
-from .linearized import BGLN, LAFTR
-from .ntk import NTK
-from .statistics import StatisticsCollector
+from fsd.estimator import Estimator
+from fsd.ewc import EWC
+from fsd.exact import ExactFSD
+from fsd.linearized import BGLN, LAFTR
+from fsd.ntk import NTK
+from fsd.statistics import StatisticsCollector
 
 BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist")
 STUDIES: tuple[str, ...] = ("pairs", "depth", "minimize")

@@ -1,0 +1,5 @@
+"""``python -m fsd_experiments``: the ``fsd`` command line."""
+
+from .cli import main
+
+raise SystemExit(main())
