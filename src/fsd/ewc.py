@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from .estimator import Data, Estimator, iter_batches
+from .hooks import forward_hooks
 from .metrics import check_metric, output_hessian_factors
 
 FISHERS = ("true", "sampled", "empirical")
@@ -143,13 +144,20 @@ def _linear_fisher_diagonal(model: nn.Module, layers: dict[str, nn.Linear],
     per-example gradient held. Returns ``None`` (use the generic path) when a Linear is not
     called exactly once on a (batch, features) input, where that identity does not hold.
     """
+    if forward_hooks(model):
+        return None  # a user's hook may change the outputs recorded here: generic path
     inputs: dict[str, list[Tensor]] = {path: [] for path in layers}
     outputs: dict[str, list[Tensor]] = {path: [] for path in layers}
+    versions: dict[str, int] = {}
 
     def record(path: str):
-        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
             inputs[path].append(args[0])
+            versions[path] = args[0]._version
             outputs[path].append(output)
+            # the rest of the forward gets a copy, so an in-place op after the layer (e.g.
+            # ReLU(inplace=True)) cannot turn `output` into its own result
+            return output.clone()
         return hook
 
     handles = [m.register_forward_hook(record(path)) for path, m in layers.items()]
@@ -162,6 +170,8 @@ def _linear_fisher_diagonal(model: nn.Module, layers: dict[str, nn.Linear],
     if any(len(inputs[p]) != 1 or inputs[p][0].dim() != 2 or outputs[p][0].dim() != 2
            or inputs[p][0].shape[0] != x.shape[0] for p in layers):
         return None
+    if any(inputs[p][0]._version != versions[p] for p in layers):
+        return None  # a layer's input was overwritten in place after the layer read it
     paths = list(layers)
     acts_sq = {p: inputs[p][0].detach().pow(2) for p in paths}
     out = {k: torch.zeros_like(v) for k, v in params.items()}

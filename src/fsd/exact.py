@@ -15,7 +15,8 @@ from .metrics import check_metric, pointwise_distance
 class ExactFSD(Estimator):
     """Empirical FSD (1/N) Σ_i ρ(f(x_i, θ0), f(x_i, θ)) over all data seen by ``fit``.
 
-    Nonparametric by definition: it keeps the data. Works with any ``nn.Module``.
+    Nonparametric by definition: it keeps the data and the reference outputs f(x, θ0).
+    Works with any ``nn.Module``.
 
     Args:
         metric: ``"euclidean"``, ``"softmax_euclidean"`` or ``"kl"`` (see :mod:`fsd.metrics`).
@@ -30,15 +31,24 @@ class ExactFSD(Estimator):
         xs = [x for x, _ in iter_batches(data, dtype=dtype, device=device, progress=progress,
                                          desc="ExactFSD: storing data")]
         self._state["data.x"] = torch.cat(xs)
+        # f(x, θ0) belongs to the reference network given here, not to whichever model a
+        # later distance() call passes (another forward with the same parameter shapes)
+        reference = self._reference_state()
+        with torch.no_grad():
+            self._state["data.f0"] = torch.cat([functional_call(model, reference, (chunk,))
+                                                for chunk in self._chunks()])
 
-    def _reference_outputs(self, model: nn.Module) -> list[Tensor]:
-        # f(x, θ0) is fixed after fit: compute once per placement and reuse.
-        if "f0" not in self._cache:
+    def _reference_outputs(self, model: nn.Module) -> tuple[Tensor, ...]:
+        if "data.f0" in self._state:
+            return torch.split(self._state["data.f0"], self.config["batch_size"])
+        # a summary saved before f(x, θ0) was stored: evaluate it at θ0 for each model object
+        key = ("f0", id(model))
+        if key not in self._cache:
             reference = self._reference_state()
             with torch.no_grad():
-                self._cache["f0"] = [functional_call(model, reference, (chunk,))
-                                     for chunk in self._chunks()]
-        return self._cache["f0"]
+                self._cache[key] = tuple(functional_call(model, reference, (chunk,))
+                                         for chunk in self._chunks())
+        return self._cache[key]
 
     def _chunks(self) -> tuple[Tensor, ...]:
         return torch.split(self._state["data.x"], self.config["batch_size"])

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from .covariance import Covariance, quadratic_trace, sandwich
 from .covariance import gate as gate_covariance
+from .hooks import forward_hooks
 from .rules import LayerRule, UnsupportedModuleError, rule_for
 
 
@@ -64,6 +65,12 @@ def trace(model: nn.Module) -> list[TracedLayer]:
     visit(model, "")
     if not layers:
         raise UnsupportedModuleError("the model has no layers")
+    hooks = forward_hooks(model)
+    if hooks:
+        raise UnsupportedModuleError(
+            f"the model has a {hooks[0]}: LAFTR and BGLN evaluate the layers from their rules "
+            f"and would ignore what the hook changes; remove it (handle.remove()) or use "
+            f"ExactFSD, NTK or EWC, which run the model's forward")
     return layers
 
 

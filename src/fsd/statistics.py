@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from .hooks import recording_hook
 from .interpreter import trace
 
 
@@ -210,7 +211,8 @@ class StatisticsCollector:
         self.gate_paths = [layer.path for layer in trace(model) if layer.rule.kind == "gate"] \
             if gates else []
         if moments is not None:
-            self._handles.append(model.register_forward_pre_hook(self._input_hook))
+            self._handles.append(model.register_forward_pre_hook(
+                recording_hook(self._input_hook_fn())))
         modules = dict(model.named_modules())
         self.layer_paths = [layer.path for layer in trace(model)
                             if layer.rule.kind == "affine"][1:] if layer_moments else []
@@ -256,6 +258,12 @@ class StatisticsCollector:
         for c in torch.unique(labels).tolist():
             yield int(c), batch[labels == c]
 
+    def _input_hook_fn(self):
+        # a plain function (a bound method cannot carry the recording mark)
+        def hook(module: nn.Module, args: tuple) -> None:
+            self._input_hook(module, args)
+        return hook
+
     def _input_hook(self, module: nn.Module, args: tuple) -> None:
         if not self._active:
             return
@@ -276,7 +284,7 @@ class StatisticsCollector:
             for key, part in self._split(args[0]):
                 per_path = self._gate_acc.setdefault(key, {})
                 per_path.setdefault(path, GateAccumulator(self.momentum)).update(part)
-        return hook
+        return recording_hook(hook)
 
     def _layer_hook(self, path: str):
         def hook(module: nn.Module, args: tuple) -> None:
@@ -285,7 +293,7 @@ class StatisticsCollector:
             for key, part in self._split(args[0].detach()):
                 per_path = self._layer_acc.setdefault(key, {})
                 per_path.setdefault(path, MomentAccumulator()).update(part)
-        return hook
+        return recording_hook(hook)
 
     @property
     def count(self) -> int:

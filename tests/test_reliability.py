@@ -1,0 +1,186 @@
+"""No silent wrong numbers: in-place activations, forward hooks, models swapped after fit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fsd
+from fsd.metrics import output_hessian_factors
+
+DTYPE = torch.float64
+
+
+def _perturbed(model: nn.Module, scale: float = 0.3, seed: int = 1) -> nn.Module:
+    moved = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return moved
+
+
+def fisher_diagonal_brute_force(model: nn.Module, x: torch.Tensor, metric: str
+                                ) -> dict[str, torch.Tensor]:
+    """(1/N) Σ_i Σ_k (J_iᵀ h_ik)², one autograd call per example and factor."""
+    params = dict(model.named_parameters())
+    total = {k: torch.zeros_like(v) for k, v in params.items()}
+    for xi in x:
+        z = model(xi.unsqueeze(0))[0]
+        for h in output_hessian_factors(metric, z.detach().unsqueeze(0))[0]:
+            grads = torch.autograd.grad((z * h).sum(), list(params.values()), retain_graph=True)
+            for k, g in zip(params, grads):
+                total[k] += g.pow(2)
+    return {k: v / x.shape[0] for k, v in total.items()}
+
+
+class InPlaceForward(nn.Module):
+    """An MLP whose forward rectifies in place, without a module for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        h.relu_()
+        return self.second(h)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)),
+    lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 8),
+                          nn.LeakyReLU(0.1, inplace=True), nn.Linear(8, 3)),
+    InPlaceForward,
+])
+@pytest.mark.parametrize("metric", ["kl", "euclidean"])
+def test_ewc_fisher_with_in_place_activations_matches_per_example_brute_force(build, metric):
+    torch.manual_seed(0)
+    model = build().to(DTYPE)
+    x = torch.randn(64, 4, dtype=DTYPE)
+    ewc = fsd.EWC(fisher="true", metric=metric).fit(model, x)
+    # the reference runs the same weights without in-place operations
+    expected = fisher_diagonal_brute_force(model, x, metric)
+    for name, value in expected.items():
+        torch.testing.assert_close(ewc._state[f"fisher.{name}"], value, rtol=1e-10, atol=1e-14)
+
+
+def _scale_output(module, args, output):
+    return 10 * output
+
+
+def _shift_input(module, args):
+    return (args[0] + 1,)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: fsd.LAFTR(inputs="coreset", coreset_size=None),
+    lambda: fsd.BGLN(deterministic=True),
+    lambda: fsd.BGLN(num_samples=4),
+])
+@pytest.mark.parametrize("register", [
+    lambda m: m[0].register_forward_hook(_scale_output),
+    lambda m: m[2].register_forward_pre_hook(_shift_input),
+    lambda m: m.register_forward_hook(_scale_output),
+    lambda m: nn.modules.module.register_module_forward_hook(_scale_output),
+])
+def test_rule_based_estimators_refuse_models_with_forward_hooks(make, register):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    handle = register(model)
+    try:
+        with pytest.raises(fsd.UnsupportedModuleError, match=r"hook .*remove it"):
+            make().fit(model, torch.randn(32, 4))
+    finally:
+        handle.remove()
+    make().fit(model, torch.randn(32, 4))  # and work again once the hook is gone
+
+
+def test_statistics_collector_hooks_do_not_count_as_user_hooks():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    with fsd.StatisticsCollector(model) as collector:
+        with collector.record():
+            model(torch.randn(32, 4))
+        # a second collector and a fit while the first one's hooks are attached
+        fsd.StatisticsCollector(model).remove()
+        fsd.BGLN(deterministic=True).fit(model, torch.randn(32, 4))
+
+
+@pytest.mark.parametrize("make", [lambda: fsd.ExactFSD(), lambda: fsd.NTK(coreset_size=None)])
+def test_estimators_that_run_the_forward_honour_hooks(make):
+    # hooks on both the reference and the moved network: the distance is that of the hooked
+    # functions, 10·f; NTK is exact on a linear model
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3)).to(DTYPE)
+    x = torch.randn(50, 4, dtype=DTYPE)
+    moved = _perturbed(model)
+    handles = [m.register_forward_hook(_scale_output) for m in (model[0], moved[0])]
+    expected = 0.5 * (moved(x) - model(x)).pow(2).sum(-1).mean()
+    value = make().fit(model, x).distance(moved)
+    for handle in handles:
+        handle.remove()
+    torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_ewc_fisher_of_a_hooked_model_is_the_hooked_functions_fisher():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).to(DTYPE)
+    x = torch.randn(32, 4, dtype=DTYPE)
+    handle = model[0].register_forward_hook(_scale_output)
+    try:
+        ewc = fsd.EWC(fisher="true", metric="kl").fit(model, x)
+        expected = fisher_diagonal_brute_force(model, x, "kl")
+    finally:
+        handle.remove()
+    unhooked = fsd.EWC(fisher="true", metric="kl").fit(model, x)
+    for name, value in expected.items():
+        torch.testing.assert_close(ewc._state[f"fisher.{name}"], value, rtol=1e-10, atol=1e-14)
+    assert not torch.allclose(unhooked._state["fisher.0.weight"], expected["0.weight"])
+
+
+class TanhNet(nn.Module):
+    """The same parameter shapes as the reference below, another forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def test_exact_fsd_compares_with_the_fitted_reference_whatever_model_came_first():
+    torch.manual_seed(0)
+    reference = TanhNet().to(DTYPE)
+    reference.layers[1] = nn.ReLU()
+    x = torch.randn(40, 4, dtype=DTYPE)
+    relu_moved = _perturbed(reference)
+    tanh_moved = TanhNet().to(DTYPE)
+    tanh_moved.load_state_dict(_perturbed(reference, seed=2).state_dict())
+
+    def truth(model):
+        return 0.5 * (model(x) - reference(x)).pow(2).sum(-1).mean()
+
+    for order in ([relu_moved, tanh_moved], [tanh_moved, relu_moved]):
+        est = fsd.ExactFSD().fit(reference, x)
+        for model in order:
+            torch.testing.assert_close(est.distance(model), truth(model), rtol=1e-12, atol=0)
+    # the stored outputs survive save/load
+    est = fsd.ExactFSD().fit(reference, x)
+    assert "data.f0" in est._state
+
+
+def test_exact_fsd_summaries_without_stored_outputs_still_load(tmp_path):
+    # a summary written before f(x, θ0) was stored evaluates it from θ0 with the model given
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).to(DTYPE)
+    x = torch.randn(40, 4, dtype=DTYPE)
+    moved = _perturbed(model)
+    est = fsd.ExactFSD().fit(model, x)
+    expected = est.distance(moved)
+    del est._state["data.f0"]
+    est.save(tmp_path / "old.fsd")
+    torch.testing.assert_close(fsd.load(tmp_path / "old.fsd").distance(moved), expected,
+                               rtol=1e-12, atol=0)
