@@ -32,7 +32,7 @@ def fisher_diagonal_brute_force(model: nn.Module, x: torch.Tensor, metric: str
         z = model(xi.unsqueeze(0))[0]
         for h in output_hessian_factors(metric, z.detach().unsqueeze(0))[0]:
             grads = torch.autograd.grad((z * h).sum(), list(params.values()), retain_graph=True)
-            for k, g in zip(params, grads):
+            for k, g in zip(params, grads, strict=True):
                 total[k] += g.pow(2)
     return {k: v / x.shape[0] for k, v in total.items()}
 
@@ -184,3 +184,101 @@ def test_exact_fsd_summaries_without_stored_outputs_still_load(tmp_path):
     est.save(tmp_path / "old.fsd")
     torch.testing.assert_close(fsd.load(tmp_path / "old.fsd").distance(moved), expected,
                                rtol=1e-12, atol=0)
+
+
+# ----- tampered or malformed summaries fail at load, naming the file and the field ---------
+
+def _fitted_summaries():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(60, 4), torch.randint(0, 3, (60,))
+    makers = {
+        "exact": fsd.ExactFSD,
+        "ntk": lambda: fsd.NTK(coreset_size=20),
+        "ewc": lambda: fsd.EWC(fisher="true", metric="euclidean"),
+        "laftr-coreset": lambda: fsd.LAFTR(inputs="coreset", coreset_size=20),
+        "bgln-d": lambda: fsd.BGLN(deterministic=True),
+        "bgln-d-diag-cw": lambda: fsd.BGLN(deterministic=True, covariance="diag", classwise=True),
+        "bgln-d-lowrank": lambda: fsd.BGLN(deterministic=True, covariance="lowrank", rank=2),
+        "bgln-s-coreset-cw": lambda: fsd.BGLN(inputs="coreset", coreset_size=20, classwise=True),
+        "bgln-d-layerwise": lambda: fsd.BGLN(deterministic=True, moments="exact",
+                                             reference="layerwise"),
+    }
+    return model, {name: make().fit(model, [(x, y)], outputs=[0, 2])
+                   for name, make in makers.items()}
+
+
+MODEL, SUMMARIES = _fitted_summaries()
+
+
+def _tampered(tmp_path, name, change):
+    path = tmp_path / f"{name}.fsd"
+    SUMMARIES[name].save(path)
+    payload = torch.load(path, weights_only=True)
+    change(payload["tensors"])
+    torch.save(payload, path)
+    return path
+
+
+def _set(key, value):
+    def change(tensors):
+        tensors[key] = value(tensors[key]) if callable(value) else value
+    return change
+
+
+TAMPERING = [
+    # (summary, what is changed, field the error must name)
+    ("bgln-d", _set("input.cov", lambda c: -c), "input.cov"),
+    ("bgln-d", _set("input.cov", lambda c: c[:, :3, :3]), "input.cov"),
+    ("bgln-d", _set("input.mean", lambda m: m.long()), "input.mean"),
+    ("bgln-d", _set("gate.1", lambda g: g + 1.5), "gate.1"),
+    ("bgln-d", _set("weights", lambda w: 2 * w), "weights"),
+    ("bgln-d", lambda t: t.pop("input.mean"), "input.mean"),
+    ("bgln-d-diag-cw", _set("input.cov", lambda c: c - 10), "input.cov"),
+    ("bgln-d-lowrank", _set("input.cov_residual", lambda r: r - 10), "input.cov_residual"),
+    ("bgln-d-lowrank", _set("input.cov_factor", lambda f: f[..., :1, :]), "input.cov_factor"),
+    ("bgln-d-layerwise", _set("layer.2.cov", lambda c: -c), "layer.2.cov"),
+    ("ewc", _set("fisher.0.weight", lambda f: -f), "fisher.0.weight"),
+    ("ewc", _set("fisher.2.bias", lambda f: f[:2]), "fisher.2.bias"),
+    ("ewc", lambda t: t.pop("fisher.0.bias"), "fisher.0.bias"),
+    ("exact", _set("data.x", lambda x: x.long()), "data.x"),
+    ("exact", _set("data.f0", lambda f: f[:5]), "data.f0"),
+    ("exact", _set("data.x", lambda x: x.fill_(float("nan"))), "data.x"),
+    ("ntk", _set("coreset.x", lambda x: x[0]), "coreset.x"),
+    ("laftr-coreset", _set("theta0.0.weight", lambda w: w[:, :3]), "theta0.0.weight"),
+    ("bgln-s-coreset-cw", _set("coreset.group", lambda g: g[:3]), "coreset.group"),
+    ("bgln-s-coreset-cw", _set("outputs", lambda o: o.float()), "outputs"),
+    ("ntk", _set("outputs", torch.tensor([-1])), "outputs"),
+]
+
+
+@pytest.mark.parametrize("name,change,field", TAMPERING,
+                         ids=[f"{n}:{f}:{i}" for i, (n, _, f) in enumerate(TAMPERING)])
+def test_tampered_summaries_are_refused_at_load(tmp_path, name, change, field):
+    path = _tampered(tmp_path, name, change)
+    with pytest.raises(fsd.SummaryFormatError) as info:
+        fsd.load(path)
+    message = str(info.value)
+    assert str(path) in message and repr(field) in message and "\n" not in message
+
+
+@pytest.mark.parametrize("name", sorted(SUMMARIES))
+def test_untouched_summaries_load_and_give_the_same_distance(tmp_path, name):
+    path = tmp_path / f"{name}.fsd"
+    SUMMARIES[name].save(path)
+    moved = _perturbed(MODEL, scale=0.1)
+    torch.testing.assert_close(fsd.load(path).distance(moved), SUMMARIES[name].distance(moved),
+                               rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("content", [b"", b"hello", bytes(range(256)) * 3, "truncated"])
+def test_unreadable_summary_files_are_one_line_errors(tmp_path, content):
+    path = tmp_path / "summary.fsd"
+    if content == "truncated":
+        SUMMARIES["ewc"].save(path)
+        content = path.read_bytes()[:400]
+    path.write_bytes(content)
+    with pytest.raises(fsd.SummaryFormatError) as info:
+        fsd.load(path)
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message and "weights_only" not in message

@@ -16,6 +16,7 @@ from .metrics import METRICS, pointwise_distance
 from .ntk import NTK
 from .rules import LayerRule, UnsupportedModuleError, register_rule
 from .summary_set import SummarySet, combine
+from .validation import SummaryFormatError
 from .statistics import GateAccumulator, MomentAccumulator, Statistics, StatisticsCollector
 
 __version__ = "0.1.0"
@@ -23,6 +24,6 @@ __version__ = "0.1.0"
 __all__ = [
     "ArchitectureMismatchError", "BGLN", "EWC", "Estimator", "ExactFSD", "GateAccumulator",
     "LAFTR", "LayerRule", "METRICS", "MomentAccumulator", "NTK", "NotFittedError", "Statistics",
-    "StatisticsCollector", "SummarySet", "UnsupportedModuleError", "combine", "iter_batches", "load", "pointwise_distance",
+    "StatisticsCollector", "SummaryFormatError", "SummarySet", "UnsupportedModuleError", "combine", "iter_batches", "load", "pointwise_distance",
     "register_rule", "trace",
 ]

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .interpreter import check_signature, parameter_signature
+from .validation import SummaryFormatError, check_common
 
 FORMAT = "fsd-summary"
 FORMAT_VERSION = 1
@@ -273,6 +274,9 @@ class Estimator:
     def _distance(self, model: nn.Module) -> Tensor:
         raise NotImplementedError
 
+    def _check_summary(self) -> None:
+        """Check the stored fields this estimator reads (raise SummaryFormatError)."""
+
     def _require_fitted(self) -> None:
         if not self._meta.get("fitted"):
             raise NotFittedError(f"{type(self).__name__} is not fitted: call fit(model, data)")
@@ -319,16 +323,34 @@ class Estimator:
 
 def load(path: str | os.PathLike, map_location: str | torch.device | None = None) -> Estimator:
     """Load a summary written by :meth:`Estimator.save`. Runs no pickled code."""
-    payload = torch.load(os.fspath(path), map_location=map_location, weights_only=True)
+    try:
+        payload = torch.load(os.fspath(path), map_location=map_location, weights_only=True)
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except Exception as error:  # truncated, empty, random bytes, a pickle of anything else
+        # torch's own message suggests weights_only=False, which would run pickled code
+        raise SummaryFormatError(f"{os.fspath(path)} is not an fsd summary file (unreadable: "
+                                 f"{type(error).__name__})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ValueError(f"{os.fspath(path)} is not an fsd summary file")
+        raise SummaryFormatError(f"{os.fspath(path)} is not an fsd summary file")
     if payload.get("version") != FORMAT_VERSION:
-        raise ValueError(f"unsupported fsd summary version {payload.get('version')}")
-    cls = ESTIMATORS.get(payload["estimator"])
+        raise SummaryFormatError(f"{os.fspath(path)}: unsupported fsd summary version "
+                                 f"{payload.get('version')}")
+    cls = ESTIMATORS.get(payload.get("estimator"))  # type: ignore[arg-type]
     if cls is None:
-        raise ValueError(f"unknown estimator {payload['estimator']!r} in {os.fspath(path)}")
-    estimator = cls(**json.loads(payload["config"]))
-    estimator._stored = dict(payload["tensors"])
-    estimator._state = estimator._stored
-    estimator._meta = json.loads(payload["meta"])
+        raise SummaryFormatError(f"unknown estimator {payload.get('estimator')!r} in "
+                                 f"{os.fspath(path)}")
+    try:
+        estimator = cls(**json.loads(payload["config"]))
+        estimator._stored = dict(payload["tensors"])
+        estimator._state = estimator._stored
+        estimator._meta = json.loads(payload["meta"])
+        check_common(estimator._stored, estimator._meta)
+        estimator._check_summary()
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as error:
+        # SummaryFormatError is a ValueError: one message naming the file and the field
+        detail = str(error) if isinstance(error, SummaryFormatError) else \
+            f"{type(error).__name__}: {error}"
+        raise SummaryFormatError(f"{os.fspath(path)}: not a valid {payload['estimator']} "
+                                 f"summary: {detail}") from None
     return estimator

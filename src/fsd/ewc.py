@@ -11,6 +11,7 @@ from torch.func import functional_call, grad, vmap
 from .estimator import Data, Estimator, iter_batches
 from .hooks import forward_hooks
 from .metrics import check_metric, output_hessian_factors
+from .validation import require_nonnegative, require_shape
 
 FISHERS = ("true", "sampled", "empirical")
 
@@ -113,6 +114,13 @@ class EWC(Estimator):
             count += x.shape[0]
         for k, v in total.items():
             self._state[f"fisher.{k}"] = (v / count).to(dtype)
+
+    def _check_summary(self) -> None:
+        for key, value in list(self._stored.items()):
+            if key.startswith("theta0."):
+                name = f"fisher.{key[len('theta0.'):]}"
+                require_shape(self._stored, name, list(value.shape))
+                require_nonnegative(self._stored, name)
 
     def _distance(self, model: nn.Module) -> Tensor:
         theta0 = self._theta0()

@@ -10,6 +10,7 @@ from torch.func import functional_call
 
 from .estimator import Data, Estimator, iter_batches
 from .metrics import check_metric, pointwise_distance
+from .validation import SummaryFormatError, require, require_shape
 
 
 class ExactFSD(Estimator):
@@ -37,6 +38,14 @@ class ExactFSD(Estimator):
         with torch.no_grad():
             self._state["data.f0"] = torch.cat([functional_call(model, reference, (chunk,))
                                                 for chunk in self._chunks()])
+
+    def _check_summary(self) -> None:
+        x = require(self._stored, "data.x")
+        if x.dim() < 2 or x.shape[0] == 0:
+            raise SummaryFormatError(f"field 'data.x': shape {tuple(x.shape)}, expected "
+                                     f"(examples, *features)")
+        if "data.f0" in self._stored:
+            require_shape(self._stored, "data.f0", [x.shape[0], None])
 
     def _reference_outputs(self, model: nn.Module) -> tuple[Tensor, ...]:
         if "data.f0" in self._state:

@@ -30,6 +30,13 @@ from .interpreter import (
 )
 from .metrics import check_metric, pointwise_distance
 from .statistics import StatisticsCollector
+from .validation import (
+    SummaryFormatError,
+    require_nonnegative,
+    require_probabilities,
+    require_psd,
+    require_shape,
+)
 
 INPUTS = ("coreset", "gaussian")
 COVARIANCES = ("full", "diag", "lowrank")
@@ -152,6 +159,47 @@ class _LinearizedEstimator(Estimator):
             for path, mu in stats.gate_means.items():
                 self._state[f"gate.{path}"] = mu.to(device=device, dtype=dtype)
         return stats.groups
+
+    def _check_summary(self) -> None:
+        stored = self._stored
+        if "coreset.x" in stored:
+            x = stored["coreset.x"]
+            if x.dim() < 2 or x.shape[0] == 0:
+                raise SummaryFormatError(f"field 'coreset.x': shape {tuple(x.shape)}, expected "
+                                         f"(examples, *features)")
+            if "coreset.group" in stored:
+                require_shape(stored, "coreset.group", [x.shape[0]])
+        if "weights" not in stored:
+            if "coreset.x" not in stored:
+                raise SummaryFormatError("field 'coreset.x' or 'weights' is missing")
+            return
+        weights = require_shape(stored, "weights", [None])
+        groups = weights.shape[0]
+        require_nonnegative(stored, "weights")
+        if abs(float(weights.sum()) - 1) > 1e-4:
+            raise SummaryFormatError(f"field 'weights': sums to {float(weights.sum()):.6g}, "
+                                     f"expected 1")
+        if self.config.get("inputs") == "gaussian":
+            d = require_shape(stored, "input.mean", [groups, None]).shape[1]
+            form = self.config["covariance"]
+            if form == "lowrank":
+                require_shape(stored, "input.cov_factor", [groups, d, None])
+                require_shape(stored, "input.cov_residual", [groups, d])
+                require_nonnegative(stored, "input.cov_residual")
+            elif form == "diag":
+                require_shape(stored, "input.cov", [groups, d])
+                require_nonnegative(stored, "input.cov")
+            else:
+                require_shape(stored, "input.cov", [groups, d, d])
+                require_psd(stored, "input.cov")
+        for key in [k for k in stored if k.startswith("layer.") and k.endswith(".mean")]:
+            h = require_shape(stored, key, [groups, None]).shape[1]
+            cov = key[:-len(".mean")] + ".cov"
+            require_shape(stored, cov, [groups, h, h])
+            require_psd(stored, cov)
+        for key in [k for k in stored if k.startswith("gate.")]:
+            require_shape(stored, key, [groups, None])
+            require_probabilities(stored, key)
 
     # ----- distance ---------------------------------------------------------------------
     def _gate_means(self) -> dict[str, Tensor]:

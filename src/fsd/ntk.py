@@ -10,6 +10,7 @@ from torch.func import functional_call, jvp
 
 from .estimator import Data, Estimator, Reservoir, iter_batches
 from .metrics import check_metric, pointwise_distance
+from .validation import SummaryFormatError, require
 
 
 class NTK(Estimator):
@@ -36,6 +37,12 @@ class NTK(Estimator):
                                  desc="NTK: coreset"):
             reservoir.add(x, y)
         self._state["coreset.x"] = reservoir.tensors()[0]
+
+    def _check_summary(self) -> None:
+        x = require(self._stored, "coreset.x")
+        if x.dim() < 2 or x.shape[0] == 0:
+            raise SummaryFormatError(f"field 'coreset.x': shape {tuple(x.shape)}, expected "
+                                     f"(examples, *features)")
 
     def _distance(self, model: nn.Module) -> Tensor:
         theta0 = self._theta0()
