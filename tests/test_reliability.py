@@ -282,3 +282,19 @@ def test_unreadable_summary_files_are_one_line_errors(tmp_path, content):
         fsd.load(path)
     message = str(info.value)
     assert str(path) in message and "\n" not in message and "weights_only" not in message
+
+
+def test_save_to_a_directory_is_a_clear_error_and_leaves_nothing(tmp_path):
+    with pytest.raises(IsADirectoryError, match="is a directory: give the summary a file name"):
+        SUMMARIES["ewc"].save(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_saved_summaries_get_the_usual_file_mode(tmp_path):
+    import os
+    old = os.umask(0o022)
+    try:
+        SUMMARIES["ewc"].save(tmp_path / "a.fsd")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.fsd").stat().st_mode & 0o777 == 0o644

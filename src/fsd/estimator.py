@@ -135,15 +135,25 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` to a temporary file in the same folder, then rename: a crash never
     leaves a half-written file at ``path``."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a directory: give the summary a file name")
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fsd-", suffix=".tmp")
     os.close(fd)
     try:
         torch.save(obj, tmp)
+        # mkstemp makes the file private (0600); give it the mode open() would have
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _normalize(obj: Any) -> Any:
