@@ -313,6 +313,6 @@ def test_output_index_out_of_range():
     with pytest.raises(ValueError):
         fsd.ExactFSD().fit(model, data, outputs=[])
     for est in (fsd.ExactFSD(), fsd.LAFTR(), fsd.BGLN(deterministic=True)):
-        est.fit(model, data, outputs=[0, 7])
+        # caught at fit, where the model's outputs are known, not first at distance
         with pytest.raises(ValueError, match="out of range"):
-            est.distance(other)
+            est.fit(model, data, outputs=[0, 7])

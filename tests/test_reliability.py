@@ -298,3 +298,55 @@ def test_saved_summaries_get_the_usual_file_mode(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "a.fsd").stat().st_mode & 0o777 == 0o644
+
+
+# ----- bad input at fit: one clear error, before any work ---------------------------------
+
+def _mlp():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+ALL_ESTIMATORS = [fsd.ExactFSD, fsd.LAFTR, lambda: fsd.BGLN(deterministic=True),
+                  lambda: fsd.BGLN(num_samples=4), fsd.NTK, fsd.EWC]
+
+
+@pytest.mark.parametrize("make", ALL_ESTIMATORS)
+@pytest.mark.parametrize("call,message", [
+    (lambda e, m: e.fit(m, [{"x": torch.randn(8, 4)}]), "is a dict"),
+    (lambda e, m: e.fit(m, torch.randn(8, 4), outputs=[-1]), "non-negative output indices"),
+    (lambda e, m: e.fit(m, torch.randn(8, 4), outputs=[0, 3]), "out of range"),
+    (lambda e, m: e.fit(m, torch.randn(8, 5)), "cannot run on the data.*shape \\(8, 5\\)"),
+    (lambda e, m: e.fit(m, (x for x in [])), "empty"),
+])
+def test_bad_data_or_outputs_fail_at_fit_with_one_line(make, call, message):
+    with pytest.raises(ValueError, match=message) as info:
+        call(make(), _mlp())
+    assert "\n" not in str(info.value)
+
+
+def test_a_generator_of_batches_still_reaches_fit_whole():
+    torch.manual_seed(0)
+    model = _mlp().double()
+    batches = [torch.randn(10, 4, dtype=DTYPE) for _ in range(3)]
+    from_list = fsd.ExactFSD().fit(model, batches)
+    from_generator = fsd.ExactFSD().fit(model, (b for b in batches))
+    assert from_generator._state["data.x"].shape[0] == 30
+    torch.testing.assert_close(from_generator._state["data.x"], from_list._state["data.x"])
+
+
+@pytest.mark.parametrize("labels", [torch.tensor([-1, 0, 1, 2] * 5), torch.full((20,), 0.5)])
+def test_classwise_summaries_refuse_labels_that_are_not_classes(labels):
+    with pytest.raises(ValueError, match="class labels must"):
+        fsd.BGLN(deterministic=True, classwise=True).fit(_mlp(), [(torch.randn(20, 4), labels)])
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: fsd.ExactFSD(batch_size=0), "batch_size must be a positive int"),
+    (lambda: fsd.EWC(chunk_size=0), "chunk_size must be a positive int"),
+    (lambda: fsd.NTK(coreset_size=0), "coreset_size must be a positive int or None"),
+    (lambda: fsd.LAFTR(coreset_size=-3), "coreset_size must be a positive int or None"),
+    (lambda: fsd.BGLN(num_samples=2.5), "num_samples must be a positive int"),
+])
+def test_bad_constructor_arguments_fail_at_construction(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

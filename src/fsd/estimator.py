@@ -11,6 +11,7 @@ with ``torch.load(weights_only=True)``, so loading a file runs no pickled code.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import tempfile
@@ -57,6 +58,10 @@ def iter_batches(
     seen = 0
     for index, batch in enumerate(tqdm(batches, disable=not progress, desc=desc, total=total,
                                        leave=False)):
+        if isinstance(batch, dict):
+            raise ValueError(f"batch {index} is a dict (keys {sorted(map(str, batch))}): fit "
+                             f"reads x or (x, y) batches; pass e.g. "
+                             f"((b['x'], b['y']) for b in loader)")
         if isinstance(batch, (tuple, list)):
             if not batch:
                 raise ValueError(f"batch {index} is empty")
@@ -223,9 +228,12 @@ class Estimator:
             self._meta["output_slice"] = [outputs.start, outputs.stop, outputs.step]
         elif outputs is not None:
             index = torch.as_tensor(list(outputs), dtype=torch.long, device=device)
-            if index.numel() == 0 or index.dim() != 1:
-                raise ValueError("outputs must be a non-empty list of output indices or a slice")
+            if index.numel() == 0 or index.dim() != 1 or bool((index < 0).any()):
+                raise ValueError(f"outputs must be a non-empty list of non-negative output "
+                                 f"indices or a slice, got {list(outputs)}")
             self._state["outputs"] = index
+        if data is not None:
+            data = self._check_runs_on(model, data, dtype, device)
         with evaluation_mode(model):
             self._fit(model, data, statistics=statistics, dtype=dtype, device=device,
                       progress=progress)
@@ -272,6 +280,34 @@ class Estimator:
             "tensors": {k: v.detach().cpu() for k, v in self._stored.items()},
         }
         atomic_torch_save(payload, path)
+
+    def _check_runs_on(self, model: nn.Module, data: Data, dtype: torch.dtype,
+                       device: torch.device) -> Data:
+        """Run the model on one example of the first batch, so that data the model cannot
+        take, or ``outputs`` beyond its outputs, fail here with a message instead of deep
+        inside the estimator. Returns ``data`` (re-chained if it was a one-shot iterator)."""
+        if isinstance(data, Tensor):
+            first: Any = data
+        else:
+            iterator = iter(data)
+            try:
+                first = next(iterator)
+            except StopIteration:
+                raise ValueError("no data: the data iterable is empty") from None
+            if iterator is data:  # a generator: put the batch taken back in front
+                data = itertools.chain([first], iterator)
+        x, _ = next(iter_batches([first], dtype=dtype, device=device))
+        try:
+            with torch.no_grad(), evaluation_mode(model):
+                z = model(x[:1])
+        except (RuntimeError, ValueError, TypeError, IndexError) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else \
+                type(error).__name__
+            raise ValueError(f"the model cannot run on the data: its first batch has shape "
+                             f"{tuple(x.shape)} ({reason})") from None
+        if isinstance(z, Tensor) and z.dim() >= 1:
+            self._select(z)  # raises for an outputs index beyond the model's outputs
+        return data
 
     # ----- helpers for subclasses -------------------------------------------------------
     def _signature(self, model: nn.Module) -> Any:

@@ -11,7 +11,7 @@ from torch.func import functional_call, grad, vmap
 from .estimator import Data, Estimator, iter_batches
 from .hooks import forward_hooks
 from .metrics import check_metric, output_hessian_factors
-from .validation import require_nonnegative, require_shape
+from .validation import positive_int, require_nonnegative, require_shape
 
 FISHERS = ("true", "sampled", "empirical")
 
@@ -44,7 +44,8 @@ class EWC(Estimator):
         if fisher != "true" and metric == "softmax_euclidean":
             raise ValueError("softmax_euclidean has no likelihood to sample from: use "
                              "fisher='true'")
-        super().__init__(fisher=fisher, metric=metric, chunk_size=int(chunk_size), seed=seed)
+        super().__init__(fisher=fisher, metric=metric,
+                         chunk_size=positive_int("chunk_size", chunk_size), seed=seed)
 
     def _factors(self, z0: Tensor, y: Tensor | None, generator: torch.Generator) -> Tensor:
         """Output-space vectors h (n, K, k) whose outer products average to the Fisher's H."""

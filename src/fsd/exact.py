@@ -10,7 +10,7 @@ from torch.func import functional_call
 
 from .estimator import Data, Estimator, iter_batches
 from .metrics import check_metric, pointwise_distance
-from .validation import SummaryFormatError, require, require_shape
+from .validation import SummaryFormatError, positive_int, require, require_shape
 
 
 class ExactFSD(Estimator):
@@ -25,7 +25,8 @@ class ExactFSD(Estimator):
     """
 
     def __init__(self, metric: str = "euclidean", batch_size: int = 4096) -> None:
-        super().__init__(metric=check_metric(metric), batch_size=int(batch_size))
+        super().__init__(metric=check_metric(metric),
+                         batch_size=positive_int("batch_size", batch_size))
 
     def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
              dtype: torch.dtype, device: torch.device, progress: bool) -> None:

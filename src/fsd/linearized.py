@@ -32,6 +32,7 @@ from .metrics import check_metric, pointwise_distance
 from .statistics import StatisticsCollector
 from .validation import (
     SummaryFormatError,
+    positive_int,
     require_nonnegative,
     require_probabilities,
     require_psd,
@@ -47,13 +48,13 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
-def _check_common(inputs: str, covariance: str, rank: int, num_samples: int) -> None:
+def _check_common(inputs: str, covariance: str, rank: int, num_samples: int,
+                  coreset_size: int | None) -> None:
     _check_choice("inputs", inputs, INPUTS)
     _check_choice("covariance", covariance, COVARIANCES)
-    if int(rank) < 1:
-        raise ValueError(f"rank must be ≥ 1, got {rank}")
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be ≥ 1, got {num_samples}")
+    positive_int("rank", rank)
+    positive_int("num_samples", num_samples)
+    positive_int("coreset_size", coreset_size, allow_none=True)
 
 
 class _LinearizedEstimator(Estimator):
@@ -326,7 +327,7 @@ class LAFTR(_LinearizedEstimator):
     def __init__(self, inputs: str = "coreset", covariance: str = "full", rank: int = 64,
                  coreset_size: int | None = None, num_samples: int = 128,
                  metric: str = "euclidean", seed: int = 0) -> None:
-        _check_common(inputs, covariance, rank, num_samples)
+        _check_common(inputs, covariance, rank, num_samples, coreset_size)
         super().__init__(inputs=inputs, covariance=covariance, rank=int(rank),
                          coreset_size=coreset_size,
                          num_samples=int(num_samples), metric=check_metric(metric), seed=seed)
@@ -365,7 +366,7 @@ class BGLN(_LinearizedEstimator):
                  reference: str = "propagated", classwise: bool | int = False,
                  coreset_size: int | None = None, num_samples: int = 128,
                  metric: str = "euclidean", seed: int = 0) -> None:
-        _check_common(inputs, covariance, rank, num_samples)
+        _check_common(inputs, covariance, rank, num_samples, coreset_size)
         check_metric(metric)
         if deterministic and metric != "euclidean":
             raise ValueError(f"BGLN-D (deterministic=True) computes the Euclidean metric only; "

@@ -10,7 +10,7 @@ from torch.func import functional_call, jvp
 
 from .estimator import Data, Estimator, Reservoir, iter_batches
 from .metrics import check_metric, pointwise_distance
-from .validation import SummaryFormatError, require
+from .validation import SummaryFormatError, positive_int, require
 
 
 class NTK(Estimator):
@@ -27,6 +27,7 @@ class NTK(Estimator):
 
     def __init__(self, coreset_size: int | None = None, metric: str = "euclidean",
                  seed: int = 0) -> None:
+        positive_int("coreset_size", coreset_size, allow_none=True)
         super().__init__(coreset_size=coreset_size, metric=check_metric(metric), seed=seed)
 
     def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,

@@ -255,6 +255,13 @@ class StatisticsCollector:
         labels = labels.to(batch.device)
         if labels.shape[0] != batch.shape[0]:
             raise ValueError(f"{labels.shape[0]} labels for a batch of {batch.shape[0]}")
+        # -1 is the pooled key, and a fractional label would name a class that is not one
+        if labels.dim() != 1 or (labels.is_floating_point()
+                                 and not bool((labels == labels.round()).all())):
+            raise ValueError(f"class labels must be one integer per example, got shape "
+                             f"{tuple(labels.shape)} and dtype {labels.dtype}")
+        if bool((labels < 0).any()):
+            raise ValueError(f"class labels must be non-negative, got {int(labels.min())}")
         for c in torch.unique(labels).tolist():
             yield int(c), batch[labels == c]
 

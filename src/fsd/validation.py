@@ -75,6 +75,16 @@ def check_common(stored: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
                                      "non-negative output indices")
 
 
+def positive_int(name: str, value: Any, *, allow_none: bool = False) -> int | None:
+    """``value`` as an int ≥ 1 (or ``None`` where allowed); a ValueError naming ``name``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        also = " or None" if allow_none else ""
+        raise ValueError(f"{name} must be a positive int{also}, got {value!r}")
+    return value
+
+
 def require(stored: Mapping[str, Tensor], key: str) -> Tensor:
     """The stored tensor ``key``, or a :class:`SummaryFormatError` saying it is missing."""
     if key not in stored:
