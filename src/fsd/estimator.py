@@ -283,9 +283,12 @@ class Estimator:
 
     def _check_runs_on(self, model: nn.Module, data: Data, dtype: torch.dtype,
                        device: torch.device) -> Data:
-        """Run the model on one example of the first batch, so that data the model cannot
-        take, or ``outputs`` beyond its outputs, fail here with a message instead of deep
-        inside the estimator. Returns ``data`` (re-chained if it was a one-shot iterator)."""
+        """Run the model on one example of the first batch; return ``data`` unchanged.
+
+        Data the model cannot take, or ``outputs`` beyond its outputs, fail here with a
+        message instead of deep inside the estimator. A one-shot iterator is returned
+        re-chained, with the batch taken put back in front.
+        """
         if isinstance(data, Tensor):
             first: Any = data
         else:
