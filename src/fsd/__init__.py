@@ -11,6 +11,7 @@ from .estimator import Estimator, NotFittedError, iter_batches, load
 from .ewc import EWC
 from .exact import ExactFSD
 from .interpreter import ArchitectureMismatchError, trace
+from .kfac import KFAC
 from .linearized import BGLN, LAFTR
 from .metrics import METRICS, pointwise_distance
 from .ntk import NTK
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArchitectureMismatchError", "BGLN", "EWC", "Estimator", "ExactFSD", "GateAccumulator",
-    "LAFTR", "LayerRule", "METRICS", "MomentAccumulator", "NTK", "NotFittedError", "Statistics",
+    "KFAC", "LAFTR", "LayerRule", "METRICS", "MomentAccumulator", "NTK", "NotFittedError", "Statistics",
     "StatisticsCollector", "SummaryFormatError", "SummarySet", "UnsupportedModuleError", "combine", "iter_batches", "load", "pointwise_distance",
     "register_rule", "trace",
 ]

@@ -1,0 +1,142 @@
+"""K-FAC Laplace penalty (the OSLA baseline): ½ Δθᵀ (A ⊗ G) Δθ per layer.
+
+The Gauss-Newton matrix of the output metric, F = E_x[Jᵀ H J], restricted to one ``nn.Linear``
+layer is E_x[ā āᵀ ⊗ Σ_k g_k g_kᵀ], where ā = [a; 1] is the layer's input with the bias
+folded in and g_k = ∂(h_k · z)/∂s is the gradient of the k-th factor of H (Σ_k h_k h_kᵀ = H,
+:func:`fsd.metrics.output_hessian_factors`) with respect to the layer's output s. K-FAC
+(Martens & Grosse 2015) takes the expectation of each Kronecker factor apart::
+
+    F_l ≈ A_l ⊗ G_l,   A_l = E[ā āᵀ],   G_l = E[Σ_k g_k g_kᵀ],
+
+and drops the blocks between layers. With ΔW̄ = [ΔW, Δb] the penalty of one layer is
+½ vec(ΔW̄)ᵀ (A ⊗ G) vec(ΔW̄) = ½ tr(ΔW̄ᵀ G ΔW̄ A). Summed over tasks it is the online
+structured Laplace approximation (OSLA, Ritter et al. 2018) of the paper's tables.
+
+The factorisation is exact when either factor does not vary with x: a single example, or a
+one-layer network under the Euclidean metric (H = I, so G = I). Then the penalty equals the
+dense Gauss-Newton quadratic, and for a linear network the exact FSD.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from .estimator import Data, Estimator, iter_batches
+from .metrics import check_metric, output_hessian_factors
+from .validation import SummaryFormatError, require_psd, require_shape
+
+
+class KFAC(Estimator):
+    """Kronecker-factored Gauss-Newton penalty of every ``nn.Linear`` layer.
+
+    Every parameter of the model must belong to an ``nn.Linear`` that the forward calls once
+    on (batch, features) inputs (an MLP); anything else raises ``ValueError`` at ``fit``. The
+    factors are the exact expectations over the data and over the metric's Hessian factors
+    (EWC's ``fisher="true"``), one backward pass per factor and batch.
+
+    Args:
+        metric: output metric whose Hessian H defines the Gauss-Newton matrix:
+            ``"euclidean"`` (H = I), ``"kl"`` (the softmax Fisher) or ``"softmax_euclidean"``.
+    """
+
+    def __init__(self, metric: str = "euclidean") -> None:
+        super().__init__(metric=check_metric(metric))
+
+    def _layers(self, model: nn.Module) -> dict[str, nn.Linear]:
+        layers: dict[str, nn.Linear] = {}
+        others = []
+        for path, module in model.named_modules():
+            if next(module.parameters(recurse=False), None) is None:
+                continue
+            if type(module) is nn.Linear:
+                layers[path] = module
+            else:
+                others.append(f"{type(module).__name__} at '{path or '<root>'}'")
+        if others or not layers:
+            raise ValueError("KFAC needs a model whose parameters all belong to nn.Linear "
+                             f"layers; this one has {', '.join(others) or 'no Linear layer'}")
+        return layers
+
+    def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
+             dtype: torch.dtype, device: torch.device, progress: bool) -> None:
+        layers = self._layers(model)
+        params = {k: v.detach().requires_grad_(True) for k, v in self._theta0().items()}
+        buffers = {k[len("buffer0."):]: v for k, v in self._state.items()
+                   if k.startswith("buffer0.")}
+        inputs_sq: dict[str, Tensor] = {}
+        grads_sq: dict[str, Tensor] = {}
+        count = 0
+        for x, _ in iter_batches(data, dtype=dtype, device=device, progress=progress,
+                                 desc="KFAC: factors"):
+            seen: dict[str, list[tuple[Tensor, Tensor]]] = {path: [] for path in layers}
+            handles = [m.register_forward_hook(_recorder(seen[p])) for p, m in layers.items()]
+            try:
+                z = self._select(functional_call(model, {**params, **buffers}, (x,)))
+            finally:
+                for handle in handles:
+                    handle.remove()
+            calls = {p: len(v) for p, v in seen.items() if len(v) != 1}
+            if calls or any(v[0][0].dim() != 2 for v in seen.values()):
+                raise ValueError(f"KFAC needs each Linear called once on (batch, features) "
+                                 f"inputs; calls per layer: {calls or 'non-2-d inputs'}")
+            hs = output_hessian_factors(self.config["metric"], z.detach())
+            outputs = [seen[p][0][1] for p in layers]
+            for j in range(hs.shape[1]):
+                gs = torch.autograd.grad((z * hs[:, j]).sum(), outputs,
+                                         retain_graph=j < hs.shape[1] - 1, allow_unused=True)
+                for path, g in zip(layers, gs, strict=True):
+                    if g is not None:
+                        grads_sq[path] = grads_sq.get(path, 0) + g.T @ g
+            for path in layers:
+                a = seen[path][0][0]
+                a = torch.cat([a, torch.ones_like(a[:, :1])], dim=1)
+                inputs_sq[path] = inputs_sq.get(path, 0) + a.T @ a
+            count += x.shape[0]
+        for path, layer in layers.items():
+            key = f"{path}." if path else ""
+            self._state[f"kfac.{key}A"] = inputs_sq[path] / count
+            g = grads_sq.get(path)
+            if g is None:  # the selected outputs do not depend on this layer
+                g = torch.zeros(layer.out_features, layer.out_features, dtype=dtype,
+                                device=device)
+            self._state[f"kfac.{key}G"] = g / count
+        self._meta["layers"] = [[path, layer.bias is not None] for path, layer in layers.items()]
+
+    def _check_summary(self) -> None:
+        for path, _ in self._meta.get("layers", []):
+            key = f"{path}." if path else ""
+            weight = require_shape(self._stored, f"theta0.{key}weight", [None, None])
+            out_features, in_features = weight.shape
+            require_shape(self._stored, f"kfac.{key}A", [in_features + 1, in_features + 1])
+            require_shape(self._stored, f"kfac.{key}G", [out_features, out_features])
+            require_psd(self._stored, f"kfac.{key}A")
+            require_psd(self._stored, f"kfac.{key}G")
+        if not self._meta.get("layers"):
+            raise SummaryFormatError("meta 'layers': no layer recorded")
+
+    def _distance(self, model: nn.Module) -> Tensor:
+        theta0 = self._theta0()
+        current = dict(model.named_parameters())
+        total = 0.0
+        for path, has_bias in self._meta["layers"]:
+            key = f"{path}." if path else ""
+            delta = current[f"{key}weight"] - theta0[f"{key}weight"]
+            bias = (current[f"{key}bias"] - theta0[f"{key}bias"] if has_bias
+                    else delta.new_zeros(delta.shape[0]))
+            delta = torch.cat([delta, bias.unsqueeze(1)], dim=1)  # ΔW̄ = [ΔW, Δb]
+            g_delta = self._state[f"kfac.{key}G"] @ delta
+            total = total + (g_delta * (delta @ self._state[f"kfac.{key}A"])).sum()
+        return 0.5 * total
+
+
+def _recorder(calls: list[tuple[Tensor, Tensor]]):
+    # forward hook: keep the layer's input and output; the rest of the forward gets a copy of
+    # the output, so an in-place op after the layer cannot rebase the tensor kept here
+    def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        calls.append((args[0].detach(), output))
+        return output.clone()
+    return hook

@@ -1,0 +1,242 @@
+"""fsd.KFAC against dense Gauss-Newton matrices built from per-example Jacobians (float64)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev
+
+import fsd
+from fsd.metrics import output_hessian_factors
+
+DTYPE = torch.float64
+
+
+def _mlp(bias_last: bool = True) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 4), nn.Tanh(),
+                         nn.Linear(4, 3, bias=bias_last)).to(DTYPE)
+
+
+def _moved(model: nn.Module, scale: float = 0.2) -> nn.Module:
+    moved = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return moved
+
+
+def _hessian(metric: str, z0: torch.Tensor) -> torch.Tensor:
+    h = output_hessian_factors(metric, z0.unsqueeze(0))[0]
+    return h.T @ h
+
+
+def dense_gauss_newton(model: nn.Module, x: torch.Tensor, metric: str) -> torch.Tensor:
+    """(1/N) Σ_i J_iᵀ H_i J_i over all parameters, in named_parameters order."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    total = 0
+    for xi in x:
+        def f(p, xi=xi):
+            return functional_call(model, p, (xi.unsqueeze(0),))[0]
+        jac = jacrev(f)(params)
+        j = torch.cat([jac[k].reshape(jac[k].shape[0], -1) for k in params], dim=1)
+        total = total + j.T @ _hessian(metric, f(params).detach()) @ j
+    return total / x.shape[0]
+
+
+def _layer_blocks(model: nn.Module):
+    """Per Linear: (slice of the flat weight, slice of the flat bias or None)."""
+    offset, blocks = 0, []
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            w = slice(offset, offset + module.weight.numel())
+            offset += module.weight.numel()
+            b = None
+            if module.bias is not None:
+                b = slice(offset, offset + module.bias.numel())
+                offset += module.bias.numel()
+            blocks.append((module, w, b))
+    return blocks
+
+
+def brute_force_factors(model: nn.Sequential, x: torch.Tensor, metric: str):
+    """A = mean ā āᵀ and G = mean Σ_k g_k g_kᵀ per Linear, one example and factor at a time."""
+    linears = [i for i, m in enumerate(model) if isinstance(m, nn.Linear)]
+    factors = {}
+    for i in linears:
+        a_sum, g_sum = 0, 0
+        for xi in x:
+            h = xi.unsqueeze(0)
+            for layer in model[:i]:
+                h = layer(h)
+            a_bar = torch.cat([h[0], torch.ones(1, dtype=DTYPE)])
+            s = model[i](h).detach().requires_grad_(True)
+            z = s
+            for layer in model[i + 1:]:
+                z = layer(z)
+            for hk in output_hessian_factors(metric, z.detach())[0]:
+                (g,) = torch.autograd.grad((z[0] * hk).sum(), s, retain_graph=True)
+                g_sum = g_sum + torch.outer(g[0], g[0])
+            a_sum = a_sum + torch.outer(a_bar, a_bar)
+        factors[str(i)] = (a_sum / x.shape[0], g_sum / x.shape[0])
+    return factors
+
+
+def _flat_delta(model: nn.Module, moved: nn.Module) -> torch.Tensor:
+    return torch.cat([(q - p).reshape(-1) for p, q in zip(model.parameters(),
+                                                          moved.parameters(), strict=True)])
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "kl", "softmax_euclidean"])
+def test_factors_equal_per_example_brute_force(metric):
+    torch.manual_seed(0)
+    model = _mlp(bias_last=False)
+    x = torch.randn(17, 3, dtype=DTYPE)
+    est = fsd.KFAC(metric=metric).fit(model, [x[:10], x[10:]])
+    for path, (a, g) in brute_force_factors(model, x, metric).items():
+        torch.testing.assert_close(est._state[f"kfac.{path}.A"], a, rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(est._state[f"kfac.{path}.G"], g, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "kl"])
+def test_penalty_is_the_kronecker_quadratic_formed_densely(metric):
+    torch.manual_seed(1)
+    model = _mlp()
+    x = torch.randn(20, 3, dtype=DTYPE)
+    moved = _moved(model)
+    est = fsd.KFAC(metric=metric).fit(model, x)
+    delta = _flat_delta(model, moved)
+    expected = 0
+    for path, (a, g) in brute_force_factors(model, x, metric).items():
+        layer = model[int(path)]
+        dw = (moved[int(path)].weight - layer.weight).detach()
+        db = (moved[int(path)].bias - layer.bias).detach()
+        w_bar = torch.cat([dw, db.unsqueeze(1)], dim=1)
+        vec = w_bar.T.reshape(-1)  # column-major vec, as in (A ⊗ G) vec(W̄) = vec(G W̄ A)
+        expected = expected + vec @ torch.kron(a, g) @ vec
+    torch.testing.assert_close(est.distance(moved), 0.5 * expected, rtol=1e-10, atol=1e-13)
+    assert float(delta.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "kl"])
+def test_one_example_gives_the_block_diagonal_of_the_dense_gauss_newton(metric):
+    # with one example (and any number of factors) E[āāᵀ ⊗ ggᵀ] factorizes exactly
+    torch.manual_seed(2)
+    model = _mlp()
+    x = torch.randn(1, 3, dtype=DTYPE)
+    moved = _moved(model, 0.05)
+    gn = dense_gauss_newton(model, x, metric)
+    delta = _flat_delta(model, moved)
+    expected = 0
+    for _, w, b in _layer_blocks(model):
+        idx = torch.cat([torch.arange(w.start, w.stop), torch.arange(b.start, b.stop)])
+        expected = expected + delta[idx] @ gn[idx][:, idx] @ delta[idx]
+    value = fsd.KFAC(metric=metric).fit(model, x).distance(moved)
+    torch.testing.assert_close(value, 0.5 * expected, rtol=1e-10, atol=1e-14)
+
+
+def test_linear_network_under_the_euclidean_metric_is_exact():
+    # G = I: K-FAC is the full Gauss-Newton, which is the exact FSD of a linear network
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 3)).to(DTYPE)
+    x = torch.randn(40, 4, dtype=DTYPE) * 2 + 1
+    moved = _moved(model, 0.5)
+    kfac = fsd.KFAC().fit(model, x).distance(moved)
+    torch.testing.assert_close(kfac, fsd.ExactFSD().fit(model, x).distance(moved),
+                               rtol=1e-10, atol=1e-13)
+    gn = dense_gauss_newton(model, x, "euclidean")
+    delta = _flat_delta(model, moved)
+    torch.testing.assert_close(kfac, 0.5 * delta @ gn @ delta, rtol=1e-10, atol=1e-13)
+
+
+def test_outputs_restrict_the_penalty_to_a_head():
+    torch.manual_seed(4)
+    model = _mlp()
+    x = torch.randn(12, 3, dtype=DTYPE)
+    moved = _moved(model)
+    head = fsd.KFAC(metric="kl").fit(model, x, outputs=[0, 2])
+    # brute force on a model whose last layer keeps only those rows
+    sliced = copy.deepcopy(model)
+    sliced[4] = nn.Linear(4, 2).to(DTYPE)
+    with torch.no_grad():
+        sliced[4].weight.copy_(model[4].weight[[0, 2]])
+        sliced[4].bias.copy_(model[4].bias[[0, 2]])
+    for path, (a, g) in brute_force_factors(sliced, x, "kl").items():
+        torch.testing.assert_close(head._state[f"kfac.{path}.A"], a, rtol=1e-10, atol=1e-13)
+        if path != "4":  # the full last layer's G has zero rows for the dropped outputs
+            torch.testing.assert_close(head._state[f"kfac.{path}.G"], g, rtol=1e-10,
+                                       atol=1e-13)
+    assert float(head.distance(moved)) > 0
+
+
+def test_gradient_flows_and_is_zero_at_the_reference():
+    torch.manual_seed(5)
+    model = _mlp()
+    est = fsd.KFAC(metric="kl").fit(model, torch.randn(16, 3, dtype=DTYPE))
+    value = est.distance(model)
+    value.backward()
+    assert float(value) == 0
+    assert all(float(p.grad.abs().max()) == 0 for p in model.parameters())
+
+
+def test_save_load_roundtrip_and_tampered_factors(tmp_path):
+    torch.manual_seed(6)
+    model = _mlp()
+    moved = _moved(model)
+    est = fsd.KFAC(metric="kl").fit(model, torch.randn(16, 3, dtype=DTYPE))
+    est.save(tmp_path / "k.fsd")
+    torch.testing.assert_close(fsd.load(tmp_path / "k.fsd").distance(moved), est.distance(moved))
+    payload = torch.load(tmp_path / "k.fsd", weights_only=True)
+    payload["tensors"]["kfac.2.G"] = -payload["tensors"]["kfac.2.G"]
+    torch.save(payload, tmp_path / "bad.fsd")
+    with pytest.raises(fsd.SummaryFormatError, match=r"'kfac\.2\.G'.*positive semi-definite"):
+        fsd.load(tmp_path / "bad.fsd")
+
+
+@pytest.mark.parametrize("model,message", [
+    (nn.Sequential(nn.Conv1d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2)), "Conv1d at '0'"),
+    (nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3), nn.Linear(3, 2)), "LayerNorm at '1'"),
+])
+def test_models_beyond_linear_layers_are_refused(model, message):
+    x = torch.randn(4, 1, 6) if isinstance(model[0], nn.Conv1d) else torch.randn(4, 3)
+    with pytest.raises(ValueError, match=message):
+        fsd.KFAC().fit(model, x)
+
+
+def test_a_linear_called_twice_is_refused():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.layer(torch.relu(self.layer(x)))
+
+    with pytest.raises(ValueError, match="called once"):
+        fsd.KFAC().fit(Twice(), torch.randn(4, 3))
+
+
+def test_factors_agree_with_backpack_kflr():
+    # an independent implementation: BackPACK's exact Kronecker factors (KFLR) of the
+    # cross-entropy Gauss-Newton; BackPACK has no bias column in A, so compare A's weight block
+    backpack = pytest.importorskip("backpack")
+    from backpack.extensions import KFLR
+
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 4)).to(DTYPE)
+    x = torch.randn(20, 3, dtype=DTYPE)
+    est = fsd.KFAC(metric="kl").fit(model, x)
+    extended = backpack.extend(copy.deepcopy(model))
+    loss_fn = backpack.extend(nn.CrossEntropyLoss())
+    with torch.no_grad():
+        labels = extended(x).argmax(1)  # any labels: the GN does not depend on them
+    with backpack.backpack(KFLR()):
+        loss_fn(extended(x), labels).backward()
+    for path in ("0", "2"):
+        g, a = extended.get_parameter(f"{path}.weight").kflr
+        torch.testing.assert_close(est._state[f"kfac.{path}.G"], g, rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(est._state[f"kfac.{path}.A"][:-1, :-1], a, rtol=1e-10,
+                                   atol=1e-14)
