@@ -7,7 +7,7 @@ Every estimator follows one interface::
     est.save("summary.pt"); est2 = fsd.load("summary.pt")
 """
 
-from .estimator import Estimator, NotFittedError, iter_batches, load
+from .estimator import Estimator, NotFittedError, from_payload, iter_batches, load
 from .ewc import EWC
 from .exact import ExactFSD
 from .interpreter import ArchitectureMismatchError, trace
@@ -15,6 +15,7 @@ from .kfac import KFAC
 from .linearized import BGLN, LAFTR
 from .metrics import METRICS, pointwise_distance
 from .ntk import NTK
+from .regularizer import ContinualRegularizer
 from .rules import LayerRule, UnsupportedModuleError, register_rule
 from .summary_set import SummarySet, combine
 from .validation import SummaryFormatError
@@ -23,8 +24,8 @@ from .statistics import GateAccumulator, MomentAccumulator, Statistics, Statisti
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArchitectureMismatchError", "BGLN", "EWC", "Estimator", "ExactFSD", "GateAccumulator",
+    "ArchitectureMismatchError", "BGLN", "ContinualRegularizer", "EWC", "Estimator", "ExactFSD", "GateAccumulator",
     "KFAC", "LAFTR", "LayerRule", "METRICS", "MomentAccumulator", "NTK", "NotFittedError", "Statistics",
-    "StatisticsCollector", "SummaryFormatError", "SummarySet", "UnsupportedModuleError", "combine", "iter_batches", "load", "pointwise_distance",
+    "StatisticsCollector", "SummaryFormatError", "SummarySet", "UnsupportedModuleError", "combine", "from_payload", "iter_batches", "load", "pointwise_distance",
     "register_rule", "trace",
 ]

@@ -252,6 +252,20 @@ class Estimator:
         with evaluation_mode(model):
             return self._distance(model)
 
+    def statistics_collector(self, model: nn.Module, *, momentum: float | None = None
+                             ) -> Any:
+        """A :class:`fsd.StatisticsCollector` recording what :meth:`fit` reads, or ``None``.
+
+        Moment- and gate-based estimators (LAFTR with Gaussian inputs, BGLN) return one;
+        estimators that need the data itself (ExactFSD, NTK, EWC, coresets) return ``None``.
+        """
+        return None
+
+    @property
+    def needs_labels(self) -> bool:
+        """Whether :meth:`fit` needs ``(x, y)`` batches (class-wise summaries)."""
+        return False
+
     def reference_state_dict(self) -> dict[str, Tensor]:
         """θ0 (and the buffers) as a ``state_dict``, to rebuild the reference network:
         ``model.load_state_dict(estimator.reference_state_dict())``."""
@@ -270,8 +284,16 @@ class Estimator:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the summary to ``path`` atomically (temporary file, then rename)."""
+        atomic_torch_save(self.to_payload(), path)
+
+    def to_payload(self) -> dict[str, Any]:
+        """The summary as plain tensors and JSON strings (what :meth:`save` writes).
+
+        :func:`from_payload` rebuilds it; containers that keep several summaries in one file
+        (e.g. :class:`fsd.ContinualRegularizer`) store these dictionaries.
+        """
         self._require_fitted()
-        payload = {
+        return {
             "format": FORMAT,
             "version": FORMAT_VERSION,
             "estimator": type(self).__name__,
@@ -279,7 +301,6 @@ class Estimator:
             "meta": json.dumps(self._meta),
             "tensors": {k: v.detach().cpu() for k, v in self._stored.items()},
         }
-        atomic_torch_save(payload, path)
 
     def _check_runs_on(self, model: nn.Module, data: Data, dtype: torch.dtype,
                        device: torch.device) -> Data:
@@ -380,15 +401,24 @@ def load(path: str | os.PathLike, map_location: str | torch.device | None = None
         # torch's own message suggests weights_only=False, which would run pickled code
         raise SummaryFormatError(f"{os.fspath(path)} is not an fsd summary file (unreadable: "
                                  f"{type(error).__name__})") from None
+    return from_payload(payload, origin=os.fspath(path))
+
+
+def from_payload(payload: Any, origin: str = "summary") -> Estimator:
+    """Rebuild an estimator from :meth:`Estimator.to_payload`'s dictionary, checking it.
+
+    Raises :class:`~fsd.validation.SummaryFormatError` naming ``origin`` (a file name, or
+    where in a container the summary sat) and the field that is wrong.
+    """
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise SummaryFormatError(f"{os.fspath(path)} is not an fsd summary file")
+        raise SummaryFormatError(f"{origin} is not an fsd summary file")
     if payload.get("version") != FORMAT_VERSION:
-        raise SummaryFormatError(f"{os.fspath(path)}: unsupported fsd summary version "
+        raise SummaryFormatError(f"{origin}: unsupported fsd summary version "
                                  f"{payload.get('version')}")
     cls = ESTIMATORS.get(payload.get("estimator"))  # type: ignore[arg-type]
     if cls is None:
         raise SummaryFormatError(f"unknown estimator {payload.get('estimator')!r} in "
-                                 f"{os.fspath(path)}")
+                                 f"{origin}")
     try:
         estimator = cls(**json.loads(payload["config"]))
         estimator._stored = dict(payload["tensors"])
@@ -400,6 +430,6 @@ def load(path: str | os.PathLike, map_location: str | torch.device | None = None
         # SummaryFormatError is a ValueError: one message naming the file and the field
         detail = str(error) if isinstance(error, SummaryFormatError) else \
             f"{type(error).__name__}: {error}"
-        raise SummaryFormatError(f"{os.fspath(path)}: not a valid {payload['estimator']} "
+        raise SummaryFormatError(f"{origin}: not a valid {payload['estimator']} "
                                  f"summary: {detail}") from None
     return estimator

@@ -73,6 +73,34 @@ class _LinearizedEstimator(Estimator):
     def _deterministic(self) -> bool:
         return self.config.get("deterministic", False)
 
+    def statistics_collector(self, model: nn.Module, *, momentum: float | None = None
+                             ) -> StatisticsCollector | None:
+        """A collector recording what ``fit(..., statistics=...)`` needs, or ``None``.
+
+        Attach it to the model during the last epoch of training (``with
+        collector.record(labels=y)`` around each forward; labels for class-wise summaries),
+        then pass it to :meth:`fit` instead of a second pass over the data. Coreset LAFTR
+        needs no statistics (``None``).
+
+        Args:
+            model: the network being trained (the reference at fit time).
+            momentum: gate frequencies as an exponential moving average with this momentum
+                (``None``: the plain average over the recorded examples).
+        """
+        gaussian = self.config["inputs"] == "gaussian"
+        if not (gaussian or self.bernoulli):
+            return None
+        # low rank is computed from the full covariance at the end of the pass
+        moments = "diag" if self.config["covariance"] == "diag" else "full"
+        return StatisticsCollector(
+            model, moments=moments if gaussian else None, gates=self.bernoulli,
+            momentum=momentum, layer_moments=self.config.get("reference") == "layerwise")
+
+    @property
+    def needs_labels(self) -> bool:
+        """Whether fit and the collector need class labels (class-wise summaries)."""
+        return self._classwise is not False
+
     # ----- fit --------------------------------------------------------------------------
     def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
              dtype: torch.dtype, device: torch.device, progress: bool) -> None:
@@ -80,13 +108,7 @@ class _LinearizedEstimator(Estimator):
         gaussian = self.config["inputs"] == "gaussian"
         needs_stats = gaussian or self.bernoulli
         own = needs_stats and statistics is None
-        collector = statistics
-        if own:
-            # low rank is computed from the full covariance at the end of the pass
-            moments = "diag" if self.config["covariance"] == "diag" else "full"
-            collector = StatisticsCollector(
-                model, moments=moments if gaussian else None, gates=self.bernoulli,
-                layer_moments=self.config.get("reference") == "layerwise")
+        collector = self.statistics_collector(model) if own else statistics
         reservoir = None if gaussian else Reservoir(
             self.config["coreset_size"], torch.Generator().manual_seed(self.config["seed"]))
         if own or reservoir is not None:

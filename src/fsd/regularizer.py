@@ -1,0 +1,168 @@
+"""A continual-learning penalty for a user's own training loop.
+
+:class:`ContinualRegularizer` keeps one fitted summary per finished task and returns the
+paper's penalty (eq. 3) for the current parameters::
+
+    reg = fsd.ContinualRegularizer(lambda: fsd.BGLN(deterministic=True, moments="exact"),
+                                   strength=1.0)
+    for task in tasks:
+        for x, y in task.loader:
+            loss = criterion(model(x), y) + reg.penalty(model)
+            ...
+        reg.end_task(model, task.loader)      # fit this task's summary at θ_t
+    reg.save("regularizer.fsd")               # every summary, one file, no pickled code
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .estimator import Data, Estimator, atomic_torch_save, from_payload, model_dtype_device
+from .summary_set import SummarySet
+from .validation import SummaryFormatError
+
+FORMAT = "fsd-continual-regularizer"
+FORMAT_VERSION = 1
+REDUCTIONS = ("sum", "mean")
+
+
+class ContinualRegularizer:
+    """λ times the weighted sum of the FSD to every finished task's reference network.
+
+    Args:
+        estimator: builds a fresh, unfitted estimator for each task (e.g.
+            ``lambda: fsd.BGLN(deterministic=True, moments="exact")``). Not needed to
+            evaluate loaded summaries, only to fit new ones.
+        strength: λ, the penalty's weight.
+        reduction: ``"sum"`` — Σ_t D_t, the paper's eq. 3 — or ``"mean"`` — (1/T) Σ_t D_t,
+            as the authors' code weights the tasks.
+
+    Summaries of the same kind are evaluated together (:func:`fsd.combine`: BGLN-D
+    summaries in one batched pass). Each distance runs in the model's dtype and device, so
+    the regularizer follows the model when it moves.
+    """
+
+    def __init__(self, estimator: Callable[[], Estimator] | None = None, *,
+                 strength: float = 1.0, reduction: str = "sum") -> None:
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, "
+                             f"got {reduction!r}")
+        strength = float(strength)
+        if not strength >= 0 or strength == float("inf"):
+            raise ValueError(f"strength must be a finite non-negative number, got {strength}")
+        self.estimator = estimator
+        self.strength = strength
+        self.reduction = reduction
+        self.summaries: list[Estimator] = []
+        self._penalty: SummarySet | None = None
+
+    def __len__(self) -> int:
+        return len(self.summaries)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all summaries."""
+        return sum(s.nbytes for s in self.summaries)
+
+    def _new_estimator(self) -> Estimator:
+        if self.estimator is None:
+            raise ValueError("this regularizer has no estimator factory: pass "
+                             "ContinualRegularizer(estimator=...) (or to load) to fit new tasks")
+        made = self.estimator()
+        if not isinstance(made, Estimator):
+            raise TypeError(f"the estimator factory returned {type(made).__name__}, "
+                            f"not an fsd Estimator")
+        return made
+
+    def statistics_collector(self, model: nn.Module, *, momentum: float | None = None
+                             ) -> Any:
+        """A collector to record the current task's statistics during its last epoch.
+
+        ``None`` when the estimator needs the data itself (pass it to :meth:`end_task`).
+        Record with ``with collector.record(labels=y if reg.needs_labels else None)`` around
+        the forward pass, then call ``end_task(model, statistics=collector)`` and
+        ``collector.remove()``.
+        """
+        return self._new_estimator().statistics_collector(model, momentum=momentum)
+
+    @property
+    def needs_labels(self) -> bool:
+        """Whether the estimator's summaries are class-wise (record and fit with labels)."""
+        return self._new_estimator().needs_labels
+
+    def end_task(self, model: nn.Module, data: Data | None = None, *,
+                 outputs: Sequence[int] | slice | None = None, statistics: Any = None,
+                 progress: bool = False) -> Estimator:
+        """Fit the finished task's summary at the model's current parameters and keep it.
+
+        Args:
+            model: the network at the end of the task (θ_t).
+            data: the task's training data (any form :meth:`fsd.Estimator.fit` reads), or
+                ``None`` with ``statistics``.
+            outputs: the output units this task's summary covers (e.g. its head).
+            statistics: a collector from :meth:`statistics_collector` that recorded the task.
+            progress: show a progress bar over the data.
+
+        Returns:
+            The new summary.
+        """
+        summary = self._new_estimator().fit(model, data, outputs=outputs,
+                                            statistics=statistics, progress=progress)
+        self.summaries.append(summary)
+        self._penalty = None
+        return summary
+
+    def weights(self) -> list[float]:
+        """Each summary's weight inside the penalty (before ``strength``)."""
+        count = len(self.summaries)
+        return [1.0 / count if self.reduction == "mean" else 1.0] * count
+
+    def penalty(self, model: nn.Module) -> Tensor:
+        """λ · Σ_t w_t D_t(model): a differentiable 0-dim tensor, 0 before the first task."""
+        if not self.summaries or self.strength == 0:
+            dtype, device = model_dtype_device(model)
+            return torch.zeros((), dtype=dtype, device=device)
+        if self._penalty is None:  # one set per task count: its batched reference is cached
+            self._penalty = SummarySet(self.summaries, self.weights())
+        return self.strength * self._penalty.distance(model)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write every summary and the settings to one file (atomically; no pickled code)."""
+        atomic_torch_save({
+            "format": FORMAT, "version": FORMAT_VERSION, "strength": self.strength,
+            "reduction": self.reduction,
+            "summaries": [s.to_payload() for s in self.summaries],
+        }, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, estimator: Callable[[], Estimator] | None = None,
+             map_location: str | torch.device | None = None) -> ContinualRegularizer:
+        """Read a regularizer written by :meth:`save`; ``estimator`` fits later tasks."""
+        origin = os.fspath(path)
+        try:
+            payload = torch.load(origin, map_location=map_location, weights_only=True)
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            raise
+        except Exception as error:  # torch's message would suggest weights_only=False
+            raise SummaryFormatError(f"{origin} is not an fsd regularizer file (unreadable: "
+                                     f"{type(error).__name__})") from None
+        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+            raise SummaryFormatError(f"{origin} is not an fsd regularizer file")
+        if payload.get("version") != FORMAT_VERSION:
+            raise SummaryFormatError(f"{origin}: unsupported regularizer version "
+                                     f"{payload.get('version')}")
+        try:
+            regularizer = cls(estimator, strength=payload["strength"],
+                              reduction=payload["reduction"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise SummaryFormatError(f"{origin}: bad settings ({error})") from None
+        summaries = payload.get("summaries")
+        if not isinstance(summaries, list):
+            raise SummaryFormatError(f"{origin}: field 'summaries' is missing")
+        regularizer.summaries = [from_payload(p, origin=f"{origin} (task {i})")
+                                 for i, p in enumerate(summaries)]
+        return regularizer
