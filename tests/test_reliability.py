@@ -350,3 +350,47 @@ def test_classwise_summaries_refuse_labels_that_are_not_classes(labels):
 def test_bad_constructor_arguments_fail_at_construction(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+# ----- the data forms PyTorch users pass -----------------------------------------------------
+
+def _forms():
+    from torch.utils.data import DataLoader, TensorDataset
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 4, generator=g, dtype=DTYPE)
+    y = torch.randint(0, 3, (48,), generator=g)
+    task = torch.zeros(48, dtype=torch.long)
+    return x, y, {
+        "tensor": (x, {}),
+        "(X, Y) pair": ((x, y), {}),
+        "list of (x, y)": ([(x[:20], y[:20]), (x[20:], y[20:])], {}),
+        "TensorDataset": (TensorDataset(x, y), {}),
+        "DataLoader of (x, y, task)": (DataLoader(TensorDataset(x, y, task), batch_size=16), {}),
+        "dict batches": ([{"image": x[:30], "label": y[:30]}, {"image": x[30:], "label": y[30:]}],
+                         {"batch_to_input": lambda b: (b["image"], b["label"])}),
+    }
+
+
+@pytest.mark.parametrize("make", [fsd.ExactFSD,
+                                  lambda: fsd.BGLN(deterministic=True, classwise=True),
+                                  lambda: fsd.EWC(metric="euclidean"), fsd.KFAC])
+@pytest.mark.parametrize("form", list(_forms()[2]))
+def test_every_data_form_gives_the_summary_of_one_labelled_batch(make, form):
+    x, y, forms = _forms()
+    data, kwargs = forms[form]
+    model = _mlp().double()
+    if form == "tensor" and getattr(make(), "needs_labels", False):
+        with pytest.raises(ValueError, match="need labels"):
+            make().fit(model, data)
+        return
+    moved = _perturbed(model, 0.2)
+    expected = make().fit(model, [(x, y)]).distance(moved)
+    torch.testing.assert_close(make().fit(model, data, **kwargs).distance(moved), expected,
+                               rtol=1e-10, atol=1e-14)
+
+
+def test_batches_of_another_form_say_what_is_accepted():
+    with pytest.raises(ValueError, match="batch_to_input"):
+        fsd.EWC().fit(_mlp(), [{"image": torch.randn(4, 4)}])
+    with pytest.raises(ValueError, match=r"is a str.*batch_to_input"):
+        fsd.EWC().fit(_mlp(), ["not a batch"])

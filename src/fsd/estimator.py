@@ -15,7 +15,7 @@ import itertools
 import json
 import os
 import tempfile
-from typing import Any, ClassVar, Iterable, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,44 @@ ESTIMATORS: dict[str, type["Estimator"]] = {}
 
 Data = Iterable[Any] | Tensor
 """What ``fit`` accepts: an iterable of batches (``x`` or ``(x, y, ...)``), e.g. a
-``DataLoader``, or one tensor holding a single batch."""
+``DataLoader``; a map-style ``Dataset`` such as ``TensorDataset`` (read in batches of 1024);
+one tensor, or one ``(x, y)`` / ``(x, y, task)`` tuple, holding a single batch. Batches of
+another form (dicts, objects) are read through ``fit(..., batch_to_input=fn)``."""
+
+
+class _MappedBatches:
+    """``fn`` applied to every batch of a (re-iterable) data source."""
+
+    def __init__(self, data: Iterable[Any], fn: Callable[[Any], Any]) -> None:
+        self.data, self.fn = data, fn
+
+    def __iter__(self) -> Iterator[Any]:
+        return map(self.fn, self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)  # type: ignore[arg-type]
+
+
+def as_batches(data: Any, batch_to_input: Callable[[Any], Any] | None = None) -> Any:
+    """``data`` in the form the estimators iterate: batches of ``x`` or ``(x, y, ...)``.
+
+    Args:
+        data: any form :data:`Data` describes.
+        batch_to_input: applied to every batch first, returning ``x`` or ``(x, y)`` (e.g.
+            ``lambda b: (b["pixel_values"], b["labels"])`` for dict batches).
+    """
+    if isinstance(data, Tensor):
+        data = [data]
+    elif (isinstance(data, tuple) and 2 <= len(data) <= 3
+          and all(isinstance(t, Tensor) and t.dim() >= 1 for t in data)
+          and len({t.shape[0] for t in data}) == 1):
+        data = [data]  # one (x, y) or (x, y, task) batch, not a sequence of batches
+    elif isinstance(data, torch.utils.data.Dataset) and not isinstance(
+            data, torch.utils.data.IterableDataset):
+        data = torch.utils.data.DataLoader(data, batch_size=1024)
+    if batch_to_input is not None:
+        data = _MappedBatches(data, batch_to_input)
+    return data
 
 
 class NotFittedError(RuntimeError):
@@ -60,8 +97,11 @@ def iter_batches(
                                        leave=False)):
         if isinstance(batch, dict):
             raise ValueError(f"batch {index} is a dict (keys {sorted(map(str, batch))}): fit "
-                             f"reads x or (x, y) batches; pass e.g. "
-                             f"((b['x'], b['y']) for b in loader)")
+                             f"reads x or (x, y) batches; pass batch_to_input=, e.g. "
+                             f"fit(model, loader, batch_to_input=lambda b: (b['x'], b['y']))")
+        if not isinstance(batch, (Tensor, tuple, list)):
+            raise ValueError(f"batch {index} is a {type(batch).__name__}: fit reads tensors x "
+                             f"or (x, y) tuples; convert others with batch_to_input=")
         if isinstance(batch, (tuple, list)):
             if not batch:
                 raise ValueError(f"batch {index} is empty")
@@ -201,17 +241,22 @@ class Estimator:
         outputs: Sequence[int] | slice | None = None,
         statistics: Any = None,
         progress: bool = False,
+        batch_to_input: Callable[[Any], Any] | None = None,
     ) -> "Estimator":
         """Snapshot θ0 = the model's current parameters and collect the summary's statistics.
 
         Args:
             model: the reference network. Its dtype and device are used throughout.
-            data: iterable of ``x`` or ``(x, y)`` batches (e.g. a ``DataLoader``), or one
-                tensor batch. Labels are needed only for class-conditional summaries.
+            data: batches of ``x`` or ``(x, y, ...)`` (a ``DataLoader``, a list), a
+                ``TensorDataset``, or one batch (a tensor or an ``(x, y)`` tuple); see
+                :data:`fsd.estimator.Data`. Labels are needed only for class-conditional
+                summaries.
             outputs: restrict the distance to these output units (e.g. one task's head).
             statistics: a :class:`fsd.StatisticsCollector` that recorded the data already
                 (e.g. during the last training epoch); used by moment/gate based estimators.
             progress: show a progress bar over the data.
+            batch_to_input: turns each batch into ``x`` or ``(x, y)`` first (dict batches,
+                batches with extra fields).
 
         Returns:
             ``self``.
@@ -233,7 +278,7 @@ class Estimator:
                                  f"indices or a slice, got {list(outputs)}")
             self._state["outputs"] = index
         if data is not None:
-            data = self._check_runs_on(model, data, dtype, device)
+            data = self._check_runs_on(model, as_batches(data, batch_to_input), dtype, device)
         with evaluation_mode(model):
             self._fit(model, data, statistics=statistics, dtype=dtype, device=device,
                       progress=progress)

@@ -96,7 +96,8 @@ class ContinualRegularizer:
 
     def end_task(self, model: nn.Module, data: Data | None = None, *,
                  outputs: Sequence[int] | slice | None = None, statistics: Any = None,
-                 progress: bool = False) -> Estimator:
+                 progress: bool = False,
+                 batch_to_input: Callable[[Any], Any] | None = None) -> Estimator:
         """Fit the finished task's summary at the model's current parameters and keep it.
 
         Args:
@@ -106,12 +107,15 @@ class ContinualRegularizer:
             outputs: the output units this task's summary covers (e.g. its head).
             statistics: a collector from :meth:`statistics_collector` that recorded the task.
             progress: show a progress bar over the data.
+            batch_to_input: turns each batch into ``x`` or ``(x, y)`` (see
+                :meth:`fsd.Estimator.fit`).
 
         Returns:
             The new summary.
         """
         summary = self._new_estimator().fit(model, data, outputs=outputs,
-                                            statistics=statistics, progress=progress)
+                                            statistics=statistics, progress=progress,
+                                            batch_to_input=batch_to_input)
         self.summaries.append(summary)
         self._penalty = None
         return summary
