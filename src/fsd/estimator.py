@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from . import distributed
 from .interpreter import check_signature, parameter_signature
 from .validation import SummaryFormatError, check_common
 
@@ -155,6 +156,11 @@ class Reservoir:
         self.size, self.generator, self.seen = size, generator, 0
         self.x: list[Tensor] = []
         self.y: list[Tensor | None] = []
+        # under torch.distributed each rank samples its shard with its own stream, and the
+        # union is sampled with the shared seed (tensors())
+        self._shared_seed = generator.initial_seed()
+        if distributed.world_size() > 1:
+            generator.manual_seed(self._shared_seed + 1 + distributed.rank())
 
     def add(self, x: Tensor, y: Tensor | None) -> None:
         """Offer a batch to the reservoir."""
@@ -170,10 +176,45 @@ class Reservoir:
             self.seen += 1
 
     def tensors(self) -> tuple[Tensor, Tensor | None]:
-        """The kept inputs (N, *shape) and labels (N,) or None."""
-        xs = torch.stack(self.x)
-        ys = None if any(v is None for v in self.y) else torch.stack(self.y)
+        """The kept inputs (N, *shape) and labels (N,) or None.
+
+        Under torch.distributed: a uniform sample of the union of all ranks' streams, the
+        same on every rank (call it on every rank).
+        """
+        xs = torch.stack(self.x) if self.x else None
+        ys = None if not self.y or any(v is None for v in self.y) else torch.stack(self.y)
+        if distributed.world_size() > 1:
+            return self._union_sample(xs, ys)
+        if xs is None:
+            raise ValueError("no data was offered to the coreset")
         return xs, ys
+
+    def _union_sample(self, xs: Tensor | None, ys: Tensor | None
+                      ) -> tuple[Tensor, Tensor | None]:
+        parts = [p for p in distributed.gather_objects((xs, ys, self.seen)) if p[2] > 0]
+        if not parts:
+            raise ValueError("no data was offered to the coreset on any rank")
+        device = (xs if xs is not None else parts[0][0]).device
+        if self.size is None:  # everything, in rank order as one process would keep it
+            x = torch.cat([p[0] for p in parts]).to(device)
+            labelled = all(p[1] is not None for p in parts)
+            return x, torch.cat([p[1] for p in parts]).to(device) if labelled else None
+        # each rank holds a uniform sample of its shard; draw how many of the union's
+        # sample come from each shard (sequentially, ∝ what is left of it), then which
+        g = torch.Generator().manual_seed(self._shared_seed)
+        orders = [torch.randperm(p[0].shape[0], generator=g) for p in parts]
+        left = torch.tensor([float(p[2]) for p in parts], dtype=torch.float64)
+        taken = [0] * len(parts)
+        picks = []
+        for _ in range(min(self.size, int(left.sum()))):
+            r = int(torch.multinomial(left, 1, generator=g))
+            picks.append((r, int(orders[r][taken[r]])))
+            taken[r] += 1
+            left[r] -= 1
+        x = torch.stack([parts[r][0][i] for r, i in picks]).to(device)
+        if any(parts[r][1] is None for r, _ in picks):
+            return x, None
+        return x, torch.stack([parts[r][1][i] for r, i in picks]).to(device)
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:

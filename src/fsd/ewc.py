@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from . import distributed
 from .estimator import Data, Estimator, iter_batches
 from .hooks import forward_hooks
 from .metrics import check_metric, output_hessian_factors
@@ -113,6 +114,7 @@ class EWC(Estimator):
             for k in total:
                 total[k] += batch[k].to(torch.float64)
             count += x.shape[0]
+        total, count = distributed.sum_tensors(total, count)  # all ranks' shards
         for k, v in total.items():
             self._state[f"fisher.{k}"] = (v / count).to(dtype)
 

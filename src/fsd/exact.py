@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from . import distributed
 from .estimator import Data, Estimator, iter_batches
 from .metrics import check_metric, pointwise_distance
 from .validation import SummaryFormatError, positive_int, require, require_shape
@@ -32,7 +33,9 @@ class ExactFSD(Estimator):
              dtype: torch.dtype, device: torch.device, progress: bool) -> None:
         xs = [x for x, _ in iter_batches(data, dtype=dtype, device=device, progress=progress,
                                          desc="ExactFSD: storing data")]
-        self._state["data.x"] = torch.cat(xs)
+        # under torch.distributed: every rank's shard, in rank order
+        self._state["data.x"] = torch.cat(
+            [part.to(device) for part in distributed.gather_objects(torch.cat(xs))])
         # f(x, θ0) belongs to the reference network given here, not to whichever model a
         # later distance() call passes (another forward with the same parameter shapes)
         reference = self._reference_state()
@@ -65,7 +68,7 @@ class ExactFSD(Estimator):
 
     def _distance(self, model: nn.Module) -> Tensor:
         total = 0.0
-        for chunk, f0 in zip(self._chunks(), self._reference_outputs(model)):
+        for chunk, f0 in zip(self._chunks(), self._reference_outputs(model), strict=True):
             f1 = model(chunk)
             reference = self._select(f0)
             total = total + pointwise_distance(

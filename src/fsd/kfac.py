@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from . import distributed
 from .estimator import Data, Estimator, iter_batches
 from .metrics import check_metric, output_hessian_factors
 from .validation import SummaryFormatError, require_psd, require_shape
@@ -67,8 +68,11 @@ class KFAC(Estimator):
         params = {k: v.detach().requires_grad_(True) for k, v in self._theta0().items()}
         buffers = {k[len("buffer0."):]: v for k, v in self._state.items()
                    if k.startswith("buffer0.")}
-        inputs_sq: dict[str, Tensor] = {}
-        grads_sq: dict[str, Tensor] = {}
+        # sums over examples, zero-initialised so every rank reduces the same tensors
+        inputs_sq = {p: torch.zeros(m.in_features + 1, m.in_features + 1, dtype=dtype,
+                                    device=device) for p, m in layers.items()}
+        grads_sq = {p: torch.zeros(m.out_features, m.out_features, dtype=dtype, device=device)
+                    for p, m in layers.items()}
         count = 0
         for x, _ in iter_batches(data, dtype=dtype, device=device, progress=progress,
                                  desc="KFAC: factors"):
@@ -89,21 +93,20 @@ class KFAC(Estimator):
                 gs = torch.autograd.grad((z * hs[:, j]).sum(), outputs,
                                          retain_graph=j < hs.shape[1] - 1, allow_unused=True)
                 for path, g in zip(layers, gs, strict=True):
-                    if g is not None:
-                        grads_sq[path] = grads_sq.get(path, 0) + g.T @ g
+                    if g is not None:  # None: the selected outputs do not use this layer
+                        grads_sq[path] += g.T @ g
             for path in layers:
                 a = seen[path][0][0]
                 a = torch.cat([a, torch.ones_like(a[:, :1])], dim=1)
-                inputs_sq[path] = inputs_sq.get(path, 0) + a.T @ a
+                inputs_sq[path] += a.T @ a
             count += x.shape[0]
-        for path, layer in layers.items():
+        sums, count = distributed.sum_tensors(
+            {**{f"A:{p}": v for p, v in inputs_sq.items()},
+             **{f"G:{p}": v for p, v in grads_sq.items()}}, count)
+        for path in layers:
             key = f"{path}." if path else ""
-            self._state[f"kfac.{key}A"] = inputs_sq[path] / count
-            g = grads_sq.get(path)
-            if g is None:  # the selected outputs do not depend on this layer
-                g = torch.zeros(layer.out_features, layer.out_features, dtype=dtype,
-                                device=device)
-            self._state[f"kfac.{key}G"] = g / count
+            self._state[f"kfac.{key}A"] = sums[f"A:{path}"] / count
+            self._state[f"kfac.{key}G"] = sums[f"G:{path}"] / count
         self._meta["layers"] = [[path, layer.bias is not None] for path, layer in layers.items()]
 
     def _check_summary(self) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from . import distributed
 from .hooks import recording_hook
 from .interpreter import trace
 
@@ -309,9 +310,37 @@ class StatisticsCollector:
             return sum(a.count for a in self._moment_acc.values())
         return sum(next(iter(g.values())).count for g in self._gate_acc.values() if g)
 
+    def _merged_over_ranks(self) -> tuple[dict, dict, dict, tuple[int, ...] | None]:
+        """The accumulators, merged in rank order over all ranks when distributed."""
+        if distributed.world_size() == 1:
+            return self._moment_acc, self._gate_acc, self._layer_acc, self.input_shape
+        moment_acc: dict[int, MomentAccumulator] = {}
+        gate_acc: dict[int, dict[str, GateAccumulator]] = {}
+        layer_acc: dict[int, dict[str, MomentAccumulator]] = {}
+        input_shape = None
+        local = (self._moment_acc, self._gate_acc, self._layer_acc, self.input_shape)
+        for moments, gates, layers, shape in distributed.gather_objects(local):
+            input_shape = input_shape or shape
+            for key, acc in moments.items():
+                moment_acc.setdefault(key, MomentAccumulator(acc.diagonal)).merge(acc)
+            for key, per_path in gates.items():
+                for path, acc in per_path.items():
+                    gate_acc.setdefault(key, {}).setdefault(
+                        path, GateAccumulator(acc.momentum)).merge(acc)
+            for key, per_path in layers.items():
+                for path, acc in per_path.items():
+                    layer_acc.setdefault(key, {}).setdefault(path, MomentAccumulator()).merge(acc)
+        return moment_acc, gate_acc, layer_acc, input_shape
+
     def finalize(self, classwise: bool | int = False) -> Statistics:
-        """Merge what was recorded into the mixture components asked for."""
-        keys = sorted(set(self._moment_acc) | set(self._gate_acc))
+        """Merge what was recorded into the mixture components asked for.
+
+        Under torch.distributed (a process group of more than one rank), every rank's
+        records are merged first, so each rank gets the statistics of the union of the
+        shards (:mod:`fsd.distributed`); call it on every rank.
+        """
+        moment_acc, gate_acc, layer_acc, input_shape = self._merged_over_ranks()
+        keys = sorted(set(moment_acc) | set(gate_acc))
         if not keys:
             raise ValueError("no examples were recorded: the data was empty or record() "
                              "was never entered")
@@ -326,11 +355,11 @@ class StatisticsCollector:
             moment = MomentAccumulator(self.moments == "diag") if self.moments else None
             gate = {p: GateAccumulator(self.momentum) for p in self.gate_paths}
             for key in group:
-                if moment is not None and key in self._moment_acc:
-                    moment.merge(self._moment_acc[key])
+                if moment is not None and key in moment_acc:
+                    moment.merge(moment_acc[key])
                 for p in self.gate_paths:
-                    if p in self._gate_acc.get(key, {}):
-                        gate[p].merge(self._gate_acc[key][p])
+                    if p in gate_acc.get(key, {}):
+                        gate[p].merge(gate_acc[key][p])
             if moment is not None:
                 counts.append(moment.count)
                 means.append(moment.mean)
@@ -342,8 +371,8 @@ class StatisticsCollector:
             for p in self.layer_paths:
                 merged = MomentAccumulator()
                 for key in group:
-                    if p in self._layer_acc.get(key, {}):
-                        merged.merge(self._layer_acc[key][p])
+                    if p in layer_acc.get(key, {}):
+                        merged.merge(layer_acc[key][p])
                 layers[p].append((merged.mean, merged.covariance()))
         weights = torch.tensor(counts, dtype=torch.float64)
         weights = weights / weights.sum()
@@ -353,7 +382,7 @@ class StatisticsCollector:
             covariances=torch.stack(covs) if covs else None,
             gate_means={p: torch.stack(v) for p, v in gates.items()},
             groups=[] if groups == [[_POOLED]] else groups,
-            input_shape=self.input_shape or (),
+            input_shape=input_shape or (),
             layer_moments={p: (torch.stack([m for m, _ in v]), torch.stack([c for _, c in v]))
                            for p, v in layers.items()},
         )
