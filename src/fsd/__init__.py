@@ -7,6 +7,7 @@ Every estimator follows one interface::
     est.save("summary.pt"); est2 = fsd.load("summary.pt")
 """
 
+from .calibration import Calibration, calibrate
 from .estimator import Estimator, NotFittedError, from_payload, iter_batches, load
 from .ewc import EWC
 from .exact import ExactFSD
@@ -24,8 +25,8 @@ from .statistics import GateAccumulator, MomentAccumulator, Statistics, Statisti
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArchitectureMismatchError", "BGLN", "ContinualRegularizer", "EWC", "Estimator", "ExactFSD", "GateAccumulator",
+    "ArchitectureMismatchError", "BGLN", "Calibration", "ContinualRegularizer", "EWC", "Estimator", "ExactFSD", "GateAccumulator",
     "KFAC", "LAFTR", "LayerRule", "METRICS", "MomentAccumulator", "NTK", "NotFittedError", "Statistics",
-    "StatisticsCollector", "SummaryFormatError", "SummarySet", "UnsupportedModuleError", "combine", "from_payload", "iter_batches", "load", "pointwise_distance",
+    "StatisticsCollector", "SummaryFormatError", "SummarySet", "UnsupportedModuleError", "calibrate", "combine", "from_payload", "iter_batches", "load", "pointwise_distance",
     "register_rule", "trace",
 ]

@@ -352,6 +352,14 @@ class Estimator:
         """Whether :meth:`fit` needs ``(x, y)`` batches (class-wise summaries)."""
         return False
 
+    def output_units(self) -> list[int] | slice | None:
+        """The ``outputs`` given to :meth:`fit` (``None``: every output unit)."""
+        self._require_fitted()
+        if "output_slice" in self._meta:
+            return slice(*self._meta["output_slice"])
+        index = self._stored.get("outputs")
+        return None if index is None else [int(i) for i in index.tolist()]
+
     def reference_state_dict(self) -> dict[str, Tensor]:
         """θ0 (and the buffers) as a ``state_dict``, to rebuild the reference network:
         ``model.load_state_dict(estimator.reference_state_dict())``."""
