@@ -10,11 +10,12 @@ Every estimator follows one interface::
 from .estimator import Estimator, NotFittedError, iter_batches, load
 from .ewc import EWC
 from .exact import ExactFSD
-from .interpreter import ArchitectureMismatchError, trace
+from .interpreter import trace
 from .linearized import BGLN, LAFTR
 from .metrics import METRICS, pointwise_distance
 from .ntk import NTK
 from .rules import LayerRule, UnsupportedModuleError, register_rule
+from .signature import ArchitectureMismatchError
 from .summary_set import SummarySet, combine
 from .statistics import GateAccumulator, MomentAccumulator, Statistics, StatisticsCollector
 

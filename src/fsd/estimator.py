@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .interpreter import check_signature, parameter_signature
+from .signature import check_signature, normalize, parameter_signature
 
 FORMAT = "fsd-summary"
 FORMAT_VERSION = 1
@@ -145,11 +145,6 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
             os.remove(tmp)
 
 
-def _normalize(obj: Any) -> Any:
-    # JSON round trip so tuples become lists and saved/fresh signatures compare equal.
-    return json.loads(json.dumps(obj))
-
-
 class Estimator:
     """Base class of all FSD estimators.
 
@@ -164,7 +159,7 @@ class Estimator:
         ESTIMATORS[cls.__name__] = cls
 
     def __init__(self, **config: Any) -> None:
-        self.config: dict[str, Any] = _normalize(config)
+        self.config: dict[str, Any] = normalize(config)
         # _stored: the summary as fitted/loaded (saved, counted by nbytes); _state: the view
         # used for computing, converted to the calling model's dtype/device when they differ
         self._stored: dict[str, Tensor] = {}
@@ -203,7 +198,7 @@ class Estimator:
         dtype, device = model_dtype_device(model)
         self._stored, self._meta, self._cache = {}, {}, {}
         self._state = self._stored
-        self._meta["signature"] = _normalize(self._signature(model))
+        self._meta["signature"] = normalize(self._signature(model))
         for name, p in model.named_parameters():
             self._state[f"theta0.{name}"] = p.detach().clone()
         for name, b in model.named_buffers():
@@ -227,7 +222,7 @@ class Estimator:
         Returns a 0-dim tensor, differentiable w.r.t. the model's parameters.
         """
         self._require_fitted()
-        check_signature(self._meta["signature"], _normalize(self._signature(model)))
+        check_signature(self._meta["signature"], normalize(self._signature(model)))
         dtype, device = model_dtype_device(model)
         self._move(dtype, device)
         with evaluation_mode(model):

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from .covariance import Covariance, sampling_factor
-from .interpreter import TracedLayer, UnsupportedModuleError, _weight_bias
+from .interpreter import TracedLayer
+from .rules import UnsupportedModuleError, weight_bias
 
 
 def _homogeneous(weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -112,7 +113,7 @@ def reference_blocks(
                 r00, pending = _gated_homogeneous(*pending, None), None
             if out and layer_moments is not None:
                 r00 = raw_second_moment(*layer_moments[layer.path])
-            w0 = _homogeneous(*_weight_bias(params0, layer.path))
+            w0 = _homogeneous(*weight_bias(params0, layer.path))
             if phi is not None:
                 p0 = w0 @ phi
                 # Φ = [[L, m], [0, 1]]: its last column is E[ã0] = [m; 1]
@@ -173,8 +174,8 @@ def delta_second_moment(
                 r0d, rdd, mean_d = gated(None)
             block = reference[index]
             index += 1
-            w0, b0 = _weight_bias(params0, layer.path)
-            w1, b1 = _weight_bias(params1, layer.path)
+            w0, b0 = weight_bias(params0, layer.path)
+            w1, b1 = weight_bias(params1, layer.path)
             w0h = _homogeneous(w0, b0)
             dwh = _homogeneous(w1, b1) - w0h
             if "factor" in block:

@@ -29,6 +29,7 @@ from .interpreter import (
     true_gates,
 )
 from .metrics import check_metric, pointwise_distance
+from .rules import weight_bias
 from .statistics import StatisticsCollector
 
 INPUTS = ("coreset", "gaussian")
@@ -256,7 +257,7 @@ class _LinearizedEstimator(Estimator):
     @staticmethod
     def _output_size(layers, params0) -> int:
         last = [layer for layer in layers if layer.rule.kind == "affine"][-1]
-        return params0[f"{last.path}.weight" if last.path else "weight"].shape[0]
+        return weight_bias(params0, last.path)[0].shape[0]
 
 
 class LAFTR(_LinearizedEstimator):

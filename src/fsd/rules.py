@@ -17,7 +17,7 @@ The walker in :mod:`fsd.interpreter` is generic; adding a layer type means regis
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -68,6 +68,17 @@ def rule_for(module: nn.Module, path: str) -> LayerRule:
             f"linearized estimators; supported: {supported}"
         )
     return rule
+
+
+def weight_bias(params: Mapping[str, Tensor], path: str) -> tuple[Tensor, Tensor | None]:
+    """The ``weight`` and ``bias`` (``None`` without one) of the affine layer at ``path``.
+
+    Args:
+        params: parameters by dotted name, as ``model.named_parameters()`` gives them.
+        path: the layer's dotted path (``""`` for a model that is a single layer).
+    """
+    prefix = f"{path}." if path else ""
+    return params[prefix + "weight"], params.get(prefix + "bias")
 
 
 def _conv2d_hyper(m: nn.Conv2d) -> dict:

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from .estimator import Estimator, evaluation_mode, model_dtype_device
 from .exact_moments import delta_second_moment
-from .interpreter import check_signature, delta_moments, trace
+from .interpreter import delta_moments, trace
+from .signature import check_signature
 from .linearized import BGLN
 
 
