@@ -221,17 +221,17 @@ class Estimator:
 
         Returns a 0-dim tensor, differentiable w.r.t. the model's parameters.
         """
-        self._require_fitted()
-        check_signature(self._meta["signature"], normalize(self._signature(model)))
+        self.require_fitted()
+        self.check_architecture(model)
         dtype, device = model_dtype_device(model)
-        self._move(dtype, device)
+        self.place(dtype, device)
         with evaluation_mode(model):
             return self._distance(model)
 
     def reference_state_dict(self) -> dict[str, Tensor]:
         """θ0 (and the buffers) as a ``state_dict``, to rebuild the reference network:
         ``model.load_state_dict(estimator.reference_state_dict())``."""
-        self._require_fitted()
+        self.require_fitted()
         out = {}
         for key, value in self._stored.items():
             for prefix in ("theta0.", "buffer0."):
@@ -246,7 +246,7 @@ class Estimator:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the summary to ``path`` atomically (temporary file, then rename)."""
-        self._require_fitted()
+        self.require_fitted()
         payload = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -257,24 +257,23 @@ class Estimator:
         }
         atomic_torch_save(payload, path)
 
-    # ----- helpers for subclasses -------------------------------------------------------
-    def _signature(self, model: nn.Module) -> Any:
-        return parameter_signature(model)
-
-    def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
-             dtype: torch.dtype, device: torch.device, progress: bool) -> None:
-        raise NotImplementedError
-
-    def _distance(self, model: nn.Module) -> Tensor:
-        raise NotImplementedError
-
-    def _require_fitted(self) -> None:
+    def require_fitted(self) -> None:
+        """Raise :class:`NotFittedError` unless the estimator was fitted (or loaded)."""
         if not self._meta.get("fitted"):
             raise NotFittedError(f"{type(self).__name__} is not fitted: call fit(model, data)")
 
-    def _move(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Compute in the model's dtype/device: a converted view of the stored summary (made
-        once per placement), never a lossy in-place cast of the summary itself."""
+    def check_architecture(self, model: nn.Module) -> None:
+        """Raise :class:`~fsd.ArchitectureMismatchError` unless ``model`` has the architecture
+        the summary was fitted on (``distance`` does this on every call)."""
+        check_signature(self._meta["signature"], normalize(self._signature(model)))
+
+    def place(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Compute in ``dtype`` on ``device`` from now on (``distance`` follows the model).
+
+        The computations use a converted view of the stored summary, made once per placement;
+        the stored summary itself is never cast in place, so a float64 summary used with a
+        float32 model loses nothing.
+        """
         placement = [str(dtype), str(device)]
         if self._cache.get("placement") == placement:
             return
@@ -288,12 +287,27 @@ class Estimator:
         self._cache.clear()
         self._cache["placement"] = placement
 
-    def _theta0(self) -> dict[str, Tensor]:
+    def reference_parameters(self) -> dict[str, Tensor]:
+        """θ0 by parameter name, in the current placement (see :meth:`place`).
+
+        The tensors are the summary's own: read them, do not modify them in place.
+        """
         return {k[len("theta0."):]: v for k, v in self._state.items() if k.startswith("theta0.")}
+
+    # ----- helpers for subclasses -------------------------------------------------------
+    def _signature(self, model: nn.Module) -> Any:
+        return parameter_signature(model)
+
+    def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
+             dtype: torch.dtype, device: torch.device, progress: bool) -> None:
+        raise NotImplementedError
+
+    def _distance(self, model: nn.Module) -> Tensor:
+        raise NotImplementedError
 
     def _reference_state(self) -> dict[str, Tensor]:
         """θ0 parameters and buffers, as ``functional_call`` wants them."""
-        out = self._theta0()
+        out = self.reference_parameters()
         out.update({k[len("buffer0."):]: v for k, v in self._state.items()
                     if k.startswith("buffer0.")})
         return out

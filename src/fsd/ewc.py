@@ -69,7 +69,7 @@ class EWC(Estimator):
 
     def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
              dtype: torch.dtype, device: torch.device, progress: bool) -> None:
-        params = {k: v for k, v in self._theta0().items()}
+        params = {k: v for k, v in self.reference_parameters().items()}
         buffers = {k[len("buffer0."):]: v for k, v in self._state.items()
                    if k.startswith("buffer0.")}
         generator = torch.Generator().manual_seed(self.config["seed"])
@@ -114,7 +114,7 @@ class EWC(Estimator):
             self._state[f"fisher.{k}"] = (v / count).to(dtype)
 
     def _distance(self, model: nn.Module) -> Tensor:
-        theta0 = self._theta0()
+        theta0 = self.reference_parameters()
         total = 0.0
         for name, p in model.named_parameters():
             total = total + (self._state[f"fisher.{name}"] * (p - theta0[name]).pow(2)).sum()

@@ -20,6 +20,7 @@ from .covariance import Covariance, low_rank_plus_diagonal, sample, sampling_fac
 from .exact_moments import delta_second_moment, reference_blocks
 from .estimator import Data, Estimator, Reservoir, iter_batches
 from .interpreter import (
+    TracedLayer,
     check_moment_support,
     delta_moments,
     layer_signature,
@@ -175,7 +176,7 @@ class _LinearizedEstimator(Estimator):
             return x, group, x.new_full((n,), 1.0 / n)
         mean, weights = self._state["input.mean"], self._state["weights"]
         generator = self._generator(mean.device)
-        cov = self._input_covariance()
+        cov = self.input_covariance()
         if not isinstance(cov, tuple) and cov.dim() == 3 and "factors" not in self._cache:
             self._cache["factors"] = [sampling_factor(c) for c in cov]
         shape = tuple(self._meta["input_shape"])
@@ -191,14 +192,19 @@ class _LinearizedEstimator(Estimator):
             sample_weights.append(weights[g].expand(n) / n)
         return torch.cat(xs), torch.cat(groups), torch.cat(sample_weights)
 
-    def _input_covariance(self) -> Covariance:
+    def input_covariance(self) -> Covariance:
+        """The stored input covariance (Gaussian inputs) in the current placement.
+
+        A full (G, d, d) or diagonal (G, d) tensor, or for ``covariance="lowrank"`` the pair
+        ``(factor (G, d, r), residual (G, d))`` (see :mod:`fsd.covariance`).
+        """
         if "input.cov_factor" in self._state:
             return self._state["input.cov_factor"], self._state["input.cov_residual"]
         return self._state["input.cov"]
 
     def _distance(self, model: nn.Module) -> Tensor:
         layers = trace(model)
-        params0 = self._theta0()
+        params0 = self.reference_parameters()
         params1 = dict(model.named_parameters())
         if self._deterministic:
             return self._moment_distance(layers, params0, params1)
@@ -224,15 +230,28 @@ class _LinearizedEstimator(Estimator):
                  if k.startswith("layer.") and k.endswith(".mean")]
         return {p: (self._state[f"layer.{p}.mean"], self._state[f"layer.{p}.cov"]) for p in paths}
 
-    def _moment_parts(self, layers, params0) -> dict[str, Any]:
-        """What BGLN-D needs besides θ: fixed after fit, so computed once and cached."""
+    def moment_parts(self, layers: list[TracedLayer], params0: dict[str, Tensor]
+                     ) -> dict[str, Any]:
+        """What BGLN-D needs besides θ: fixed after fit, so computed once and cached.
+
+        Args:
+            layers: the traced model (:func:`fsd.trace`).
+            params0: θ0, :meth:`reference_parameters`.
+
+        Returns:
+            ``{"reference", "gate_means", "output_rows", "weights"}``: the reference-side
+            moments (:func:`fsd.interpreter.reference_moments`, or
+            :func:`fsd.exact_moments.reference_blocks` for ``moments="exact"``), the Bernoulli
+            means per ReLU path, the rows selecting the fitted outputs and the mixture
+            weights. :class:`fsd.SummarySet` stacks these to batch several summaries.
+        """
         if "moment_parts" not in self._cache:
             gate_means = self._gate_means()
             mean = self._state["input.mean"]
             propagate = reference_blocks if self.config.get("moments") == "exact" \
                 else reference_moments
             with torch.no_grad():
-                reference = propagate(layers, params0, mean, self._input_covariance(),
+                reference = propagate(layers, params0, mean, self.input_covariance(),
                                       gate_means, self._layer_moments())
             eye = torch.eye(self._output_size(layers, params0), dtype=mean.dtype,
                             device=mean.device)
@@ -243,7 +262,7 @@ class _LinearizedEstimator(Estimator):
         return self._cache["moment_parts"]
 
     def _moment_distance(self, layers, params0, params1) -> Tensor:
-        parts = self._moment_parts(layers, params0)
+        parts = self.moment_parts(layers, params0)
         if self.config.get("moments") == "exact":
             per_group = 0.5 * delta_second_moment(
                 layers, params0, params1, parts["reference"], parts["gate_means"],

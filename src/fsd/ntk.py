@@ -38,7 +38,7 @@ class NTK(Estimator):
         self._state["coreset.x"] = reservoir.tensors()[0]
 
     def _distance(self, model: nn.Module) -> Tensor:
-        theta0 = self._theta0()
+        theta0 = self.reference_parameters()
         names = list(theta0)
         current = dict(model.named_parameters())
         buffers = {k[len("buffer0."):]: v for k, v in self._state.items()

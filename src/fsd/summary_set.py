@@ -20,16 +20,15 @@ from torch import Tensor, nn
 from .estimator import Estimator, evaluation_mode, model_dtype_device
 from .exact_moments import delta_second_moment
 from .interpreter import delta_moments, trace
-from .signature import check_signature
 from .linearized import BGLN
 
 
-def _form(estimator: Estimator) -> tuple:
+def _form(estimator: BGLN) -> tuple:
     """Estimators whose stored input covariances can be concatenated share this key."""
-    state = estimator._state
-    if "input.cov_factor" in state:
-        return ("lowrank", state["input.cov_factor"].shape[-1])
-    return ("full" if state["input.cov"].dim() == 3 else "diag",)
+    cov = estimator.input_covariance()
+    if isinstance(cov, tuple):
+        return ("lowrank", cov[0].shape[-1])
+    return ("full" if cov.dim() == 3 else "diag",)
 
 
 def _batch_key(estimator: Estimator) -> tuple | None:
@@ -68,7 +67,7 @@ class SummarySet:
         if len(weights) != len(self.estimators):
             raise ValueError(f"{len(weights)} weights for {len(self.estimators)} estimators")
         for e in self.estimators:
-            e._require_fitted()
+            e.require_fitted()
         self.weights = [float(w) for w in weights]
         self._cache: dict[Any, Any] = {}
 
@@ -109,8 +108,8 @@ class SummarySet:
         layers = trace(model)
         for i in members:
             estimator = self.estimators[i]
-            check_signature(estimator._meta["signature"], estimator._signature(model))
-            estimator._move(dtype, device)
+            estimator.check_architecture(model)
+            estimator.place(dtype, device)
         key = (tuple(members), str(dtype), str(device))
         if key not in self._cache:
             self._cache[key] = self._stack(layers, members)
@@ -133,8 +132,9 @@ class SummarySet:
         parts, params0, counts = [], [], []
         for i in members:
             estimator = self.estimators[i]
-            theta0 = estimator._theta0()
-            part = estimator._moment_parts(layers, theta0)
+            assert isinstance(estimator, BGLN)  # _batch_key batches BGLN-D summaries only
+            theta0 = estimator.reference_parameters()
+            part = estimator.moment_parts(layers, theta0)
             parts.append(part)
             params0.append(theta0)
             counts.append(part["weights"].shape[0])
