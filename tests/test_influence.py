@@ -15,6 +15,7 @@ from torch import nn
 import fsd
 import fsd_experiments.data
 from fsd import influence
+from fsd.testing import one_point_at_a_time
 from fsd_experiments import influence as studies
 from fsd_experiments.cli import main
 from fsd_experiments.stats import kmeans_labels
@@ -114,34 +115,6 @@ def test_pbrf_stochastic_exact_term_is_close_to_closed_form():
     np.testing.assert_allclose(scores, expected, rtol=0.1, atol=1e-4)
 
 
-def _one_point_at_a_time(model, term, n, x, y, *, damping, steps, lr, point_term):
-    """Reference: plain autograd SGD on the module, one point after another."""
-    scores = []
-    for i in range(x.shape[0]):
-        work = copy.deepcopy(model)
-        theta0 = [p.detach().clone() for p in work.parameters()]
-        xi, yi = x[i:i + 1], y[i:i + 1]
-        with torch.no_grad():
-            before = influence.pointwise_loss("squared", work(xi), yi).sum()
-            reference = work(xi)
-        if hasattr(term, "reset"):
-            term.reset()
-        for _ in range(steps):
-            out = work(xi)
-            value = (-influence.pointwise_loss("squared", out, yi).sum() / n + term(work)
-                     + 0.5 * damping * sum((p - p0).pow(2).sum()
-                                           for p, p0 in zip(work.parameters(), theta0)))
-            if point_term:
-                value = value + 0.5 * (out - reference).pow(2).sum() / n
-            grads = torch.autograd.grad(value, list(work.parameters()))
-            with torch.no_grad():
-                for p, g in zip(work.parameters(), grads):
-                    p.sub_(lr * g)
-        with torch.no_grad():
-            scores.append(float(influence.pointwise_loss("squared", work(xi), yi).sum() - before))
-    return np.array(scores)
-
-
 @pytest.mark.parametrize("method,point_term", [("exact", False), ("ewc", True),
                                                ("bgln-d", False), ("bgln-d", True)])
 def test_batched_solves_equal_solving_one_point_at_a_time(method, point_term):
@@ -155,7 +128,7 @@ def test_batched_solves_equal_solving_one_point_at_a_time(method, point_term):
     groups = kmeans_labels(x, 3) if method == "bgln-d" else None
     term = influence.make_term(method, model, x, y, "squared", batch_size=16, bgln_groups=groups)
     settings = dict(damping=0.01, steps=12, lr=0.3, point_term=point_term)
-    expected = _one_point_at_a_time(model, term, 40, x[:5], y[:5], **settings)
+    expected = one_point_at_a_time(model, term, 40, x[:5], y[:5], **settings)
     solver = influence.PBRF(model, term, 40, loss="squared", **settings)
     got = solver.self_influence(x[:5], y[:5]).numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-14)
