@@ -27,6 +27,7 @@ import torch
 from fsd import influence
 from fsd.testing import one_point_at_a_time
 from fsd_experiments.compare import mlp
+from fsd_experiments.stats import kmeans_labels
 
 
 def _sync(device: torch.device) -> None:
@@ -59,7 +60,6 @@ def main() -> None:
             influence.pointwise_loss("squared", model(x[index]), y[index]).mean().backward()
             optimizer.step()
     model, x, y = model.to(device), x.to(device), y.to(device)
-    points = list(range(args.points))
     settings = dict(damping=1e-3, steps=args.steps, lr=0.03)
 
     print(f"N = {n}, MLP {d}-{args.width}-{args.width}-1, {args.points} points, "
@@ -68,7 +68,8 @@ def main() -> None:
           f"{'(c) P s/pt':>10} | {'(a)/(c)':>7} | {'(b)/(c)':>7} | max |a−c|/max|a|")
     for method, clusters, point_term in (("exact", None, False), ("ewc", None, True),
                                          ("bgln-d", 30, True)):
-        term = influence.make_term(method, model, x, y, "squared", bgln_clusters=clusters)
+        groups = None if clusters is None else kmeans_labels(x, clusters)
+        term = influence.make_term(method, model, x, y, "squared", bgln_groups=groups)
         point_term = point_term and method != "exact"
         times = {}
         _sync(device)
