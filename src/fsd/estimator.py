@@ -131,8 +131,10 @@ class Reservoir:
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file in the same folder, then rename: a crash never
-    leaves a half-written file at ``path``."""
+    """``torch.save`` to a temporary file in the same folder, then rename it to ``path``.
+
+    A crash never leaves a half-written file at ``path``.
+    """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fsd-", suffix=".tmp")
@@ -229,8 +231,10 @@ class Estimator:
             return self._distance(model)
 
     def reference_state_dict(self) -> dict[str, Tensor]:
-        """θ0 (and the buffers) as a ``state_dict``, to rebuild the reference network:
-        ``model.load_state_dict(estimator.reference_state_dict())``."""
+        """θ0 (and the buffers) as a ``state_dict``, to rebuild the reference network.
+
+        Use it as ``model.load_state_dict(estimator.reference_state_dict())``.
+        """
         self.require_fitted()
         out = {}
         for key, value in self._stored.items():
@@ -263,8 +267,11 @@ class Estimator:
             raise NotFittedError(f"{type(self).__name__} is not fitted: call fit(model, data)")
 
     def check_architecture(self, model: nn.Module) -> None:
-        """Raise :class:`~fsd.ArchitectureMismatchError` unless ``model`` has the architecture
-        the summary was fitted on (``distance`` does this on every call)."""
+        """Raise :class:`~fsd.ArchitectureMismatchError` unless ``model`` fits the summary.
+
+        The model must have the architecture the summary was fitted on; ``distance`` checks
+        this on every call.
+        """
         check_signature(self._meta["signature"], normalize(self._signature(model)))
 
     def place(self, dtype: torch.dtype, device: torch.device) -> None:

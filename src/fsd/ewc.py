@@ -87,7 +87,7 @@ class EWC(Estimator):
         def generic(x: Tensor, hs: Tensor) -> dict[str, Tensor]:
             out = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
             for xs, hc in zip(torch.split(x, self.config["chunk_size"]),
-                              torch.split(hs, self.config["chunk_size"])):
+                              torch.split(hs, self.config["chunk_size"]), strict=True):
                 diag = vmap(example_diag)(xs, hc)
                 for k in out:
                     out[k] += diag[k].sum(0).to(torch.float64)
@@ -169,7 +169,7 @@ def _linear_fisher_diagonal(model: nn.Module, layers: dict[str, nn.Linear],
     for j in range(factors):
         grads = torch.autograd.grad((z * hs[:, j]).sum(), [outputs[p][0] for p in paths],
                                     retain_graph=j < factors - 1, allow_unused=True)
-        for path, g in zip(paths, grads):
+        for path, g in zip(paths, grads, strict=True):
             if g is None:
                 continue
             prefix = f"{path}." if path else ""

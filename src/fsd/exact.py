@@ -45,7 +45,7 @@ class ExactFSD(Estimator):
 
     def _distance(self, model: nn.Module) -> Tensor:
         total = 0.0
-        for chunk, f0 in zip(self._chunks(), self._reference_outputs(model)):
+        for chunk, f0 in zip(self._chunks(), self._reference_outputs(model), strict=True):
             f1 = model(chunk)
             reference = self._select(f0)
             total = total + pointwise_distance(

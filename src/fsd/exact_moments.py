@@ -57,7 +57,7 @@ def input_factor(mean: Tensor, cov: Covariance) -> tuple[Tensor, Tensor | None]:
         factors = [sampling_factor(c) for c in cov]
         width = max(f.shape[1] for f in factors)
         root = torch.stack([torch.nn.functional.pad(f, (0, width - f.shape[1])) for f in factors])
-    groups, d, q = root.shape
+    groups, _, q = root.shape
     top = torch.cat([root, mean.unsqueeze(-1)], dim=-1)
     bottom = torch.cat([root.new_zeros(groups, 1, q), root.new_ones(groups, 1, 1)], dim=-1)
     if residual is not None:
@@ -74,8 +74,10 @@ def raw_second_moment(mean: Tensor, cov: Tensor) -> Tensor:
 
 
 def _gated_homogeneous(second: Tensor, mean: Tensor, mu: Tensor | None) -> Tensor:
-    """R00 after a ReLU gate (μ) or directly after an affine layer (μ = None: no gate):
-    [[Q ⊙ E[s sᵀ], μ ⊙ E s], [(μ ⊙ E s)ᵀ, 1]]."""
+    """R00 after a ReLU gate (μ), or directly after an affine layer (μ = None: no gate).
+
+    R00 = [[Q ⊙ E[s sᵀ], μ ⊙ E s], [(μ ⊙ E s)ᵀ, 1]].
+    """
     if mu is not None:
         second, mean = gate_second_moment(mu) * second, mu * mean
     return raw_second_moment(mean, second - mean.unsqueeze(-1) * mean.unsqueeze(-2))
@@ -92,6 +94,11 @@ def reference_blocks(
     """Per affine layer, the fixed reference quantities the Δ-side needs.
 
     Args:
+        layers: the traced model (:func:`fsd.trace`).
+        params0: reference parameters θ0 by name.
+        mean: input means, (G, d) for G mixture components.
+        cov: input covariances in any form of :mod:`fsd.covariance`.
+        gate_means: Bernoulli means μ per ReLU path, each (G, units).
         layer_moments: optional real (mean, covariance) of the reference network's input to
             each affine layer after the first (``reference="layerwise"``); without it the
             reference moments are propagated through the Bernoulli-gated network.

@@ -170,6 +170,9 @@ def reference_moments(
     """Mean and covariance of the reference activations a0 entering every affine layer.
 
     Args:
+        layers: output of :func:`trace`.
+        params0: reference parameters θ0 by name; each may carry a leading component
+            dimension G.
         mean: input means, (G, d) for G mixture components.
         cov: input covariances in any form of :mod:`fsd.covariance`.
         gate_means: Bernoulli means μ per ReLU path, each (G, units).
@@ -214,9 +217,12 @@ def delta_moments(
     far cheaper for few outputs.
 
     Args:
+        layers: output of :func:`trace`.
         params0: reference parameters; each may carry a leading component dimension G, so
             summaries of several reference networks are evaluated in one batched pass.
+        params1: parameters θ of the other network (differentiable).
         reference: output of :func:`reference_moments` (fixed after fit).
+        gate_means: Bernoulli means μ per ReLU path, each (G, units).
         output_rows: (k', k) or per component (G, k', k) matrix selecting outputs (rows of
             the identity; zero rows pad components with fewer outputs).
 

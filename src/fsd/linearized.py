@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from .covariance import Covariance, low_rank_plus_diagonal, sample, sampling_factor
-from .exact_moments import delta_second_moment, reference_blocks
 from .estimator import Data, Estimator, Reservoir, iter_batches
+from .exact_moments import delta_second_moment, reference_blocks
 from .interpreter import (
     TracedLayer,
     check_moment_support,

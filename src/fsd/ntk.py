@@ -46,7 +46,8 @@ class NTK(Estimator):
         x = self._state["coreset.x"]
 
         def f(*params: Tensor) -> Tensor:
-            return functional_call(model, {**dict(zip(names, params)), **buffers}, (x,))
+            state = {**dict(zip(names, params, strict=True)), **buffers}
+            return functional_call(model, state, (x,))
 
         primals = tuple(theta0[n] for n in names)
         tangents = tuple(current[n] - theta0[n] for n in names)

@@ -60,7 +60,8 @@ class MomentAccumulator:
             self.count, self.mean, self._m2 = n, mean.clone(), m2.clone()
             return
         if mean.shape != self.mean.shape:
-            raise ValueError(f"feature size changed: {tuple(self.mean.shape)} vs {tuple(mean.shape)}")
+            raise ValueError(f"feature size changed: {tuple(self.mean.shape)} vs "
+                             f"{tuple(mean.shape)}")
         total = self.count + n
         delta = (mean - self.mean).to(self.mean.device)
         correction = delta.pow(2) if self.diagonal else torch.outer(delta, delta)
@@ -69,8 +70,11 @@ class MomentAccumulator:
         self.count = total
 
     def covariance(self) -> Tensor:
-        """Population covariance (divides by n): the second moment of the empirical
-        distribution, which is what FSD over the data is an expectation under."""
+        """Population covariance (divides by n).
+
+        It is the second moment of the empirical distribution, which is what FSD over the
+        data is an expectation under.
+        """
         if self.count == 0:
             raise ValueError("no data was accumulated")
         return self._m2 / self.count

@@ -34,20 +34,22 @@ def _form(estimator: BGLN) -> tuple:
 def _batch_key(estimator: Estimator) -> tuple | None:
     """Summaries with equal keys are evaluated in one pass; ``None``: one by one."""
     if isinstance(estimator, BGLN) and estimator.config["deterministic"]:
-        return (estimator.config["moments"],) + _form(estimator)
+        return (estimator.config["moments"], *_form(estimator))
     return None
 
 
 def _cat_padded(tensors: list[Tensor]) -> Tensor:
-    """Concatenate along dim 0, zero-padding the last dim to the widest (extra zero columns
-    of a factor Φ leave ΦΦᵀ unchanged)."""
+    """Concatenate along dim 0, zero-padding the last dim to the widest.
+
+    Extra zero columns of a factor Φ leave ΦΦᵀ unchanged.
+    """
     width = max(t.shape[-1] for t in tensors)
     return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tensors])
 
 
 def _cat_covariance(covs: list[Any]) -> Any:
     if isinstance(covs[0], tuple):
-        return tuple(torch.cat(parts) for parts in zip(*covs))
+        return tuple(torch.cat(parts) for parts in zip(*covs, strict=True))
     return torch.cat(covs)
 
 
@@ -139,7 +141,8 @@ class SummarySet:
             params0.append(theta0)
             counts.append(part["weights"].shape[0])
         stacked_params = {
-            name: torch.cat([p[name].expand(c, *p[name].shape) for p, c in zip(params0, counts)])
+            name: torch.cat([p[name].expand(c, *p[name].shape)
+                             for p, c in zip(params0, counts, strict=True)])
             for name in params0[0]}
         exact = self.estimators[members[0]].config["moments"] == "exact"
         if exact:  # per affine layer a dict of blocks (fsd.exact_moments.reference_blocks)
@@ -158,12 +161,13 @@ class SummarySet:
                       for path in parts[0]["gate_means"]}
         widest = max(p["output_rows"].shape[0] for p in parts)
         rows = []
-        for p, c in zip(parts, counts):
+        for p, c in zip(parts, counts, strict=True):
             r = p["output_rows"]
             padded = r.new_zeros(widest, r.shape[1])
             padded[: r.shape[0]] = r  # zero rows select nothing
             rows.append(padded.expand(c, *padded.shape))
-        weights = torch.cat([self.weights[i] * p["weights"] for i, p in zip(members, parts)])
+        weights = torch.cat([self.weights[i] * p["weights"]
+                             for i, p in zip(members, parts, strict=True)])
         return {"params0": stacked_params, "reference": reference, "gate_means": gate_means,
                 "output_rows": torch.cat(rows), "weights": weights, "exact": exact}
 
