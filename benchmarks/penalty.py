@@ -33,7 +33,6 @@ from fsd.testing import dense_algorithm2
 from fsd_experiments.compare import mlp, train
 from fsd_experiments.data import DataNotFoundError, TensorBatches, load_mnist, split_by_classes
 
-
 DEVICE = torch.device("cpu")
 
 
@@ -119,7 +118,7 @@ def main() -> None:
     for batch in (32, 128):
         xb, yb = x[:batch], y[:batch]
 
-        def step(est=None):
+        def step(est=None, xb=xb, yb=yb):
             optimizer.zero_grad()
             loss = nn.functional.cross_entropy(moved(xb), yb)
             if est is not None:
@@ -257,7 +256,8 @@ def main() -> None:
             single = float(sum(e.distance(moved) for e in exact_summaries[:k]))
         one, batched = [], []
         for _ in range(3):
-            one.append(median_ms(lambda: separately(exact_summaries[:k]), args.repeats // 3 or 1))
+            one.append(median_ms(lambda k=k: separately(exact_summaries[:k]),
+                                 args.repeats // 3 or 1))
             batched.append(median_ms(lambda s=summary_set: penalty(s), args.repeats // 3 or 1))
         a, b = statistics.median(one), statistics.median(batched)
         print(f"| {k} | {a:.2f} | {b:.2f} | {a / b:.2f} | {abs(value - single) / single:.1e} |")

@@ -17,7 +17,7 @@ def _problem(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _dense(rows: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
-    return torch.stack([torch.trace(r @ c @ r.T) for r, c in zip(rows, cov)])
+    return torch.stack([torch.trace(r @ c @ r.T) for r, c in zip(rows, cov, strict=True)])
 
 
 def test_full_diag_and_lowrank_match_the_dense_trace():
@@ -55,7 +55,7 @@ def test_full_covariance_trace_runs_under_vmap_and_func_grad():
     batched = torch.func.vmap(lambda r: quadratic_trace(r, cov))(stacked)
     torch.testing.assert_close(batched, torch.stack([_dense(r, cov) for r in stacked]))
     grads = torch.func.vmap(torch.func.grad(lambda r: quadratic_trace(r, cov).sum()))(stacked)
-    for r, g in zip(stacked, grads):
+    for r, g in zip(stacked, grads, strict=True):
         r = r.clone().requires_grad_(True)
         expected, = torch.autograd.grad(_dense(r, cov).sum(), r)
         torch.testing.assert_close(g, expected)
@@ -66,7 +66,8 @@ def test_trace_under_vmap_with_batched_covariances_and_second_derivatives():
     covs = torch.stack([cov, 2 * cov])
     stacked = torch.stack([rows, -rows])
     batched = torch.func.vmap(quadratic_trace)(stacked, covs)  # both batched: no sharing
-    torch.testing.assert_close(batched, torch.stack([_dense(r, c) for r, c in zip(stacked, covs)]))
+    expected = torch.stack([_dense(r, c) for r, c in zip(stacked, covs, strict=True)])
+    torch.testing.assert_close(batched, expected)
     # reverse-over-reverse under vmap (shared C): the Hessian of Σ tr(P C Pᵀ) in P is 2 C per row
     hess = torch.func.vmap(torch.func.jacrev(torch.func.jacrev(
         lambda r: quadratic_trace(r, cov).sum())))(stacked)

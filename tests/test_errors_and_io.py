@@ -61,12 +61,12 @@ def test_save_load_roundtrip_deterministic(make, tmp_path):
 
 @pytest.mark.parametrize("make", ALL)
 def test_reference_state_dict_rebuilds_the_reference_network(make, tmp_path):
-    model, data, other = _setup()
+    model, data, _ = _setup()
     est = make().fit(model, data)
     est.save(tmp_path / "s.pt")
     rebuilt = mlp([5, 6, 4, 3], seed=7)  # other weights until loaded
     rebuilt.load_state_dict(fsd.load(tmp_path / "s.pt").reference_state_dict())
-    for a, b in zip(rebuilt.parameters(), model.parameters()):
+    for a, b in zip(rebuilt.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert float(est.distance(rebuilt).detach()) == pytest.approx(0.0, abs=1e-12)
 
@@ -183,7 +183,8 @@ def test_architecture_mismatch_after_load_and_conv_hyperparameters(tmp_path):
 # ----------------------------------------------------------------------------------------
 # bad input
 # ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad, name", [(nn.Tanh, "Tanh"), (lambda: nn.BatchNorm1d(4), "BatchNorm1d")])
+@pytest.mark.parametrize("bad, name", [(nn.Tanh, "Tanh"),
+                                       (lambda: nn.BatchNorm1d(4), "BatchNorm1d")])
 @pytest.mark.parametrize("make", LINEARIZED)
 def test_unsupported_module_names_class_and_path(make, bad, name):
     model = nn.Sequential(nn.Linear(5, 4), nn.Sequential(bad(), nn.Linear(4, 3))).to(DTYPE)

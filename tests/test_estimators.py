@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsd
-from fsd.testing import dense_algorithm2, linearized_outputs
 from conftest import (
     DTYPE,
     cnn,
@@ -29,6 +28,7 @@ from conftest import (
     perturbed,
     stack,
 )
+from fsd.testing import dense_algorithm2, linearized_outputs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -122,7 +122,7 @@ def test_zero_at_reference(make, kind):
     assert abs(float(d)) <= 1e-12
     params = list(model.parameters())
     grads = torch.autograd.grad(d, params, allow_unused=True)
-    for p, g in zip(params, grads):
+    for g in grads:
         assert g is not None, "distance must depend on every parameter"
         assert float(g.abs().max()) <= 1e-12
 
@@ -393,12 +393,12 @@ def gated_affine_maps(theta0, theta1, masks):
     d = theta0[0][0].shape[1]
     P, p = np.eye(d), np.zeros(d)
     Q, q = np.zeros((d, d)), np.zeros(d)
-    for l, ((W0, b0), (W1, b1)) in enumerate(zip(theta0, theta1)):
+    for layer, ((W0, b0), (W1, b1)) in enumerate(zip(theta0, theta1, strict=True)):
         dW, db = W1 - W0, b1 - b0
         S0, s0 = W0 @ P, W0 @ p + b0
         DS, ds = dW @ P + W1 @ Q, dW @ p + W1 @ q + db
-        if l < len(theta0) - 1:
-            m = masks[l]
+        if layer < len(theta0) - 1:
+            m = masks[layer]
             S0, s0, DS, ds = S0 * m[:, None], s0 * m, DS * m[:, None], ds * m
         P, p, Q, q = S0, s0, DS, ds
     return P, p, Q, q
@@ -597,7 +597,7 @@ def test_ntk_matches_jacobian_brute_force(metric):
 
     def f(flat):
         parts = torch.split(flat, sizes)
-        params = {n: t.reshape(s) for n, t, s in zip(names, parts, shapes)}
+        params = {n: t.reshape(s) for n, t, s in zip(names, parts, shapes, strict=True)}
         return torch.func.functional_call(model, params, (xs,))
 
     flat0 = torch.cat([t.reshape(-1) for t in theta0])
@@ -618,7 +618,7 @@ def test_ntk_matches_jacobian_brute_force(metric):
     # gradients agree too (NTK is used as a differentiable regularizer)
     g_got = torch.autograd.grad(got, list(other.parameters()))
     g_brute = torch.autograd.grad(brute, list(other.parameters()))
-    for a, b in zip(g_got, g_brute):
+    for a, b in zip(g_got, g_brute, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
@@ -636,21 +636,21 @@ def brute_fisher(model, xs, kind, metric, ys=None, outputs=None):
         z = out(x)
         if kind == "true" and metric == "kl":
             logp = z.log_softmax(-1)
-            terms = [(float(logp[y].exp()), lambda y=y: out(x).log_softmax(-1)[y])
+            terms = [(float(logp[y].exp()), lambda y=y, x=x: out(x).log_softmax(-1)[y])
                      for y in range(z.shape[0])]
         elif kind == "true" and metric == "euclidean":
-            terms = [(1.0, lambda k=k: out(x)[k]) for k in range(z.shape[0])]
+            terms = [(1.0, lambda k=k, x=x: out(x)[k]) for k in range(z.shape[0])]
         elif kind == "true" and metric == "softmax_euclidean":
-            terms = [(1.0, lambda k=k: out(x).softmax(-1)[k]) for k in range(z.shape[0])]
+            terms = [(1.0, lambda k=k, x=x: out(x).softmax(-1)[k]) for k in range(z.shape[0])]
         elif kind == "empirical" and metric == "kl":
-            terms = [(1.0, lambda: F.cross_entropy(out(x)[None], ys[i][None]))]
+            terms = [(1.0, lambda x=x, i=i: F.cross_entropy(out(x)[None], ys[i][None]))]
         elif kind == "empirical" and metric == "euclidean":
-            terms = [(1.0, lambda: 0.5 * (out(x) - ys[i]).pow(2).sum())]
+            terms = [(1.0, lambda x=x, i=i: 0.5 * (out(x) - ys[i]).pow(2).sum())]
         for w, fn in terms:
             grads = torch.autograd.grad(fn(), params)
-            for t, g in zip(total, grads):
+            for t, g in zip(total, grads, strict=True):
                 t += w * g.pow(2)
-    return {n: t / len(xs) for (n, _), t in zip(model.named_parameters(), total)}
+    return {n: t / len(xs) for (n, _), t in zip(model.named_parameters(), total, strict=True)}
 
 
 @pytest.mark.parametrize("kind, metric", [("true", "kl"), ("true", "euclidean"),
@@ -669,7 +669,7 @@ def test_ewc_fisher_matches_per_example_brute_force(kind, metric):
         torch.testing.assert_close(est._state[f"fisher.{name}"], f, rtol=1e-10, atol=1e-14)
     other = perturbed(model, 0.2, seed=92)
     truth = 0.5 * sum(float((f * (p1 - p0).pow(2)).sum()) for f, p0, p1 in
-                      zip(fisher.values(), model.parameters(), other.parameters()))
+                      zip(fisher.values(), model.parameters(), other.parameters(), strict=True))
     assert abs(float(est.distance(other)) - truth) <= 1e-10 * truth
 
 

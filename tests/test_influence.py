@@ -156,7 +156,7 @@ def test_bgln_d_equals_exact_fsd_for_a_linear_model():
     bgln = influence.make_term("bgln-d", model, x, y, "squared")
     moved = nn.Sequential(nn.Linear(4, 2)).to(DTYPE)
     with torch.no_grad():
-        for p, q in zip(moved.parameters(), model.parameters()):
+        for p, q in zip(moved.parameters(), model.parameters(), strict=True):
             p.copy_(q + 0.2 * torch.randn_like(q))
     torch.testing.assert_close(bgln(moved), exact(moved), rtol=1e-10, atol=1e-12)
     # hence the PBRF self-influence is the same under both terms
@@ -236,8 +236,9 @@ def jacobian_ggn(model: nn.Module, x: torch.Tensor, loss: str) -> torch.Tensor:
     names = list(params)
     total = 0.0
     for xi in x:
-        def f(*values):
-            return torch.func.functional_call(model, dict(zip(names, values)), (xi[None],))[0]
+        def f(*values, xi=xi):
+            state = dict(zip(names, values, strict=True))
+            return torch.func.functional_call(model, state, (xi[None],))[0]
         jac = torch.autograd.functional.jacobian(f, tuple(params.values()))
         j = torch.cat([t.reshape(t.shape[0], -1) for t in jac], 1)
         z = f(*params.values()).detach()
@@ -287,7 +288,7 @@ def test_ewc_term_is_the_gauss_newton_diagonal():
     diag = influence.GaussNewton(model, x).dense().diagonal()
     moved = nn.Sequential(nn.Linear(3, 1)).to(DTYPE)
     delta = torch.cat([(p - q).detach().reshape(-1) for p, q in
-                       zip(moved.parameters(), model.parameters())])
+                       zip(moved.parameters(), model.parameters(), strict=True)])
     assert float(term(moved)) == pytest.approx(float(0.5 * (diag * delta ** 2).sum()), rel=1e-9)
 
 

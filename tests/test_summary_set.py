@@ -7,6 +7,7 @@ from torch import nn
 
 import fsd
 
+
 def _mlp(d=6, width=7, outputs=4, seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(d, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
@@ -45,11 +46,11 @@ def test_lowrank_bgln_d_equals_full_when_rank_is_the_dimension():
 
 def _assert_equals_sum_with_gradients(batched, estimators, weights, moved):
     """A summary set's distance equals Σ w·D_i evaluated one by one, value and gradient."""
-    one_by_one = sum(w * e.distance(moved) for w, e in zip(weights, estimators))
+    one_by_one = sum(w * e.distance(moved) for w, e in zip(weights, estimators, strict=True))
     torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=0)
     g_batched = torch.autograd.grad(batched, list(moved.parameters()))
     g_single = torch.autograd.grad(one_by_one, list(moved.parameters()))
-    for a, b in zip(g_batched, g_single):
+    for a, b in zip(g_batched, g_single, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
 
 
