@@ -277,6 +277,14 @@ def test_configuration_errors():
         fsd.BGLN(num_samples=0)
 
 
+def test_statistics_must_be_a_collector():
+    model, data, _ = _setup()
+    with pytest.raises(TypeError, match="StatisticsCollector, got dict"):
+        fsd.BGLN(deterministic=True).fit(model, statistics={"means": None})
+    # estimators that need no statistics ignore the argument, as before
+    fsd.LAFTR().fit(model, data, statistics={"means": None})
+
+
 def test_bgln_d_on_cnn_is_not_implemented():
     model, data = cnn(seed=0), labelled_batches(6, (1, 8, 8), seed=1)
     with pytest.raises(NotImplementedError):

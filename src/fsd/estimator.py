@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Sized
 from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 import torch
@@ -52,7 +53,7 @@ def iter_batches(
     if data is None:
         raise ValueError("no data given: fit needs data (or statistics=... for moment methods)")
     batches = [data] if isinstance(data, Tensor) else data
-    total = len(batches) if hasattr(batches, "__len__") else None
+    total = len(batches) if isinstance(batches, Sized) else None
     seen = 0
     for index, batch in enumerate(tqdm(batches, disable=not progress, desc=desc, total=total,
                                        leave=False)):
@@ -126,7 +127,8 @@ class Reservoir:
     def tensors(self) -> tuple[Tensor, Tensor | None]:
         """The kept inputs (N, *shape) and labels (N,) or None."""
         xs = torch.stack(self.x)
-        ys = None if any(v is None for v in self.y) else torch.stack(self.y)
+        labels = [v for v in self.y if v is not None]
+        ys = torch.stack(labels) if len(labels) == len(self.y) else None
         return xs, ys
 
 

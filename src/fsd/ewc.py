@@ -118,6 +118,7 @@ class EWC(Estimator):
         total = 0.0
         for name, p in model.named_parameters():
             total = total + (self._state[f"fisher.{name}"] * (p - theta0[name]).pow(2)).sum()
+        assert isinstance(total, Tensor)  # a fitted model has parameters
         return 0.5 * total
 
 

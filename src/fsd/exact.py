@@ -50,4 +50,5 @@ class ExactFSD(Estimator):
             reference = self._select(f0)
             total = total + pointwise_distance(
                 self.config["metric"], reference, self._select(f1) - reference).sum()
+        assert isinstance(total, Tensor)  # fit refuses empty data
         return total / self._state["data.x"].shape[0]

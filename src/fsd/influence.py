@@ -122,10 +122,10 @@ class ExactTerm:
         self.generator = torch.Generator().manual_seed(self.seed)
         self._order: list[Tensor] = []
 
-    def _next_index(self) -> Tensor:
+    def _next_index(self, batch_size: int) -> Tensor:
         if not self._order:
             perm = torch.randperm(self.x.shape[0], generator=self.generator)
-            self._order = list(torch.split(perm, self.batch_size))
+            self._order = list(torch.split(perm, batch_size))
         return self._order.pop(0)
 
     def __call__(self, model: nn.Module) -> Tensor:
@@ -133,7 +133,7 @@ class ExactTerm:
         if self.batch_size is None:
             x, f0 = self.x, self.f0
         else:
-            index = self._next_index()
+            index = self._next_index(self.batch_size)
             x, f0 = self.x[index], self.f0[index]
         return pointwise_distance(self.metric, f0, model(x) - f0).mean()
 
@@ -362,11 +362,11 @@ def pbrf_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Seq
                      ewc_data=ewc_data, ewc_fisher=ewc_fisher)
     solver = PBRF(model, term, x_train.shape[0], loss=loss, damping=damping, steps=steps, lr=lr,
                   point_term=point_term and method != "exact")
-    indices = torch.as_tensor([int(i) for i in indices], dtype=torch.long)
+    index = torch.as_tensor([int(i) for i in indices], dtype=torch.long)
     scores = []
-    with tqdm(total=len(indices), desc=f"PBRF {method}", leave=False,
+    with tqdm(total=len(index), desc=f"PBRF {method}", leave=False,
               disable=not progress) as bar:
-        for chunk in torch.split(indices, points_per_solve):
+        for chunk in torch.split(index, points_per_solve):
             chunk = chunk.to(x_train.device)
             scores.append(solver.self_influence(x_train[chunk], y_train[chunk]).cpu())
             bar.update(len(chunk))
@@ -435,10 +435,11 @@ class GaussNewton:
         def f(p: dict[str, Tensor]) -> Tensor:
             return functional_call(self.model, {**p, **self.buffers}, (x,))
 
-        z0, pullback = vjp(f, self.params)
+        # torch's annotation of vjp does not tie the tuple's length to has_aux (False here)
+        z0, pullback = vjp(f, self.params)  # pyright: ignore[reportAssignmentType]
 
         def product(v: Tensor) -> Tensor:
-            _, jv = jvp(f, (self.params,), (_unflat(v, self.params),))
+            _, jv = jvp(f, (self.params,), (_unflat(v, self.params),))  # pyright: ignore[reportAssignmentType]
             return _flat(pullback(self._output_hessian(z0.detach(), jv))[0])
 
         return vmap(product)(vectors)

@@ -73,31 +73,34 @@ class _LinearizedEstimator(Estimator):
         layers = trace(model)
         gaussian = self.config["inputs"] == "gaussian"
         needs_stats = gaussian or self.bernoulli
-        own = needs_stats and statistics is None
-        collector = statistics
-        if own:
+        own: StatisticsCollector | None = None  # a collector made here, for this data
+        if needs_stats and statistics is None:
             # low rank is computed from the full covariance at the end of the pass
             moments = "diag" if self.config["covariance"] == "diag" else "full"
-            collector = StatisticsCollector(
+            own = StatisticsCollector(
                 model, moments=moments if gaussian else None, gates=self.bernoulli,
                 layer_moments=self.config.get("reference") == "layerwise")
+        collector = statistics if own is None else own
         reservoir = None if gaussian else Reservoir(
             self.config["coreset_size"], torch.Generator().manual_seed(self.config["seed"]))
-        if own or reservoir is not None:
+        if own is not None or reservoir is not None:
             labelled = self._classwise is not False
             try:
                 for x, y in iter_batches(data, dtype=dtype, device=device, progress=progress,
                                          desc=f"{type(self).__name__}: statistics"):
-                    if own:
-                        with torch.no_grad(), collector.record(labels=y if labelled else None):
+                    if own is not None:
+                        with torch.no_grad(), own.record(labels=y if labelled else None):
                             model(x)
                     if reservoir is not None:
                         reservoir.add(x, y)
             finally:
-                if own:
-                    collector.remove()
+                if own is not None:
+                    own.remove()
         groups: list[list[int]] = []
         if needs_stats:
+            if not isinstance(collector, StatisticsCollector):
+                raise TypeError(f"statistics= must be a fsd.StatisticsCollector, got "
+                                f"{type(collector).__name__}")
             groups = self._store_statistics(collector, gaussian, dtype, device)
         if self.bernoulli:
             missing = [layer.path for layer in layers
@@ -128,7 +131,7 @@ class _LinearizedEstimator(Estimator):
         self._meta["groups"] = stats.groups
         self._meta["input_shape"] = list(stats.input_shape)
         if gaussian:
-            if stats.means is None:
+            if stats.means is None or stats.covariances is None:
                 raise ValueError("the statistics hold no input moments (collector moments=None)")
             covariances = stats.covariances
             form = self.config["covariance"]
@@ -184,7 +187,7 @@ class _LinearizedEstimator(Estimator):
         # stratified over mixture components: unbiased, lower variance than drawing classes
         for g in range(mean.shape[0]):
             n = max(1, round(self.config["num_samples"] * float(weights[g])))
-            component = tuple(c[g] for c in cov) if isinstance(cov, tuple) else cov[g]
+            component = (cov[0][g], cov[1][g]) if isinstance(cov, tuple) else cov[g]
             factor = self._cache["factors"][g] if "factors" in self._cache else None
             x = sample(mean[g], component, n, generator, full_factor=factor)
             xs.append(x.reshape(n, *shape))
@@ -219,6 +222,7 @@ class _LinearizedEstimator(Estimator):
         else:
             gate = true_gates
         z0, dz = propagate_linearized(layers, params0, params1, x, gate)
+        assert dz is not None  # params1 was given
         reference = self._select(z0)
         rho = pointwise_distance(self.config["metric"], reference, self._select(dz))
         return (sample_weights * rho).sum()

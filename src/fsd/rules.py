@@ -37,12 +37,15 @@ class LayerRule:
             architecture signature that a fitted summary checks).
         flat_moments: whether BGLN-D's moment propagation (which works on flattened
             feature vectors) supports this particular module.
+
+    The callables receive a module of exactly the registered type, so they may use its own
+    attributes (annotated ``Any``: the type checker cannot tie a rule to its type).
     """
 
     kind: RuleKind
     apply: Callable[..., Any]
-    hyper: Callable[[nn.Module], dict] = field(default=lambda m: {})
-    flat_moments: Callable[[nn.Module], bool] = field(default=lambda m: False)
+    hyper: Callable[[Any], dict] = field(default=lambda m: {})
+    flat_moments: Callable[[Any], bool] = field(default=lambda m: False)
 
 
 RULES: dict[type, LayerRule] = {}

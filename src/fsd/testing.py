@@ -8,8 +8,8 @@ error in the library cannot hide in its reference:
   covariances pushed forwards as dense matrices.
 - :func:`linearized_outputs` — LAFTR's linearized network (paper eqs. 4–7) for one example:
   the reference network θ0 runs as usual; the network θ runs with every ReLU replaced by the
-  reference's gate 1{s0 > 0} and every max-pool routed by the reference's argmax, by
-  explicit loops.
+  reference's gate 1{s0 > 0} and every max-pool routed by the reference's argmax, window by
+  window.
 - :func:`one_point_at_a_time` — PBRF self-influence (:mod:`fsd.influence`) solved by plain
   autograd SGD on a copy of the module, one training point after another: the arithmetic
   that :class:`fsd.influence.PBRF` batches with ``vmap``.
@@ -24,7 +24,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .influence import pointwise_loss
@@ -114,12 +113,14 @@ def linearized_outputs(model0: nn.Module, model1: nn.Module, x: Tensor
                        ) -> tuple[Tensor, Tensor]:
     """LAFTR's linearized forward pass for one example (paper eqs. 4–7).
 
-    Supports (nested ``nn.Sequential`` of) Linear, Conv2d, ReLU, MaxPool2d with
-    kernel = stride and no padding, AvgPool2d, Flatten, Dropout (the identity: evaluation)
-    and Identity; anything else raises ``NotImplementedError``.
+    The linearized network differs from the network θ only at the nonlinearities, so Linear,
+    Conv2d, AvgPool2d and Flatten layers are each network's own modules; every ReLU becomes
+    its gate 1{s0 > 0} at the reference, every MaxPool2d (kernel = stride, no padding) takes
+    the reference's argmax window by window, and Dropout and Identity are the identity
+    (evaluation). Anything else raises ``NotImplementedError``.
 
     Args:
-        model0: the reference network θ0.
+        model0: the reference network θ0 (nested ``nn.Sequential`` containers are walked).
         model1: the network θ, same architecture.
         x: one input, without a batch dimension.
 
@@ -128,13 +129,11 @@ def linearized_outputs(model0: nn.Module, model1: nn.Module, x: Tensor
     """
     a0, a1 = x[None], x[None]
     for l0, l1 in zip(_leaves(model0), _leaves(model1), strict=True):
-        if isinstance(l0, nn.Linear):
-            a0, a1 = F.linear(a0, l0.weight, l0.bias), F.linear(a1, l1.weight, l1.bias)
-        elif isinstance(l0, nn.Conv2d):
-            if l0.padding_mode != "zeros":
-                raise NotImplementedError(f"Conv2d padding_mode={l0.padding_mode!r}")
-            a0 = F.conv2d(a0, l0.weight, l0.bias, l0.stride, l0.padding, l0.dilation, l0.groups)
-            a1 = F.conv2d(a1, l1.weight, l1.bias, l0.stride, l0.padding, l0.dilation, l0.groups)
+        if type(l0) is not type(l1):
+            raise ValueError(f"the architectures differ: {type(l0).__name__} and "
+                             f"{type(l1).__name__}")
+        if isinstance(l0, (nn.Linear, nn.Conv2d, nn.AvgPool2d, nn.Flatten)):
+            a0, a1 = l0(a0), l1(a1)
         elif isinstance(l0, nn.ReLU):
             # a1 = relu(s0) + 1{s0 > 0}(s1 − s0): the ReLU replaced by its gate at the reference
             s0, s1 = a0, a1
@@ -147,13 +146,6 @@ def linearized_outputs(model0: nn.Module, model1: nn.Module, x: Tensor
                 raise NotImplementedError(f"MaxPool2d other than kernel = stride: {l0}")
             o0, o1 = _routed_max_pool(a0[0], a1[0], k)
             a0, a1 = o0[None], o1[None]
-        elif isinstance(l0, nn.AvgPool2d):
-            def pool(a: Tensor, m: nn.AvgPool2d = l0) -> Tensor:
-                return F.avg_pool2d(a, m.kernel_size, m.stride, m.padding, m.ceil_mode,
-                                    m.count_include_pad, m.divisor_override)
-            a0, a1 = pool(a0), pool(a1)
-        elif isinstance(l0, nn.Flatten):
-            a0, a1 = l0(a0), l0(a1)
         elif isinstance(l0, (nn.Dropout, nn.Identity)):
             continue
         else:
