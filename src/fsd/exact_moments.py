@@ -134,6 +134,7 @@ def reference_blocks(
                 pending = (second, p0[..., -1])
                 phi = None
             else:
+                assert r00 is not None  # set by the gate (or affine layer) before this one
                 w0r00 = w0 @ r00
                 out.append({"r00": r00, "w0r00": w0r00, "mean": r00[..., -1, :]})
                 pending = (w0r00 @ w0.T, w0r00[..., -1])
@@ -165,6 +166,7 @@ def delta_second_moment(
     pending: tuple[Tensor, Tensor, Tensor] | None = None  # (E[s0 Δsᵀ], E[Δs Δsᵀ], E[Δs])
 
     def gated(mu: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        assert pending is not None  # called right after an affine layer
         s0d, sdd, ed = pending
         if mu is None:
             mean = ed
@@ -197,6 +199,7 @@ def delta_second_moment(
                 sdd = dwh @ block["r00"] @ dwh.transpose(-1, -2)
             ed = torch.einsum("...oi,...i->...o", dwh, block["mean"])
             if r0d is not None:
+                assert rdd is not None and mean_d is not None  # set together with r0d
                 cross = dwh @ r0d @ w1.T
                 s0d = s0d + w0h @ r0d @ w1.T
                 sdd = sdd + cross + cross.transpose(-1, -2) + w1 @ rdd @ w1.T
@@ -206,5 +209,6 @@ def delta_second_moment(
             r0d, rdd, mean_d = gated(gate_means[layer.path])
             pending = None
     final = pending[1] if pending is not None else rdd
+    assert final is not None  # the model has an affine layer
     rows = output_rows.to(final.dtype)
     return ((rows @ final) * rows).sum((-1, -2))

@@ -115,7 +115,7 @@ def propagate_linearized(
             s0 = rule.apply(module, a0, w0, b0)
             if params1 is not None:
                 w1, b1 = weight_bias(params1, layer.path)
-                db = None if b0 is None else b1 - b0
+                db = None if b0 is None or b1 is None else b1 - b0
                 ds = rule.apply(module, a0, w1 - w0, db)
                 if da is not None:
                     ds = ds + rule.apply(module, da, w1, None)
@@ -195,7 +195,8 @@ def reference_moments(
         elif layer.rule.kind == "gate":
             # Algorithm 2 gates means by μ and covariances by μμᵀ
             mu = gate_means[layer.path]
-            mean, cov = mean * mu, gate_covariance(cov, mu)
+            # a ReLU follows an affine layer, whose sandwich() made the covariance full
+            mean, cov = mean * mu, gate_covariance(cov, mu)  # pyright: ignore[reportArgumentType]
     return out
 
 
@@ -251,6 +252,7 @@ def delta_moments(
             mean_d = new_mean
         elif layer.rule.kind == "gate" and mean_d is not None:
             mean_d = mean_d * gate_means[layer.path]
+    assert mean_d is not None  # there is an affine layer (checked above)
     groups = mean_d.shape[0]
     output_rows = output_rows.to(mean_d.dtype)
     rows = output_rows.expand(groups, *output_rows.shape[-2:])
