@@ -253,6 +253,30 @@ def test_distance_and_save_before_fit(make, tmp_path):
         make().save(tmp_path / "x.pt")
 
 
+def test_public_summary_accessors():
+    # what fsd.SummarySet uses instead of the estimators' internals
+    model, data, other = _setup()
+    est = fsd.BGLN(deterministic=True)
+    with pytest.raises(fsd.NotFittedError):
+        est.require_fitted()
+    est.fit(model, data)
+    est.require_fitted()
+    est.check_architecture(other)
+    with pytest.raises(fsd.ArchitectureMismatchError):
+        est.check_architecture(mlp([5, 6, 3], seed=0))
+    theta0 = est.reference_parameters()
+    assert list(theta0) == [name for name, _ in model.named_parameters()]
+    assert all(torch.equal(theta0[n], p) for n, p in model.named_parameters())
+    est.place(torch.float32, torch.device("cpu"))
+    assert all(t.dtype == torch.float32 for t in est.reference_parameters().values())
+    assert est.input_covariance().dtype == torch.float32
+    est.place(DTYPE, torch.device("cpu"))  # back to the stored float64, nothing was lost
+    assert all(torch.equal(est.reference_parameters()[n], p) for n, p in model.named_parameters())
+    parts = est.moment_parts(fsd.trace(model), est.reference_parameters())
+    assert set(parts) == {"reference", "gate_means", "output_rows", "weights"}
+    assert float(parts["weights"].sum()) == pytest.approx(1.0)
+
+
 def test_configuration_errors():
     with pytest.raises(ValueError, match="Euclidean"):
         fsd.BGLN(deterministic=True, metric="kl")
