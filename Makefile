@@ -30,9 +30,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/pyright src
 
-# API reference from the docstrings (docs/api/, not committed); warnings fail the build
+# API reference from the docstrings (docs/api/, not committed); warnings fail the build.
+# fsd's __all__ hides its submodules from pdoc, so each module is named (src/fsd/*.py).
+FSD_MODULES := $(sort $(basename $(subst /,.,$(patsubst src/%,%,\
+	$(filter-out %/__init__.py,$(wildcard src/fsd/*.py))))))
 docs: $(STAMP)
-	$(PY) -W error -m pdoc --docformat google -o docs/api fsd
+	$(PY) -W error -m pdoc --docformat google -o docs/api fsd $(FSD_MODULES)
 
 # Split MNIST, BGLN-D vs finetune, one seed, 3 epochs per task (≈1.5 min on 2 idle cores);
 # λ = 3.2 for BGLN-D with each summary on its task's head: the Algorithm-2 setting that

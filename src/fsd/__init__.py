@@ -10,19 +10,20 @@ Every estimator follows one interface::
 from .estimator import Estimator, NotFittedError, iter_batches, load
 from .ewc import EWC
 from .exact import ExactFSD
-from .interpreter import ArchitectureMismatchError, trace
+from .interpreter import trace
 from .linearized import BGLN, LAFTR
 from .metrics import METRICS, pointwise_distance
 from .ntk import NTK
 from .rules import LayerRule, UnsupportedModuleError, register_rule
-from .summary_set import SummarySet, combine
+from .signature import ArchitectureMismatchError
 from .statistics import GateAccumulator, MomentAccumulator, Statistics, StatisticsCollector
+from .summary_set import SummarySet, combine
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArchitectureMismatchError", "BGLN", "EWC", "Estimator", "ExactFSD", "GateAccumulator",
-    "LAFTR", "LayerRule", "METRICS", "MomentAccumulator", "NTK", "NotFittedError", "Statistics",
-    "StatisticsCollector", "SummarySet", "UnsupportedModuleError", "combine", "iter_batches", "load", "pointwise_distance",
-    "register_rule", "trace",
+    "BGLN", "EWC", "LAFTR", "METRICS", "NTK", "ArchitectureMismatchError", "Estimator", "ExactFSD",
+    "GateAccumulator", "LayerRule", "MomentAccumulator", "NotFittedError", "Statistics",
+    "StatisticsCollector", "SummarySet", "UnsupportedModuleError", "combine", "iter_batches",
+    "load", "pointwise_distance", "register_rule", "trace",
 ]

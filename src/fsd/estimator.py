@@ -14,13 +14,14 @@ import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Sized
 from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .interpreter import check_signature, parameter_signature
+from .signature import check_signature, normalize, parameter_signature
 
 FORMAT = "fsd-summary"
 FORMAT_VERSION = 1
@@ -52,7 +53,7 @@ def iter_batches(
     if data is None:
         raise ValueError("no data given: fit needs data (or statistics=... for moment methods)")
     batches = [data] if isinstance(data, Tensor) else data
-    total = len(batches) if hasattr(batches, "__len__") else None
+    total = len(batches) if isinstance(batches, Sized) else None
     seen = 0
     for index, batch in enumerate(tqdm(batches, disable=not progress, desc=desc, total=total,
                                        leave=False)):
@@ -126,13 +127,16 @@ class Reservoir:
     def tensors(self) -> tuple[Tensor, Tensor | None]:
         """The kept inputs (N, *shape) and labels (N,) or None."""
         xs = torch.stack(self.x)
-        ys = None if any(v is None for v in self.y) else torch.stack(self.y)
+        labels = [v for v in self.y if v is not None]
+        ys = torch.stack(labels) if len(labels) == len(self.y) else None
         return xs, ys
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file in the same folder, then rename: a crash never
-    leaves a half-written file at ``path``."""
+    """``torch.save`` to a temporary file in the same folder, then rename it to ``path``.
+
+    A crash never leaves a half-written file at ``path``.
+    """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fsd-", suffix=".tmp")
@@ -143,11 +147,6 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-
-
-def _normalize(obj: Any) -> Any:
-    # JSON round trip so tuples become lists and saved/fresh signatures compare equal.
-    return json.loads(json.dumps(obj))
 
 
 class Estimator:
@@ -164,7 +163,7 @@ class Estimator:
         ESTIMATORS[cls.__name__] = cls
 
     def __init__(self, **config: Any) -> None:
-        self.config: dict[str, Any] = _normalize(config)
+        self.config: dict[str, Any] = normalize(config)
         # _stored: the summary as fitted/loaded (saved, counted by nbytes); _state: the view
         # used for computing, converted to the calling model's dtype/device when they differ
         self._stored: dict[str, Tensor] = {}
@@ -203,7 +202,7 @@ class Estimator:
         dtype, device = model_dtype_device(model)
         self._stored, self._meta, self._cache = {}, {}, {}
         self._state = self._stored
-        self._meta["signature"] = _normalize(self._signature(model))
+        self._meta["signature"] = normalize(self._signature(model))
         for name, p in model.named_parameters():
             self._state[f"theta0.{name}"] = p.detach().clone()
         for name, b in model.named_buffers():
@@ -226,17 +225,19 @@ class Estimator:
 
         Returns a 0-dim tensor, differentiable w.r.t. the model's parameters.
         """
-        self._require_fitted()
-        check_signature(self._meta["signature"], _normalize(self._signature(model)))
+        self.require_fitted()
+        self.check_architecture(model)
         dtype, device = model_dtype_device(model)
-        self._move(dtype, device)
+        self.place(dtype, device)
         with evaluation_mode(model):
             return self._distance(model)
 
     def reference_state_dict(self) -> dict[str, Tensor]:
-        """θ0 (and the buffers) as a ``state_dict``, to rebuild the reference network:
-        ``model.load_state_dict(estimator.reference_state_dict())``."""
-        self._require_fitted()
+        """θ0 (and the buffers) as a ``state_dict``, to rebuild the reference network.
+
+        Use it as ``model.load_state_dict(estimator.reference_state_dict())``.
+        """
+        self.require_fitted()
         out = {}
         for key, value in self._stored.items():
             for prefix in ("theta0.", "buffer0."):
@@ -251,7 +252,7 @@ class Estimator:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the summary to ``path`` atomically (temporary file, then rename)."""
-        self._require_fitted()
+        self.require_fitted()
         payload = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -262,24 +263,26 @@ class Estimator:
         }
         atomic_torch_save(payload, path)
 
-    # ----- helpers for subclasses -------------------------------------------------------
-    def _signature(self, model: nn.Module) -> Any:
-        return parameter_signature(model)
-
-    def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
-             dtype: torch.dtype, device: torch.device, progress: bool) -> None:
-        raise NotImplementedError
-
-    def _distance(self, model: nn.Module) -> Tensor:
-        raise NotImplementedError
-
-    def _require_fitted(self) -> None:
+    def require_fitted(self) -> None:
+        """Raise :class:`NotFittedError` unless the estimator was fitted (or loaded)."""
         if not self._meta.get("fitted"):
             raise NotFittedError(f"{type(self).__name__} is not fitted: call fit(model, data)")
 
-    def _move(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Compute in the model's dtype/device: a converted view of the stored summary (made
-        once per placement), never a lossy in-place cast of the summary itself."""
+    def check_architecture(self, model: nn.Module) -> None:
+        """Raise :class:`~fsd.ArchitectureMismatchError` unless ``model`` fits the summary.
+
+        The model must have the architecture the summary was fitted on; ``distance`` checks
+        this on every call.
+        """
+        check_signature(self._meta["signature"], normalize(self._signature(model)))
+
+    def place(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Compute in ``dtype`` on ``device`` from now on (``distance`` follows the model).
+
+        The computations use a converted view of the stored summary, made once per placement;
+        the stored summary itself is never cast in place, so a float64 summary used with a
+        float32 model loses nothing.
+        """
         placement = [str(dtype), str(device)]
         if self._cache.get("placement") == placement:
             return
@@ -293,12 +296,27 @@ class Estimator:
         self._cache.clear()
         self._cache["placement"] = placement
 
-    def _theta0(self) -> dict[str, Tensor]:
+    def reference_parameters(self) -> dict[str, Tensor]:
+        """θ0 by parameter name, in the current placement (see :meth:`place`).
+
+        The tensors are the summary's own: read them, do not modify them in place.
+        """
         return {k[len("theta0."):]: v for k, v in self._state.items() if k.startswith("theta0.")}
+
+    # ----- helpers for subclasses -------------------------------------------------------
+    def _signature(self, model: nn.Module) -> Any:
+        return parameter_signature(model)
+
+    def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
+             dtype: torch.dtype, device: torch.device, progress: bool) -> None:
+        raise NotImplementedError
+
+    def _distance(self, model: nn.Module) -> Tensor:
+        raise NotImplementedError
 
     def _reference_state(self) -> dict[str, Tensor]:
         """θ0 parameters and buffers, as ``functional_call`` wants them."""
-        out = self._theta0()
+        out = self.reference_parameters()
         out.update({k[len("buffer0."):]: v for k, v in self._state.items()
                     if k.startswith("buffer0.")})
         return out

@@ -45,9 +45,10 @@ class ExactFSD(Estimator):
 
     def _distance(self, model: nn.Module) -> Tensor:
         total = 0.0
-        for chunk, f0 in zip(self._chunks(), self._reference_outputs(model)):
+        for chunk, f0 in zip(self._chunks(), self._reference_outputs(model), strict=True):
             f1 = model(chunk)
             reference = self._select(f0)
             total = total + pointwise_distance(
                 self.config["metric"], reference, self._select(f1) - reference).sum()
+        assert isinstance(total, Tensor)  # fit refuses empty data
         return total / self._state["data.x"].shape[0]
