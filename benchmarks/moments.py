@@ -9,7 +9,6 @@ inputs. Times distance+backward (medians), in one process, side by side.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import platform
 
@@ -18,8 +17,7 @@ import torch
 import fsd
 from fsd_experiments.compare import mlp
 from fsd_experiments.data import DataNotFoundError, TensorBatches, load_mnist
-
-from penalty import median_ms, perturbed  # noqa: E402  (same folder)
+from penalty import median_ms, perturbed
 
 
 def main() -> None:
@@ -58,7 +56,7 @@ def main() -> None:
         for name, kwargs in variants.items():
             est = fsd.BGLN(deterministic=True, **kwargs).fit(model, data)
 
-            def call(est=est):
+            def call(est=est, moved=moved):
                 moved.zero_grad()
                 est.distance(moved).backward()
 

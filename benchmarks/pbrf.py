@@ -6,7 +6,7 @@ Run:  .venv/bin/python benchmarks/pbrf.py [--threads 1] [--points 32] [--steps 4
 For each distance term (exact minibatch oracle, EWC, BGLN-D with 30 k-means clusters and the
 point term), times in one process:
  (a) a plain autograd SGD loop on the module, one point after another (what ``fsd.influence``
-     did before batching; written out here as the baseline);
+     did before batching: ``fsd.testing.one_point_at_a_time``);
  (b) ``PBRF.self_influence`` on one point at a time (the vmapped solver with P = 1);
  (c) ``PBRF.self_influence`` on P points at once (``pbrf_scores(points_per_solve=P)``);
 and prints seconds per point, the ratios (a)/(c) and (b)/(c), and the largest difference
@@ -18,50 +18,21 @@ Problem: a kin8nm-sized synthetic regression (N = 6636, d = 8, Gaussian inputs, 
 from __future__ import annotations
 
 import argparse
-import copy
 import platform
 import time
 
 import numpy as np
 import torch
-from torch import nn
 
 from fsd import influence
+from fsd.testing import one_point_at_a_time
 from fsd_experiments.compare import mlp
+from fsd_experiments.stats import kmeans_labels
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def one_at_a_time(model: nn.Module, term, n: int, x: torch.Tensor, y: torch.Tensor, *,
-                  damping: float, steps: int, lr: float, point_term: bool) -> np.ndarray:
-    """The baseline: module parameters updated in place, autograd, one point after another."""
-    scores = []
-    for i in range(x.shape[0]):
-        work = copy.deepcopy(model)
-        theta0 = [p.detach().clone() for p in work.parameters()]
-        xi, yi = x[i:i + 1], y[i:i + 1]
-        with torch.no_grad():
-            reference = work(xi)
-            before = influence.pointwise_loss("squared", reference, yi).sum()
-        term.reset()
-        for _ in range(steps):
-            out = work(xi)
-            value = (-influence.pointwise_loss("squared", out, yi).sum() / n + term(work)
-                     + 0.5 * damping * sum((p - p0).pow(2).sum()
-                                           for p, p0 in zip(work.parameters(), theta0)))
-            if point_term:
-                value = value + 0.5 * (out - reference).pow(2).sum() / n
-            grads = torch.autograd.grad(value, list(work.parameters()))
-            with torch.no_grad():
-                for p, g in zip(work.parameters(), grads):
-                    p.sub_(lr * g)
-        with torch.no_grad():
-            scores.append(float(influence.pointwise_loss("squared", work(xi), yi).sum()
-                                - before))
-    return np.array(scores)
 
 
 def main() -> None:
@@ -89,7 +60,6 @@ def main() -> None:
             influence.pointwise_loss("squared", model(x[index]), y[index]).mean().backward()
             optimizer.step()
     model, x, y = model.to(device), x.to(device), y.to(device)
-    points = list(range(args.points))
     settings = dict(damping=1e-3, steps=args.steps, lr=0.03)
 
     print(f"N = {n}, MLP {d}-{args.width}-{args.width}-1, {args.points} points, "
@@ -98,13 +68,14 @@ def main() -> None:
           f"{'(c) P s/pt':>10} | {'(a)/(c)':>7} | {'(b)/(c)':>7} | max |a−c|/max|a|")
     for method, clusters, point_term in (("exact", None, False), ("ewc", None, True),
                                          ("bgln-d", 30, True)):
-        term = influence.make_term(method, model, x, y, "squared", bgln_clusters=clusters)
+        groups = None if clusters is None else kmeans_labels(x, clusters)
+        term = influence.make_term(method, model, x, y, "squared", bgln_groups=groups)
         point_term = point_term and method != "exact"
         times = {}
         _sync(device)
         start = time.perf_counter()
-        baseline = one_at_a_time(model, term, n, x[:args.points], y[:args.points],
-                                 point_term=point_term, **settings)
+        baseline = one_point_at_a_time(model, term, n, x[:args.points], y[:args.points],
+                                       point_term=point_term, **settings)
         _sync(device)
         times["a"] = time.perf_counter() - start
         solver = influence.PBRF(model, term, n, loss="squared", point_term=point_term,

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 import fsd
+from fsd.testing import dense_algorithm2
 from fsd_experiments.compare import mlp, train
 from fsd_experiments.data import DataNotFoundError, TensorBatches, load_mnist, split_by_classes
-
 
 DEVICE = torch.device("cpu")
 
@@ -72,26 +72,6 @@ def perturbed(model: nn.Module, scale: float, seed: int) -> nn.Module:
         for p in moved.parameters():
             p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device))
     return moved
-
-
-def algorithm2_dense(model0: nn.Sequential, model1: nn.Sequential, mean: torch.Tensor,
-                     cov: torch.Tensor, gates: list[torch.Tensor]) -> torch.Tensor:
-    """Paper Algorithm 2 written out densely in float64 (covariances pushed forwards)."""
-    lin0 = [m for m in model0 if isinstance(m, nn.Linear)]
-    lin1 = [m for m in model1 if isinstance(m, nn.Linear)]
-    e_a0, c_a0 = mean, cov
-    e_da, c_da = torch.zeros_like(mean), torch.zeros_like(cov)
-    for layer, (l0, l1) in enumerate(zip(lin0, lin1)):
-        w0, b0, w1, b1 = l0.weight, l0.bias, l1.weight, l1.bias
-        dw, db = w1 - w0, b1 - b0
-        e_s0, e_ds = w0 @ e_a0 + b0, dw @ e_a0 + w1 @ e_da + db
-        c_s0, c_ds = w0 @ c_a0 @ w0.T, dw @ c_a0 @ dw.T + w1 @ c_da @ w1.T
-        if layer == len(lin0) - 1:
-            return 0.5 * e_ds.pow(2).sum() + 0.5 * torch.trace(c_ds)
-        mu = gates[layer]
-        outer = torch.outer(mu, mu)
-        e_a0, e_da, c_a0, c_da = mu * e_s0, mu * e_ds, outer * c_s0, outer * c_ds
-    raise AssertionError("unreachable")
 
 
 def main() -> None:
@@ -138,7 +118,7 @@ def main() -> None:
     for batch in (32, 128):
         xb, yb = x[:batch], y[:batch]
 
-        def step(est=None):
+        def step(est=None, xb=xb, yb=yb):
             optimizer.zero_grad()
             loss = nn.functional.cross_entropy(moved(xb), yb)
             if est is not None:
@@ -209,10 +189,10 @@ def main() -> None:
     mean, cov = est64._state["input.mean"][0], est64._state["input.cov"][0]
     gates = [est64._state[f"gate.{p}"][0] for p in ("2", "4")]
     with torch.no_grad():
-        dense_value = algorithm2_dense(model64[1:], moved64[1:], mean, cov, gates)
+        dense_value = dense_algorithm2(model64[1:], moved64[1:], mean, cov, gates)
     with torch.no_grad():
         lib_value = est64.distance(moved64)
-    t_dense = median_ms(lambda: algorithm2_dense(model64[1:], moved64[1:], mean, cov, gates),
+    t_dense = median_ms(lambda: dense_algorithm2(model64[1:], moved64[1:], mean, cov, gates),
                         max(5, args.repeats // 3))
     t_lib = median_ms(lambda: est64.distance(moved64), args.repeats)
     rel = abs(float(lib_value) - float(dense_value)) / abs(float(dense_value))
@@ -276,7 +256,8 @@ def main() -> None:
             single = float(sum(e.distance(moved) for e in exact_summaries[:k]))
         one, batched = [], []
         for _ in range(3):
-            one.append(median_ms(lambda: separately(exact_summaries[:k]), args.repeats // 3 or 1))
+            one.append(median_ms(lambda k=k: separately(exact_summaries[:k]),
+                                 args.repeats // 3 or 1))
             batched.append(median_ms(lambda s=summary_set: penalty(s), args.repeats // 3 or 1))
         a, b = statistics.median(one), statistics.median(batched)
         print(f"| {k} | {a:.2f} | {b:.2f} | {a / b:.2f} | {abs(value - single) / single:.1e} |")

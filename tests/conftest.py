@@ -7,6 +7,7 @@ precision and each test file stays well under a minute on two shared CPU cores.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ def mlp(widths: list[int], seed: int = 0, dtype: torch.dtype = DTYPE) -> nn.Sequ
     """Linear–ReLU–…–Linear with the given layer widths (input first, output last)."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
         layers.append(nn.Linear(a, b))
         if i < len(widths) - 2:
             layers.append(nn.ReLU())
@@ -29,7 +30,7 @@ def mlp(widths: list[int], seed: int = 0, dtype: torch.dtype = DTYPE) -> nn.Sequ
 def linear_net(widths: list[int], seed: int = 0, dtype: torch.dtype = DTYPE) -> nn.Sequential:
     """Linear–Linear–… without activations (LAFTR is exact on it)."""
     torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:])]).to(dtype)
+    return nn.Sequential(*[nn.Linear(a, b) for a, b in itertools.pairwise(widths)]).to(dtype)
 
 
 def cnn(seed: int = 0, dtype: torch.dtype = DTYPE, classes: int = 3) -> nn.Sequential:
@@ -56,7 +57,8 @@ def perturbed(model: nn.Module, scale: float = 0.1, seed: int = 1) -> nn.Module:
 
 
 def labelled_batches(n: int, shape: tuple[int, ...], classes: int = 3, batch: int = 16,
-                     seed: int = 0, dtype: torch.dtype = DTYPE) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                     seed: int = 0, dtype: torch.dtype = DTYPE
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A list of (x, y) batches (last batch possibly smaller). Inputs depend on the class
     (shifted means) so that class-conditional statistics differ between classes."""
     gen = torch.Generator().manual_seed(seed)
@@ -94,7 +96,7 @@ def distance_fn(estimator, model: nn.Module):
     names = [f"model.{n}" for n, _ in model.named_parameters()]
 
     def f(*tensors: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(wrapper, dict(zip(names, tensors)), ())
+        return torch.func.functional_call(wrapper, dict(zip(names, tensors, strict=True)), ())
 
     return names, f
 

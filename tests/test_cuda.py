@@ -20,9 +20,8 @@ import pytest
 import torch
 
 import fsd
-from fsd_experiments import continual
-
 from conftest import labelled_batches, mlp, perturbed
+from fsd_experiments import continual
 
 # FSD_TEST_DEVICE=cpu runs these comparisons CPU against CPU (a dry run of the test logic on a
 # machine without a GPU); any other accelerator torch knows can be named the same way
@@ -104,7 +103,7 @@ def test_combined_summaries_on_cuda_match_cpu(moments):
     others = [perturbed(model, 0.05, seed=s) for s in (5, 6, 7)]
     cpu_set = fsd.combine([fsd.BGLN(deterministic=True, moments=moments).fit(m, data)
                            for m in others], [0.5, 1.0, 2.0])
-    model_gpu, data_gpu = _on_cuda(model, data)
+    _, data_gpu = _on_cuda(model, data)
     gpu_set = fsd.combine([fsd.BGLN(deterministic=True, moments=moments).fit(
         copy.deepcopy(m).to(CUDA), data_gpu) for m in others], [0.5, 1.0, 2.0])
     cpu_value, cpu_grad = _value_and_grad(cpu_set, moved)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn
@@ -60,12 +59,12 @@ def test_save_load_roundtrip_deterministic(make, tmp_path):
 
 @pytest.mark.parametrize("make", ALL)
 def test_reference_state_dict_rebuilds_the_reference_network(make, tmp_path):
-    model, data, other = _setup()
+    model, data, _ = _setup()
     est = make().fit(model, data)
     est.save(tmp_path / "s.pt")
     rebuilt = mlp([5, 6, 4, 3], seed=7)  # other weights until loaded
     rebuilt.load_state_dict(fsd.load(tmp_path / "s.pt").reference_state_dict())
-    for a, b in zip(rebuilt.parameters(), model.parameters()):
+    for a, b in zip(rebuilt.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert float(est.distance(rebuilt).detach()) == pytest.approx(0.0, abs=1e-12)
 
@@ -184,7 +183,8 @@ def test_architecture_mismatch_after_load_and_conv_hyperparameters(tmp_path):
 # ----------------------------------------------------------------------------------------
 # bad input
 # ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad, name", [(nn.Tanh, "Tanh"), (lambda: nn.BatchNorm1d(4), "BatchNorm1d")])
+@pytest.mark.parametrize("bad, name", [(nn.Tanh, "Tanh"),
+                                       (lambda: nn.BatchNorm1d(4), "BatchNorm1d")])
 @pytest.mark.parametrize("make", LINEARIZED)
 def test_unsupported_module_names_class_and_path(make, bad, name):
     model = nn.Sequential(nn.Linear(5, 4), nn.Sequential(bad(), nn.Linear(4, 3))).to(DTYPE)
@@ -253,6 +253,30 @@ def test_distance_and_save_before_fit(make, tmp_path):
         make().save(tmp_path / "x.pt")
 
 
+def test_public_summary_accessors():
+    # what fsd.SummarySet uses instead of the estimators' internals
+    model, data, other = _setup()
+    est = fsd.BGLN(deterministic=True)
+    with pytest.raises(fsd.NotFittedError):
+        est.require_fitted()
+    est.fit(model, data)
+    est.require_fitted()
+    est.check_architecture(other)
+    with pytest.raises(fsd.ArchitectureMismatchError):
+        est.check_architecture(mlp([5, 6, 3], seed=0))
+    theta0 = est.reference_parameters()
+    assert list(theta0) == [name for name, _ in model.named_parameters()]
+    assert all(torch.equal(theta0[n], p) for n, p in model.named_parameters())
+    est.place(torch.float32, torch.device("cpu"))
+    assert all(t.dtype == torch.float32 for t in est.reference_parameters().values())
+    assert est.input_covariance().dtype == torch.float32
+    est.place(DTYPE, torch.device("cpu"))  # back to the stored float64, nothing was lost
+    assert all(torch.equal(est.reference_parameters()[n], p) for n, p in model.named_parameters())
+    parts = est.moment_parts(fsd.trace(model), est.reference_parameters())
+    assert set(parts) == {"reference", "gate_means", "output_rows", "weights"}
+    assert float(parts["weights"].sum()) == pytest.approx(1.0)
+
+
 def test_configuration_errors():
     with pytest.raises(ValueError, match="Euclidean"):
         fsd.BGLN(deterministic=True, metric="kl")
@@ -275,6 +299,14 @@ def test_configuration_errors():
         fsd.BGLN(classwise=0)
     with pytest.raises(ValueError):
         fsd.BGLN(num_samples=0)
+
+
+def test_statistics_must_be_a_collector():
+    model, data, _ = _setup()
+    with pytest.raises(TypeError, match="StatisticsCollector, got dict"):
+        fsd.BGLN(deterministic=True).fit(model, statistics={"means": None})
+    # estimators that need no statistics ignore the argument, as before
+    fsd.LAFTR().fit(model, data, statistics={"means": None})
 
 
 def test_bgln_d_on_cnn_is_not_implemented():
@@ -309,7 +341,7 @@ def test_label_count_mismatch_and_missing_batch_dim():
 
 
 def test_output_index_out_of_range():
-    model, data, other = _setup()
+    model, data, _ = _setup()
     with pytest.raises(ValueError):
         fsd.ExactFSD().fit(model, data, outputs=[])
     for est in (fsd.ExactFSD(), fsd.LAFTR(), fsd.BGLN(deterministic=True)):

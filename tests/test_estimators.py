@@ -1,7 +1,7 @@
 """Ground-truth tests of every FSD estimator against independent brute-force computations.
 
-Each reference below is written from the paper's definitions (§3, Algorithms 1–2,
-Appendix B) with plain numpy/torch loops, without importing fsd.interpreter.
+Each reference is written from the paper's definitions (§3, Algorithms 1–2, Appendix B) with
+plain numpy/torch loops, below or in fsd.testing, without using fsd.interpreter.
 Everything runs in float64 so exact identities are checked to ~1e-10 relative; Monte Carlo
 estimators are checked to 5 standard errors estimated from repeated independent calls.
 """
@@ -28,6 +28,7 @@ from conftest import (
     perturbed,
     stack,
 )
+from fsd.testing import dense_algorithm2, linearized_outputs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -121,7 +122,7 @@ def test_zero_at_reference(make, kind):
     assert abs(float(d)) <= 1e-12
     params = list(model.parameters())
     grads = torch.autograd.grad(d, params, allow_unused=True)
-    for p, g in zip(params, grads):
+    for g in grads:
         assert g is not None, "distance must depend on every parameter"
         assert float(g.abs().max()) <= 1e-12
 
@@ -169,48 +170,6 @@ def test_laftr_exact_without_activations(arch, metric):
 # ----------------------------------------------------------------------------------------
 # 3. LAFTR(coreset) == brute-force linearized forward (ReLU gates + max-pool routing)
 # ----------------------------------------------------------------------------------------
-def _maxpool_routed(a0: torch.Tensor, a1: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Max-pool one example (C, H, W) with kernel = stride = k: a0 by its max, a1 taken at
-    the reference's argmax (first occurrence) — explicit loops over windows (numpy)."""
-    n0, n1 = _np(a0), _np(a1)
-    c, h, w = n0.shape
-    out0, out1 = np.empty((c, h // k, w // k)), np.empty((c, h // k, w // k))
-    for ch in range(c):
-        for i in range(h // k):
-            for j in range(w // k):
-                win0 = n0[ch, i * k:(i + 1) * k, j * k:(j + 1) * k].reshape(-1)
-                win1 = n1[ch, i * k:(i + 1) * k, j * k:(j + 1) * k].reshape(-1)
-                best = int(np.argmax(win0))  # first occurrence of the maximum
-                out0[ch, i, j], out1[ch, i, j] = win0[best], win1[best]
-    return torch.from_numpy(out0), torch.from_numpy(out1)
-
-
-def brute_linearized(model0: nn.Sequential, model1: nn.Sequential, x: torch.Tensor):
-    """Paper eqs. (4)-(7) for one example: reference forward, θ network with the reference's
-    ReLU derivative and max-pool argmax. Returns (z0, z1)."""
-    a0, a1 = x[None], x[None]
-    for l0, l1 in zip(model0, model1):
-        if isinstance(l0, nn.Linear):
-            a0, a1 = F.linear(a0, l0.weight, l0.bias), F.linear(a1, l1.weight, l1.bias)
-        elif isinstance(l0, nn.Conv2d):
-            a0 = F.conv2d(a0, l0.weight, l0.bias, padding=l0.padding)
-            a1 = F.conv2d(a1, l1.weight, l1.bias, padding=l1.padding)
-        elif isinstance(l0, nn.ReLU):
-            s0, s1 = a0, a1
-            a0 = torch.clamp(s0, min=0)
-            a1 = torch.clamp(s0, min=0) + (s0 > 0).to(s0.dtype) * (s1 - s0)
-        elif isinstance(l0, nn.MaxPool2d):
-            o0, o1 = _maxpool_routed(a0[0], a1[0], l0.kernel_size)
-            a0, a1 = o0[None], o1[None]
-        elif isinstance(l0, nn.AvgPool2d):
-            a0, a1 = F.avg_pool2d(a0, l0.kernel_size), F.avg_pool2d(a1, l1.kernel_size)
-        elif isinstance(l0, nn.Flatten):
-            a0, a1 = a0.reshape(1, -1), a1.reshape(1, -1)
-        else:  # pragma: no cover
-            raise AssertionError(type(l0))
-    return a0[0], a1[0]
-
-
 @pytest.mark.parametrize("arch", ["mlp", "mlp-nobias", "cnn"])
 def test_laftr_coreset_matches_brute_force(arch):
     if arch == "mlp":
@@ -225,7 +184,7 @@ def test_laftr_coreset_matches_brute_force(arch):
     other = perturbed(model, 0.3, seed=5)
     xs = stack(data)[0]
     with torch.no_grad():
-        pairs = [brute_linearized(model, other, x) for x in xs]
+        pairs = [linearized_outputs(model, other, x) for x in xs]
         # the reference forward reproduces the model exactly (sanity of the brute force)
         z_ref = torch.stack([p[0] for p in pairs])
         assert torch.allclose(z_ref, model(xs), rtol=1e-12, atol=1e-12)
@@ -270,7 +229,7 @@ def test_laftr_with_a_reused_relu_instance_is_correct_or_refused():
     except (fsd.UnsupportedModuleError, ValueError):
         return  # refusing the model is acceptable
     with torch.no_grad():
-        pairs = [brute_linearized(model, other, x) for x in stack(data)[0]]
+        pairs = [linearized_outputs(model, other, x) for x in stack(data)[0]]
     truth = float(np.mean([rho("euclidean", z0[None], z1[None])[0] for z0, z1 in pairs]))
     assert abs(got - truth) <= 1e-10 * truth
 
@@ -285,7 +244,7 @@ def test_laftr_coreset_subset_is_a_subset_of_the_data():
     idx = [int(((xs - c).abs().sum(1) == 0).nonzero()[0]) for c in core]
     assert len(set(idx)) == 7
     other = perturbed(model, 0.3, seed=1)
-    truth = np.mean([rho("euclidean", *[z[None] for z in brute_linearized(model, other, c)])[0]
+    truth = np.mean([rho("euclidean", *[z[None] for z in linearized_outputs(model, other, c)])[0]
                      for c in core])
     assert abs(float(est.distance(other)) - truth) <= 1e-10 * truth
 
@@ -293,33 +252,10 @@ def test_laftr_coreset_subset_is_a_subset_of_the_data():
 # ----------------------------------------------------------------------------------------
 # 4. BGLN-D == dense transcription of Algorithm 2; stored statistics == brute force
 # ----------------------------------------------------------------------------------------
-def algorithm2(mean, cov, theta0, theta1, mus, select=None) -> float:
-    """Paper Algorithm 2 (BGLN-D), line by line, numpy float64.
-
-    theta*: list of (W, b) per affine layer; mus: Bernoulli means of the L−1 hidden layers.
-    """
-    E_a0, C_a0 = np.array(mean, dtype=np.float64), np.array(cov, dtype=np.float64)
-    L = len(theta0)
-    E_da = np.zeros_like(E_a0)
-    C_da = np.zeros_like(C_a0)
-    for l in range(L - 1):
-        (W0, b0), (W1, b1), mu = theta0[l], theta1[l], np.asarray(mus[l], dtype=np.float64)
-        dW, db = W1 - W0, b1 - b0
-        E_s0 = W0 @ E_a0 + b0
-        E_ds = dW @ E_a0 + W1 @ E_da + db
-        E_a0 = mu * E_s0
-        E_da = mu * E_ds
-        C_s0 = W0 @ C_a0 @ W0.T
-        C_ds = dW @ C_a0 @ dW.T + W1 @ C_da @ W1.T
-        C_a0 = np.outer(mu, mu) * C_s0
-        C_da = np.outer(mu, mu) * C_ds
-    (W0, b0), (W1, b1) = theta0[-1], theta1[-1]
-    dW, db = W1 - W0, b1 - b0
-    E_dz = dW @ E_a0 + W1 @ E_da + db
-    C_dz = dW @ C_a0 @ dW.T + W1 @ C_da @ W1.T
-    if select is not None:
-        E_dz, C_dz = E_dz[select], C_dz[np.ix_(select, select)]
-    return float(0.5 * E_dz @ E_dz + 0.5 * np.trace(C_dz))
+def algorithm2(model0, model1, mean, cov, mus, select=None) -> float:
+    """Paper Algorithm 2 (BGLN-D), dense float64 (fsd.testing), as a float."""
+    with torch.no_grad():
+        return float(dense_algorithm2(model0, model1, mean, cov, mus, outputs=select))
 
 
 def manual_gates(model: nn.Sequential, xs: torch.Tensor) -> dict[str, np.ndarray]:
@@ -362,7 +298,7 @@ def test_bgln_d_matches_algorithm2(covariance):
     # --- distance against the transcription, fed with the brute-force statistics
     cov_in = c if covariance == "full" else np.diag(np.diag(c))
     mus = [gates[p] for p in relu_paths(model)]
-    truth = algorithm2(m, cov_in, linears(model), linears(other), mus)
+    truth = algorithm2(model, other, m, cov_in, mus)
     got = float(est.distance(other))
     assert truth > 1e-4
     assert abs(got - truth) <= 1e-10 * truth
@@ -377,7 +313,7 @@ def test_bgln_d_image_inputs_through_flatten():
     xs = stack(data)[0]
     m, c = population_moments(xs)
     mus = [manual_gates(model, xs)[p] for p in relu_paths(model)]
-    truth = algorithm2(m, c, linears(model), linears(other), mus)
+    truth = algorithm2(model, other, m, c, mus)
     est = fsd.BGLN(deterministic=True).fit(model, data)
     assert abs(float(est.distance(other)) - truth) <= 1e-10 * truth
 
@@ -390,7 +326,7 @@ def test_bgln_d_outputs_restriction_matches_algorithm2():
     mus = [manual_gates(model, xs)[p] for p in relu_paths(model)]
     for outputs, select in (([3, 1], [3, 1]), (slice(1, None, 2), [1, 3])):
         est = fsd.BGLN(deterministic=True).fit(model, data, outputs=outputs)
-        truth = algorithm2(m, c, linears(model), linears(other), mus, select=select)
+        truth = algorithm2(model, other, m, c, mus, select=select)
         assert abs(float(est.distance(other)) - truth) <= 1e-10 * truth
 
 
@@ -408,11 +344,11 @@ def test_bgln_d_lowrank_matches_algorithm2(rank):
     low = top @ top.T
     cov_in = low + np.diag(np.diag(c) - np.diag(low))
     mus = [manual_gates(model, xs)[p] for p in relu_paths(model)]
-    truth = algorithm2(m, cov_in, linears(model), linears(other), mus)
+    truth = algorithm2(model, other, m, cov_in, mus)
     est = fsd.BGLN(deterministic=True, covariance="lowrank", rank=rank).fit(model, data)
     assert abs(float(est.distance(other)) - truth) <= 1e-10 * truth
     if rank == 5:
-        full = algorithm2(m, c, linears(model), linears(other), mus)
+        full = algorithm2(model, other, m, c, mus)
         assert abs(truth - full) <= 1e-12 * full
 
 
@@ -438,7 +374,7 @@ def test_bgln_d_classwise_is_frequency_weighted_mixture(covariance):
         for path, mu in gates.items():
             np.testing.assert_allclose(_np(st[f"gate.{path}"][g]), mu, rtol=0, atol=1e-14)
         cov_in = c if covariance == "full" else np.diag(np.diag(c))
-        truth += w * algorithm2(m, cov_in, linears(model), linears(other),
+        truth += w * algorithm2(model, other, m, cov_in,
                                 [gates[p] for p in relu_paths(model)])
     got = float(est.distance(other))
     assert abs(got - truth) <= 1e-10 * truth
@@ -457,12 +393,12 @@ def gated_affine_maps(theta0, theta1, masks):
     d = theta0[0][0].shape[1]
     P, p = np.eye(d), np.zeros(d)
     Q, q = np.zeros((d, d)), np.zeros(d)
-    for l, ((W0, b0), (W1, b1)) in enumerate(zip(theta0, theta1)):
+    for layer, ((W0, b0), (W1, b1)) in enumerate(zip(theta0, theta1, strict=True)):
         dW, db = W1 - W0, b1 - b0
         S0, s0 = W0 @ P, W0 @ p + b0
         DS, ds = dW @ P + W1 @ Q, dW @ p + W1 @ q + db
-        if l < len(theta0) - 1:
-            m = masks[l]
+        if layer < len(theta0) - 1:
+            m = masks[layer]
             S0, s0, DS, ds = S0 * m[:, None], s0 * m, DS * m[:, None], ds * m
         P, p, Q, q = S0, s0, DS, ds
     return P, p, Q, q
@@ -661,7 +597,7 @@ def test_ntk_matches_jacobian_brute_force(metric):
 
     def f(flat):
         parts = torch.split(flat, sizes)
-        params = {n: t.reshape(s) for n, t, s in zip(names, parts, shapes)}
+        params = {n: t.reshape(s) for n, t, s in zip(names, parts, shapes, strict=True)}
         return torch.func.functional_call(model, params, (xs,))
 
     flat0 = torch.cat([t.reshape(-1) for t in theta0])
@@ -682,7 +618,7 @@ def test_ntk_matches_jacobian_brute_force(metric):
     # gradients agree too (NTK is used as a differentiable regularizer)
     g_got = torch.autograd.grad(got, list(other.parameters()))
     g_brute = torch.autograd.grad(brute, list(other.parameters()))
-    for a, b in zip(g_got, g_brute):
+    for a, b in zip(g_got, g_brute, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
@@ -700,21 +636,21 @@ def brute_fisher(model, xs, kind, metric, ys=None, outputs=None):
         z = out(x)
         if kind == "true" and metric == "kl":
             logp = z.log_softmax(-1)
-            terms = [(float(logp[y].exp()), lambda y=y: out(x).log_softmax(-1)[y])
+            terms = [(float(logp[y].exp()), lambda y=y, x=x: out(x).log_softmax(-1)[y])
                      for y in range(z.shape[0])]
         elif kind == "true" and metric == "euclidean":
-            terms = [(1.0, lambda k=k: out(x)[k]) for k in range(z.shape[0])]
+            terms = [(1.0, lambda k=k, x=x: out(x)[k]) for k in range(z.shape[0])]
         elif kind == "true" and metric == "softmax_euclidean":
-            terms = [(1.0, lambda k=k: out(x).softmax(-1)[k]) for k in range(z.shape[0])]
+            terms = [(1.0, lambda k=k, x=x: out(x).softmax(-1)[k]) for k in range(z.shape[0])]
         elif kind == "empirical" and metric == "kl":
-            terms = [(1.0, lambda: F.cross_entropy(out(x)[None], ys[i][None]))]
+            terms = [(1.0, lambda x=x, i=i: F.cross_entropy(out(x)[None], ys[i][None]))]
         elif kind == "empirical" and metric == "euclidean":
-            terms = [(1.0, lambda: 0.5 * (out(x) - ys[i]).pow(2).sum())]
+            terms = [(1.0, lambda x=x, i=i: 0.5 * (out(x) - ys[i]).pow(2).sum())]
         for w, fn in terms:
             grads = torch.autograd.grad(fn(), params)
-            for t, g in zip(total, grads):
+            for t, g in zip(total, grads, strict=True):
                 t += w * g.pow(2)
-    return {n: t / len(xs) for (n, _), t in zip(model.named_parameters(), total)}
+    return {n: t / len(xs) for (n, _), t in zip(model.named_parameters(), total, strict=True)}
 
 
 @pytest.mark.parametrize("kind, metric", [("true", "kl"), ("true", "euclidean"),
@@ -733,7 +669,7 @@ def test_ewc_fisher_matches_per_example_brute_force(kind, metric):
         torch.testing.assert_close(est._state[f"fisher.{name}"], f, rtol=1e-10, atol=1e-14)
     other = perturbed(model, 0.2, seed=92)
     truth = 0.5 * sum(float((f * (p1 - p0).pow(2)).sum()) for f, p0, p1 in
-                      zip(fisher.values(), model.parameters(), other.parameters()))
+                      zip(fisher.values(), model.parameters(), other.parameters(), strict=True))
     assert abs(float(est.distance(other)) - truth) <= 1e-10 * truth
 
 

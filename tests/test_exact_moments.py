@@ -113,13 +113,13 @@ def test_exact_moments_zero_at_reference_and_gradcheck():
         values = []
         for sign in (1, -1):
             with torch.no_grad():
-                for p, v in zip(moved.parameters(), direction):
+                for p, v in zip(moved.parameters(), direction, strict=True):
                     p.add_(sign * eps * v)
                 values.append(float(est.distance(moved)))
-                for p, v in zip(moved.parameters(), direction):
+                for p, v in zip(moved.parameters(), direction, strict=True):
                     p.sub_(sign * eps * v)
         numeric = (values[0] - values[1]) / (2 * eps)
-        analytic = sum(float((gr * v).sum()) for gr, v in zip(grads, direction))
+        analytic = sum(float((gr * v).sum()) for gr, v in zip(grads, direction, strict=True))
         assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic))
 
 

@@ -15,6 +15,7 @@ from torch import nn
 import fsd
 import fsd_experiments.data
 from fsd import influence
+from fsd.testing import one_point_at_a_time
 from fsd_experiments import influence as studies
 from fsd_experiments.cli import main
 from fsd_experiments.stats import kmeans_labels
@@ -114,34 +115,6 @@ def test_pbrf_stochastic_exact_term_is_close_to_closed_form():
     np.testing.assert_allclose(scores, expected, rtol=0.1, atol=1e-4)
 
 
-def _one_point_at_a_time(model, term, n, x, y, *, damping, steps, lr, point_term):
-    """Reference: plain autograd SGD on the module, one point after another."""
-    scores = []
-    for i in range(x.shape[0]):
-        work = copy.deepcopy(model)
-        theta0 = [p.detach().clone() for p in work.parameters()]
-        xi, yi = x[i:i + 1], y[i:i + 1]
-        with torch.no_grad():
-            before = influence.pointwise_loss("squared", work(xi), yi).sum()
-            reference = work(xi)
-        if hasattr(term, "reset"):
-            term.reset()
-        for _ in range(steps):
-            out = work(xi)
-            value = (-influence.pointwise_loss("squared", out, yi).sum() / n + term(work)
-                     + 0.5 * damping * sum((p - p0).pow(2).sum()
-                                           for p, p0 in zip(work.parameters(), theta0)))
-            if point_term:
-                value = value + 0.5 * (out - reference).pow(2).sum() / n
-            grads = torch.autograd.grad(value, list(work.parameters()))
-            with torch.no_grad():
-                for p, g in zip(work.parameters(), grads):
-                    p.sub_(lr * g)
-        with torch.no_grad():
-            scores.append(float(influence.pointwise_loss("squared", work(xi), yi).sum() - before))
-    return np.array(scores)
-
-
 @pytest.mark.parametrize("method,point_term", [("exact", False), ("ewc", True),
                                                ("bgln-d", False), ("bgln-d", True)])
 def test_batched_solves_equal_solving_one_point_at_a_time(method, point_term):
@@ -155,7 +128,7 @@ def test_batched_solves_equal_solving_one_point_at_a_time(method, point_term):
     groups = kmeans_labels(x, 3) if method == "bgln-d" else None
     term = influence.make_term(method, model, x, y, "squared", batch_size=16, bgln_groups=groups)
     settings = dict(damping=0.01, steps=12, lr=0.3, point_term=point_term)
-    expected = _one_point_at_a_time(model, term, 40, x[:5], y[:5], **settings)
+    expected = one_point_at_a_time(model, term, 40, x[:5], y[:5], **settings)
     solver = influence.PBRF(model, term, 40, loss="squared", **settings)
     got = solver.self_influence(x[:5], y[:5]).numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-14)
@@ -183,7 +156,7 @@ def test_bgln_d_equals_exact_fsd_for_a_linear_model():
     bgln = influence.make_term("bgln-d", model, x, y, "squared")
     moved = nn.Sequential(nn.Linear(4, 2)).to(DTYPE)
     with torch.no_grad():
-        for p, q in zip(moved.parameters(), model.parameters()):
+        for p, q in zip(moved.parameters(), model.parameters(), strict=True):
             p.copy_(q + 0.2 * torch.randn_like(q))
     torch.testing.assert_close(bgln(moved), exact(moved), rtol=1e-10, atol=1e-12)
     # hence the PBRF self-influence is the same under both terms
@@ -263,8 +236,9 @@ def jacobian_ggn(model: nn.Module, x: torch.Tensor, loss: str) -> torch.Tensor:
     names = list(params)
     total = 0.0
     for xi in x:
-        def f(*values):
-            return torch.func.functional_call(model, dict(zip(names, values)), (xi[None],))[0]
+        def f(*values, xi=xi):
+            state = dict(zip(names, values, strict=True))
+            return torch.func.functional_call(model, state, (xi[None],))[0]
         jac = torch.autograd.functional.jacobian(f, tuple(params.values()))
         j = torch.cat([t.reshape(t.shape[0], -1) for t in jac], 1)
         z = f(*params.values()).detach()
@@ -314,7 +288,7 @@ def test_ewc_term_is_the_gauss_newton_diagonal():
     diag = influence.GaussNewton(model, x).dense().diagonal()
     moved = nn.Sequential(nn.Linear(3, 1)).to(DTYPE)
     delta = torch.cat([(p - q).detach().reshape(-1) for p, q in
-                       zip(moved.parameters(), model.parameters())])
+                       zip(moved.parameters(), model.parameters(), strict=True)])
     assert float(term(moved)) == pytest.approx(float(0.5 * (diag * delta ** 2).sum()), rel=1e-9)
 
 

@@ -3,6 +3,8 @@ plain numpy/torch float64 computations over the whole data."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -39,7 +41,7 @@ def test_moment_accumulator_streamed_and_merged(diagonal):
     m, c = _np_moments(x)
     want_c = np.diag(c) if diagonal else c
     streamed = MomentAccumulator(diagonal=diagonal)
-    for a, b in zip(SPLITS[:-1], SPLITS[1:]):
+    for a, b in itertools.pairwise(SPLITS):
         streamed.update(x[a:b])
     # two shards merged, plus an empty accumulator merged in
     s1, s2 = MomentAccumulator(diagonal), MomentAccumulator(diagonal)
@@ -161,7 +163,7 @@ def test_gate_accumulator_ema_matches_manual_recursion():
     with pytest.raises(ValueError):
         GateAccumulator(momentum=1.0)
     with pytest.raises(ValueError):
-        GateAccumulator().value
+        _ = GateAccumulator().value
 
 
 # ----------------------------------------------------------------------------------------

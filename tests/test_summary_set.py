@@ -1,4 +1,4 @@
-"""Low-rank input moments and batched summary sets against their dense / one-by-one truths."""
+"""Low-rank BGLN-D and batched summary sets against their dense / one-by-one truths."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fsd
-from fsd.covariance import low_rank_plus_diagonal, sample, sandwich
+
 
 def _mlp(d=6, width=7, outputs=4, seed=0):
     torch.manual_seed(seed)
@@ -32,32 +32,6 @@ def _moved(model, scale=0.2, seed=1):
     return moved
 
 
-def test_low_rank_plus_diagonal_keeps_variances_and_is_exact_at_full_rank():
-    a = torch.randn(5, 5, dtype=torch.float64)
-    cov = (a @ a.T).unsqueeze(0)
-    factor, residual = low_rank_plus_diagonal(cov, 2)
-    approx = factor @ factor.transpose(-1, -2) + torch.diag_embed(residual)
-    torch.testing.assert_close(approx.diagonal(dim1=-2, dim2=-1), cov.diagonal(dim1=-2, dim2=-1))
-    factor, residual = low_rank_plus_diagonal(cov, 5)
-    torch.testing.assert_close(factor @ factor.transpose(-1, -2), cov)
-    assert residual.abs().max() < 1e-10
-    w = torch.randn(3, 5, dtype=torch.float64)
-    torch.testing.assert_close(sandwich(w, (factor, residual)), w @ cov @ w.T)
-
-
-def test_low_rank_sampling_has_the_stored_covariance():
-    a = torch.randn(4, 4, dtype=torch.float64)
-    cov = a @ a.T + torch.eye(4, dtype=torch.float64)
-    factor, residual = low_rank_plus_diagonal(cov.unsqueeze(0), 2)
-    target = factor[0] @ factor[0].T + torch.diag(residual[0])
-    x = sample(torch.zeros(4, dtype=torch.float64), (factor[0], residual[0]), 400_000,
-               torch.Generator().manual_seed(0))
-    empirical = x.T @ x / x.shape[0]
-    # entries' standard error ~ sqrt(2/n)·max variance; 6 standard errors
-    tolerance = 6 * (2 / x.shape[0]) ** 0.5 * float(target.diagonal().max())
-    assert (empirical - target).abs().max() < tolerance
-
-
 def test_lowrank_bgln_d_equals_full_when_rank_is_the_dimension():
     model, data = _mlp(), _data()
     moved = _moved(model)
@@ -72,11 +46,11 @@ def test_lowrank_bgln_d_equals_full_when_rank_is_the_dimension():
 
 def _assert_equals_sum_with_gradients(batched, estimators, weights, moved):
     """A summary set's distance equals Σ w·D_i evaluated one by one, value and gradient."""
-    one_by_one = sum(w * e.distance(moved) for w, e in zip(weights, estimators))
+    one_by_one = sum(w * e.distance(moved) for w, e in zip(weights, estimators, strict=True))
     torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=0)
     g_batched = torch.autograd.grad(batched, list(moved.parameters()))
     g_single = torch.autograd.grad(one_by_one, list(moved.parameters()))
-    for a, b in zip(g_batched, g_single):
+    for a, b in zip(g_batched, g_single, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
 
 

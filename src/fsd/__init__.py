@@ -11,22 +11,24 @@ from .calibration import Calibration, calibrate
 from .estimator import Estimator, NotFittedError, from_payload, iter_batches, load
 from .ewc import EWC
 from .exact import ExactFSD
-from .interpreter import ArchitectureMismatchError, trace
+from .interpreter import trace
 from .kfac import KFAC
 from .linearized import BGLN, LAFTR
 from .metrics import METRICS, pointwise_distance
 from .ntk import NTK
 from .regularizer import ContinualRegularizer
 from .rules import LayerRule, UnsupportedModuleError, register_rule
+from .signature import ArchitectureMismatchError
+from .statistics import GateAccumulator, MomentAccumulator, Statistics, StatisticsCollector
 from .summary_set import SummarySet, combine
 from .validation import SummaryFormatError
-from .statistics import GateAccumulator, MomentAccumulator, Statistics, StatisticsCollector
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArchitectureMismatchError", "BGLN", "Calibration", "ContinualRegularizer", "EWC", "Estimator", "ExactFSD", "GateAccumulator",
-    "KFAC", "LAFTR", "LayerRule", "METRICS", "MomentAccumulator", "NTK", "NotFittedError", "Statistics",
-    "StatisticsCollector", "SummaryFormatError", "SummarySet", "UnsupportedModuleError", "calibrate", "combine", "from_payload", "iter_batches", "load", "pointwise_distance",
-    "register_rule", "trace",
+    "BGLN", "EWC", "KFAC", "LAFTR", "METRICS", "NTK", "ArchitectureMismatchError", "Calibration",
+    "ContinualRegularizer", "Estimator", "ExactFSD", "GateAccumulator", "LayerRule",
+    "MomentAccumulator", "NotFittedError", "Statistics", "StatisticsCollector",
+    "SummaryFormatError", "SummarySet", "UnsupportedModuleError", "calibrate", "combine",
+    "from_payload", "iter_batches", "load", "pointwise_distance", "register_rule", "trace",
 ]

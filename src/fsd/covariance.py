@@ -34,7 +34,7 @@ def sandwich(weight: Tensor, cov: Covariance) -> Tensor:
 
 def _fold_shared(rows: Tensor, rows_dim: int | None, cov: Tensor, cov_dim: int | None
                  ) -> tuple[Tensor, Tensor, int]:
-    """rows @ cov per component for vmap rules; returns (rows, rows @ cov, batch dim).
+    """Multiply rows by cov per component for vmap rules; returns (rows, rows @ cov, dim).
 
     With rows batched and cov shared, the batch is folded into rows' k: one (G, B·k, d) ×
     (G, d, d) product. Broadcasting matmul would instead copy cov once per batch element
@@ -73,12 +73,15 @@ class _RowsTimesCovariance(torch.autograd.Function):
 
 
 class _SymmetricQuadraticTrace(torch.autograd.Function):
-    """tr(P C Pᵀ) for a fixed symmetric C: the gradient 2 P C reuses the forward's P C, so
-    the backward pass does not multiply by the (G, d, d) covariance a second time.
+    """tr(P C Pᵀ) for a fixed symmetric C, with a backward pass that reuses P C.
+
+    The gradient 2 P C reuses the forward's P C, so the backward pass does not multiply by
+    the (G, d, d) covariance a second time.
 
     Written in the ``setup_context`` form with its own vmap rule, so it also runs under
     ``torch.func`` transforms (batched PBRF solves vmap ``grad`` over stacked parameters),
-    without copying C per batch element (:func:`_fold_shared`)."""
+    without copying C per batch element (:func:`_fold_shared`).
+    """
 
     @staticmethod
     def forward(rows: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
@@ -108,8 +111,11 @@ class _SymmetricQuadraticTrace(torch.autograd.Function):
 
 
 def quadratic_trace(rows: Tensor, cov: Covariance) -> Tensor:
-    """tr(P C Pᵀ) per component for P of shape (G, k, d): the output variance that the
-    directions in P pick up from C. Returns (G,). C must be symmetric (a covariance)."""
+    """tr(P C Pᵀ) per component for P of shape (G, k, d); returns (G,).
+
+    The output variance that the directions in P pick up from C. C must be symmetric (a
+    covariance), in any of the three forms.
+    """
     if isinstance(cov, tuple):
         factor, residual = cov
         return (rows @ factor).pow(2).sum((-1, -2)) + (rows.pow(2) * residual.unsqueeze(1)).sum(
@@ -145,8 +151,11 @@ def sampling_factor(covariance: Tensor) -> Tensor:
 
 
 def low_rank_plus_diagonal(covariance: Tensor, rank: int) -> tuple[Tensor, Tensor]:
-    """Top-``rank`` eigenpairs of each (G, d, d) covariance as a factor (G, d, r), plus the
-    diagonal residual diag(C − F Fᵀ) ≥ 0 (G, d), so the variance of every feature is kept."""
+    """Top-``rank`` eigenpairs of each (G, d, d) covariance, plus the diagonal they miss.
+
+    Returns the factor F (G, d, r) of the eigenpairs and the diagonal residual
+    diag(C − F Fᵀ) ≥ 0 (G, d), so the variance of every feature is kept.
+    """
     values, vectors = torch.linalg.eigh(covariance.to(torch.float64))
     values = values.clamp_min(0)
     r = min(rank, covariance.shape[-1])
@@ -158,11 +167,13 @@ def low_rank_plus_diagonal(covariance: Tensor, rank: int) -> tuple[Tensor, Tenso
 
 def sample(mean: Tensor, cov: Covariance | Tensor, n: int, generator: torch.Generator,
            full_factor: Tensor | None = None) -> Tensor:
-    """n Gaussian samples (n, d) of one component.
+    """Draw n Gaussian samples (n, d) of one component.
 
     Args:
         mean: (d,).
         cov: that component's covariance in any form above (without the G dimension).
+        n: number of samples.
+        generator: the random stream the samples come from.
         full_factor: for a full covariance, its :func:`sampling_factor` (callers cache it).
     """
     def normal(width: int) -> Tensor:

@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import tempfile
+from collections.abc import Sized
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
 import torch
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import distributed
-from .interpreter import check_signature, parameter_signature
+from .signature import check_signature, normalize, parameter_signature
 from .validation import SummaryFormatError, check_common
 
 FORMAT = "fsd-summary"
@@ -92,7 +93,7 @@ def iter_batches(
     if data is None:
         raise ValueError("no data given: fit needs data (or statistics=... for moment methods)")
     batches = [data] if isinstance(data, Tensor) else data
-    total = len(batches) if hasattr(batches, "__len__") else None
+    total = len(batches) if isinstance(batches, Sized) else None
     seen = 0
     for index, batch in enumerate(tqdm(batches, disable=not progress, desc=desc, total=total,
                                        leave=False)):
@@ -182,7 +183,8 @@ class Reservoir:
         same on every rank (call it on every rank).
         """
         xs = torch.stack(self.x) if self.x else None
-        ys = None if not self.y or any(v is None for v in self.y) else torch.stack(self.y)
+        labels = [v for v in self.y if v is not None]
+        ys = torch.stack(labels) if labels and len(labels) == len(self.y) else None
         if distributed.world_size() > 1:
             return self._union_sample(xs, ys)
         if xs is None:
@@ -218,8 +220,10 @@ class Reservoir:
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file in the same folder, then rename: a crash never
-    leaves a half-written file at ``path``."""
+    """``torch.save`` to a temporary file in the same folder, then rename it to ``path``.
+
+    A crash never leaves a half-written file at ``path``.
+    """
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(f"{path} is a directory: give the summary a file name")
@@ -242,11 +246,6 @@ def _umask() -> int:
     return mask
 
 
-def _normalize(obj: Any) -> Any:
-    # JSON round trip so tuples become lists and saved/fresh signatures compare equal.
-    return json.loads(json.dumps(obj))
-
-
 class Estimator:
     """Base class of all FSD estimators.
 
@@ -261,7 +260,7 @@ class Estimator:
         ESTIMATORS[cls.__name__] = cls
 
     def __init__(self, **config: Any) -> None:
-        self.config: dict[str, Any] = _normalize(config)
+        self.config: dict[str, Any] = normalize(config)
         # _stored: the summary as fitted/loaded (saved, counted by nbytes); _state: the view
         # used for computing, converted to the calling model's dtype/device when they differ
         self._stored: dict[str, Tensor] = {}
@@ -305,7 +304,7 @@ class Estimator:
         dtype, device = model_dtype_device(model)
         self._stored, self._meta, self._cache = {}, {}, {}
         self._state = self._stored
-        self._meta["signature"] = _normalize(self._signature(model))
+        self._meta["signature"] = normalize(self._signature(model))
         for name, p in model.named_parameters():
             self._state[f"theta0.{name}"] = p.detach().clone()
         for name, b in model.named_buffers():
@@ -331,10 +330,10 @@ class Estimator:
 
         Returns a 0-dim tensor, differentiable w.r.t. the model's parameters.
         """
-        self._require_fitted()
-        check_signature(self._meta["signature"], _normalize(self._signature(model)))
+        self.require_fitted()
+        self.check_architecture(model)
         dtype, device = model_dtype_device(model)
-        self._move(dtype, device)
+        self.place(dtype, device)
         with evaluation_mode(model):
             return self._distance(model)
 
@@ -354,16 +353,18 @@ class Estimator:
 
     def output_units(self) -> list[int] | slice | None:
         """The ``outputs`` given to :meth:`fit` (``None``: every output unit)."""
-        self._require_fitted()
+        self.require_fitted()
         if "output_slice" in self._meta:
             return slice(*self._meta["output_slice"])
         index = self._stored.get("outputs")
         return None if index is None else [int(i) for i in index.tolist()]
 
     def reference_state_dict(self) -> dict[str, Tensor]:
-        """θ0 (and the buffers) as a ``state_dict``, to rebuild the reference network:
-        ``model.load_state_dict(estimator.reference_state_dict())``."""
-        self._require_fitted()
+        """θ0 (and the buffers) as a ``state_dict``, to rebuild the reference network.
+
+        Use it as ``model.load_state_dict(estimator.reference_state_dict())``.
+        """
+        self.require_fitted()
         out = {}
         for key, value in self._stored.items():
             for prefix in ("theta0.", "buffer0."):
@@ -386,7 +387,7 @@ class Estimator:
         :func:`from_payload` rebuilds it; containers that keep several summaries in one file
         (e.g. :class:`fsd.ContinualRegularizer`) store these dictionaries.
         """
-        self._require_fitted()
+        self.require_fitted()
         return {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -427,6 +428,46 @@ class Estimator:
             self._select(z)  # raises for an outputs index beyond the model's outputs
         return data
 
+    def require_fitted(self) -> None:
+        """Raise :class:`NotFittedError` unless the estimator was fitted (or loaded)."""
+        if not self._meta.get("fitted"):
+            raise NotFittedError(f"{type(self).__name__} is not fitted: call fit(model, data)")
+
+    def check_architecture(self, model: nn.Module) -> None:
+        """Raise :class:`~fsd.ArchitectureMismatchError` unless ``model`` fits the summary.
+
+        The model must have the architecture the summary was fitted on; ``distance`` checks
+        this on every call.
+        """
+        check_signature(self._meta["signature"], normalize(self._signature(model)))
+
+    def place(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Compute in ``dtype`` on ``device`` from now on (``distance`` follows the model).
+
+        The computations use a converted view of the stored summary, made once per placement;
+        the stored summary itself is never cast in place, so a float64 summary used with a
+        float32 model loses nothing.
+        """
+        placement = [str(dtype), str(device)]
+        if self._cache.get("placement") == placement:
+            return
+        floats = [v for v in self._stored.values() if v.is_floating_point()]
+        native = not floats or (floats[0].dtype == dtype and floats[0].device == device)
+        if native:
+            self._state = self._stored
+        else:
+            self._state = {k: v.to(device=device, dtype=dtype) if v.is_floating_point()
+                           else v.to(device) for k, v in self._stored.items()}
+        self._cache.clear()
+        self._cache["placement"] = placement
+
+    def reference_parameters(self) -> dict[str, Tensor]:
+        """θ0 by parameter name, in the current placement (see :meth:`place`).
+
+        The tensors are the summary's own: read them, do not modify them in place.
+        """
+        return {k[len("theta0."):]: v for k, v in self._state.items() if k.startswith("theta0.")}
+
     # ----- helpers for subclasses -------------------------------------------------------
     def _signature(self, model: nn.Module) -> Any:
         return parameter_signature(model)
@@ -441,32 +482,9 @@ class Estimator:
     def _check_summary(self) -> None:
         """Check the stored fields this estimator reads (raise SummaryFormatError)."""
 
-    def _require_fitted(self) -> None:
-        if not self._meta.get("fitted"):
-            raise NotFittedError(f"{type(self).__name__} is not fitted: call fit(model, data)")
-
-    def _move(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Compute in the model's dtype/device: a converted view of the stored summary (made
-        once per placement), never a lossy in-place cast of the summary itself."""
-        placement = [str(dtype), str(device)]
-        if self._cache.get("placement") == placement:
-            return
-        floats = [v for v in self._stored.values() if v.is_floating_point()]
-        native = not floats or (floats[0].dtype == dtype and floats[0].device == device)
-        if native:
-            self._state = self._stored
-        else:
-            self._state = {k: v.to(device=device, dtype=dtype) if v.is_floating_point()
-                           else v.to(device) for k, v in self._stored.items()}
-        self._cache.clear()
-        self._cache["placement"] = placement
-
-    def _theta0(self) -> dict[str, Tensor]:
-        return {k[len("theta0."):]: v for k, v in self._state.items() if k.startswith("theta0.")}
-
     def _reference_state(self) -> dict[str, Tensor]:
         """θ0 parameters and buffers, as ``functional_call`` wants them."""
-        out = self._theta0()
+        out = self.reference_parameters()
         out.update({k[len("buffer0."):]: v for k, v in self._state.items()
                     if k.startswith("buffer0.")})
         return out

@@ -73,7 +73,7 @@ class EWC(Estimator):
 
     def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
              dtype: torch.dtype, device: torch.device, progress: bool) -> None:
-        params = {k: v for k, v in self._theta0().items()}
+        params = {k: v for k, v in self.reference_parameters().items()}
         buffers = {k[len("buffer0."):]: v for k, v in self._state.items()
                    if k.startswith("buffer0.")}
         generator = torch.Generator().manual_seed(self.config["seed"])
@@ -91,7 +91,7 @@ class EWC(Estimator):
         def generic(x: Tensor, hs: Tensor) -> dict[str, Tensor]:
             out = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
             for xs, hc in zip(torch.split(x, self.config["chunk_size"]),
-                              torch.split(hs, self.config["chunk_size"])):
+                              torch.split(hs, self.config["chunk_size"]), strict=True):
                 diag = vmap(example_diag)(xs, hc)
                 for k in out:
                     out[k] += diag[k].sum(0).to(torch.float64)
@@ -126,10 +126,11 @@ class EWC(Estimator):
                 require_nonnegative(self._stored, name)
 
     def _distance(self, model: nn.Module) -> Tensor:
-        theta0 = self._theta0()
+        theta0 = self.reference_parameters()
         total = 0.0
         for name, p in model.named_parameters():
             total = total + (self._state[f"fisher.{name}"] * (p - theta0[name]).pow(2)).sum()
+        assert isinstance(total, Tensor)  # a fitted model has parameters
         return 0.5 * total
 
 
@@ -190,7 +191,7 @@ def _linear_fisher_diagonal(model: nn.Module, layers: dict[str, nn.Linear],
     for j in range(factors):
         grads = torch.autograd.grad((z * hs[:, j]).sum(), [outputs[p][0] for p in paths],
                                     retain_graph=j < factors - 1, allow_unused=True)
-        for path, g in zip(paths, grads):
+        for path, g in zip(paths, grads, strict=True):
             if g is None:
                 continue
             prefix = f"{path}." if path else ""

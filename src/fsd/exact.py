@@ -55,7 +55,7 @@ class ExactFSD(Estimator):
         if "data.f0" in self._state:
             return torch.split(self._state["data.f0"], self.config["batch_size"])
         # a summary saved before f(x, θ0) was stored: evaluate it at θ0 for each model object
-        key = ("f0", id(model))
+        key = f"f0:{id(model)}"
         if key not in self._cache:
             reference = self._reference_state()
             with torch.no_grad():
@@ -73,4 +73,5 @@ class ExactFSD(Estimator):
             reference = self._select(f0)
             total = total + pointwise_distance(
                 self.config["metric"], reference, self._select(f1) - reference).sum()
+        assert isinstance(total, Tensor)  # fit refuses empty data
         return total / self._state["data.x"].shape[0]

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from .covariance import Covariance, sampling_factor
-from .interpreter import TracedLayer, UnsupportedModuleError, _weight_bias
+from .interpreter import TracedLayer
+from .rules import UnsupportedModuleError, weight_bias
 
 
 def _homogeneous(weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -56,7 +57,7 @@ def input_factor(mean: Tensor, cov: Covariance) -> tuple[Tensor, Tensor | None]:
         factors = [sampling_factor(c) for c in cov]
         width = max(f.shape[1] for f in factors)
         root = torch.stack([torch.nn.functional.pad(f, (0, width - f.shape[1])) for f in factors])
-    groups, d, q = root.shape
+    groups, _, q = root.shape
     top = torch.cat([root, mean.unsqueeze(-1)], dim=-1)
     bottom = torch.cat([root.new_zeros(groups, 1, q), root.new_ones(groups, 1, 1)], dim=-1)
     if residual is not None:
@@ -73,8 +74,10 @@ def raw_second_moment(mean: Tensor, cov: Tensor) -> Tensor:
 
 
 def _gated_homogeneous(second: Tensor, mean: Tensor, mu: Tensor | None) -> Tensor:
-    """R00 after a ReLU gate (μ) or directly after an affine layer (μ = None: no gate):
-    [[Q ⊙ E[s sᵀ], μ ⊙ E s], [(μ ⊙ E s)ᵀ, 1]]."""
+    """R00 after a ReLU gate (μ), or directly after an affine layer (μ = None: no gate).
+
+    R00 = [[Q ⊙ E[s sᵀ], μ ⊙ E s], [(μ ⊙ E s)ᵀ, 1]].
+    """
     if mu is not None:
         second, mean = gate_second_moment(mu) * second, mu * mean
     return raw_second_moment(mean, second - mean.unsqueeze(-1) * mean.unsqueeze(-2))
@@ -91,6 +94,11 @@ def reference_blocks(
     """Per affine layer, the fixed reference quantities the Δ-side needs.
 
     Args:
+        layers: the traced model (:func:`fsd.trace`).
+        params0: reference parameters θ0 by name.
+        mean: input means, (G, d) for G mixture components.
+        cov: input covariances in any form of :mod:`fsd.covariance`.
+        gate_means: Bernoulli means μ per ReLU path, each (G, units).
         layer_moments: optional real (mean, covariance) of the reference network's input to
             each affine layer after the first (``reference="layerwise"``); without it the
             reference moments are propagated through the Bernoulli-gated network.
@@ -112,7 +120,7 @@ def reference_blocks(
                 r00, pending = _gated_homogeneous(*pending, None), None
             if out and layer_moments is not None:
                 r00 = raw_second_moment(*layer_moments[layer.path])
-            w0 = _homogeneous(*_weight_bias(params0, layer.path))
+            w0 = _homogeneous(*weight_bias(params0, layer.path))
             if phi is not None:
                 p0 = w0 @ phi
                 # Φ = [[L, m], [0, 1]]: its last column is E[ã0] = [m; 1]
@@ -126,6 +134,7 @@ def reference_blocks(
                 pending = (second, p0[..., -1])
                 phi = None
             else:
+                assert r00 is not None  # set by the gate (or affine layer) before this one
                 w0r00 = w0 @ r00
                 out.append({"r00": r00, "w0r00": w0r00, "mean": r00[..., -1, :]})
                 pending = (w0r00 @ w0.T, w0r00[..., -1])
@@ -157,6 +166,7 @@ def delta_second_moment(
     pending: tuple[Tensor, Tensor, Tensor] | None = None  # (E[s0 Δsᵀ], E[Δs Δsᵀ], E[Δs])
 
     def gated(mu: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        assert pending is not None  # called right after an affine layer
         s0d, sdd, ed = pending
         if mu is None:
             mean = ed
@@ -173,8 +183,8 @@ def delta_second_moment(
                 r0d, rdd, mean_d = gated(None)
             block = reference[index]
             index += 1
-            w0, b0 = _weight_bias(params0, layer.path)
-            w1, b1 = _weight_bias(params1, layer.path)
+            w0, b0 = weight_bias(params0, layer.path)
+            w1, b1 = weight_bias(params1, layer.path)
             w0h = _homogeneous(w0, b0)
             dwh = _homogeneous(w1, b1) - w0h
             if "factor" in block:
@@ -189,6 +199,7 @@ def delta_second_moment(
                 sdd = dwh @ block["r00"] @ dwh.transpose(-1, -2)
             ed = torch.einsum("...oi,...i->...o", dwh, block["mean"])
             if r0d is not None:
+                assert rdd is not None and mean_d is not None  # set together with r0d
                 cross = dwh @ r0d @ w1.T
                 s0d = s0d + w0h @ r0d @ w1.T
                 sdd = sdd + cross + cross.transpose(-1, -2) + w1 @ rdd @ w1.T
@@ -198,5 +209,6 @@ def delta_second_moment(
             r0d, rdd, mean_d = gated(gate_means[layer.path])
             pending = None
     final = pending[1] if pending is not None else rdd
+    assert final is not None  # the model has an affine layer
     rows = output_rows.to(final.dtype)
     return ((rows @ final) * rows).sum((-1, -2))

@@ -122,17 +122,18 @@ class ExactTerm:
         self.generator = torch.Generator().manual_seed(self.seed)
         self._order: list[Tensor] = []
 
-    def _next_index(self) -> Tensor:
+    def _next_index(self, batch_size: int) -> Tensor:
         if not self._order:
             perm = torch.randperm(self.x.shape[0], generator=self.generator)
-            self._order = list(torch.split(perm, self.batch_size))
+            self._order = list(torch.split(perm, batch_size))
         return self._order.pop(0)
 
     def __call__(self, model: nn.Module) -> Tensor:
+        """D on the next minibatch (or the full training set) at ``model``'s parameters."""
         if self.batch_size is None:
             x, f0 = self.x, self.f0
         else:
-            index = self._next_index()
+            index = self._next_index(self.batch_size)
             x, f0 = self.x[index], self.f0[index]
         return pointwise_distance(self.metric, f0, model(x) - f0).mean()
 
@@ -147,12 +148,13 @@ class EstimatorTerm:
         """Nothing to restart: the estimate is deterministic."""
 
     def __call__(self, model: nn.Module) -> Tensor:
+        """The estimator's distance from θ0 to ``model``."""
         return self.estimator.distance(model)
 
 
 def _batches(x: Tensor, y: Tensor, size: int = 1024) -> list[tuple[Tensor, Tensor]]:
     # fit's data: labelled chunks of the training set, in order
-    return list(zip(torch.split(x, size), torch.split(y, size)))
+    return list(zip(torch.split(x, size), torch.split(y, size), strict=True))
 
 
 def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
@@ -164,11 +166,15 @@ def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
 
     Args:
         method: ``"exact"``, ``"ewc"`` or ``"bgln-d"``.
-        x, y: the training set (D is an average over it).
+        model: the trained network at θ0.
+        x: the training inputs (D is an average over the training set).
+        y: the training targets.
         loss: ``"squared"`` or ``"cross_entropy"`` (selects the Bregman metric).
         batch_size: minibatch size of ``exact`` (``None``: full batch).
-        bgln_covariance, bgln_rank: input covariance form of BGLN-D (``"lowrank"`` for
+        seed: seed of ``exact``'s minibatch stream and of EWC's subset and sampling.
+        bgln_covariance: input covariance form of BGLN-D (``"lowrank"`` for
             high-dimensional inputs such as MNIST).
+        bgln_rank: the rank of ``bgln_covariance="lowrank"``.
         bgln_moments: BGLN-D's propagation, ``"paper"`` (Algorithm 2) or ``"exact"`` (joint
             moments, = E[BGLN-S]; see :class:`fsd.BGLN`).
         bgln_groups: one integer group label per training point (e.g. k-means clusters of
@@ -180,6 +186,7 @@ def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
         ewc_fisher: EWC's diagonal, ``"true"`` (the exact Gauss-Newton / Fisher diagonal, the
             strongest EWC), ``"sampled"`` (one output drawn from the model per example: the
             paper's construction, random vectors whose covariance is G) or ``"empirical"``.
+        progress: show progress bars while fitting.
     """
     metric = bregman_metric(loss)
     if method == "exact":
@@ -210,8 +217,10 @@ def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
 
 
 class _Objective(nn.Module):
-    """The PBRF objective of one point as a module around the working network, so that
-    ``functional_call`` can evaluate it, distance term included, at any parameters."""
+    """The PBRF objective of one point as a module around the working network.
+
+    So ``functional_call`` can evaluate it, distance term included, at any parameters.
+    """
 
     def __init__(self, solver: "PBRF") -> None:
         super().__init__()
@@ -222,8 +231,8 @@ class _Objective(nn.Module):
         solver = self._solver[0]
         output = self.model(x)
         removed = pointwise_loss(solver.loss, output, y).sum() / solver.n_train
-        proximity = sum((p - p0).pow(2).sum() for p, p0 in zip(self.model.parameters(),
-                                                               solver.theta0))
+        proximity = sum((p - p0).pow(2).sum()
+                        for p, p0 in zip(self.model.parameters(), solver.theta0, strict=True))
         value = -removed + solver.term(self.model) + 0.5 * solver.damping * proximity
         if reference_output is not None:
             value = value + pointwise_distance(bregman_metric(solver.loss), reference_output,
@@ -270,7 +279,7 @@ class PBRF:
 
     def _reference_output(self, x: Tensor) -> Tensor:
         with torch.no_grad():
-            return functional_call(self.work, dict(zip(self.names, self.theta0)), (x,))
+            return functional_call(self.work, dict(zip(self.names, self.theta0, strict=True)), (x,))
 
     def objective(self, params: dict[str, Tensor], x: Tensor, y: Tensor,
                   reference_output: Tensor | None = None) -> Tensor:
@@ -295,7 +304,7 @@ class PBRF:
                              f"{x.shape[0]} and {y.shape[0]}")
         count = x.shape[0]
         params = {name: p0.unsqueeze(0).expand(count, *p0.shape).clone()
-                  for name, p0 in zip(self.names, self.theta0)}
+                  for name, p0 in zip(self.names, self.theta0, strict=True)}
         reference = self._reference_output(x) if self.point_term else None
 
         def one(p: dict[str, Tensor], xi: Tensor, yi: Tensor, ri: Tensor | None) -> Tensor:
@@ -353,11 +362,11 @@ def pbrf_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Seq
                      ewc_data=ewc_data, ewc_fisher=ewc_fisher)
     solver = PBRF(model, term, x_train.shape[0], loss=loss, damping=damping, steps=steps, lr=lr,
                   point_term=point_term and method != "exact")
-    indices = torch.as_tensor([int(i) for i in indices], dtype=torch.long)
+    index = torch.as_tensor([int(i) for i in indices], dtype=torch.long)
     scores = []
-    with tqdm(total=len(indices), desc=f"PBRF {method}", leave=False,
+    with tqdm(total=len(index), desc=f"PBRF {method}", leave=False,
               disable=not progress) as bar:
-        for chunk in torch.split(indices, points_per_solve):
+        for chunk in torch.split(index, points_per_solve):
             chunk = chunk.to(x_train.device)
             scores.append(solver.self_influence(x_train[chunk], y_train[chunk]).cpu())
             bar.update(len(chunk))
@@ -417,17 +426,23 @@ class GaussNewton:
         """G V for V of shape (B, P) (flattened parameter vectors); returns (B, P)."""
         total = torch.zeros_like(vectors)
         for x in self.chunks:
-            def f(p: dict[str, Tensor], x: Tensor = x) -> Tensor:
-                return functional_call(self.model, {**p, **self.buffers}, (x,))
-
-            z0, pullback = vjp(f, self.params)
-
-            def product(v: Tensor) -> Tensor:
-                _, jv = jvp(f, (self.params,), (_unflat(v, self.params),))
-                return _flat(pullback(self._output_hessian(z0.detach(), jv))[0])
-
-            total += vmap(product)(vectors)
+            total += self._chunk_matvec(x, vectors)
         return total / self.n
+
+    def _chunk_matvec(self, x: Tensor, vectors: Tensor) -> Tensor:
+        """Σ_i J_iᵀ H_i J_i V over the inputs ``x`` of one chunk (not yet divided by N)."""
+
+        def f(p: dict[str, Tensor]) -> Tensor:
+            return functional_call(self.model, {**p, **self.buffers}, (x,))
+
+        # torch's annotation of vjp does not tie the tuple's length to has_aux (False here)
+        z0, pullback = vjp(f, self.params)  # pyright: ignore[reportAssignmentType]
+
+        def product(v: Tensor) -> Tensor:
+            _, jv = jvp(f, (self.params,), (_unflat(v, self.params),))  # pyright: ignore[reportAssignmentType]
+            return _flat(pullback(self._output_hessian(z0.detach(), jv))[0])
+
+        return vmap(product)(vectors)
 
     def dense(self) -> Tensor:
         """The full P × P matrix (small models only; for tests)."""
@@ -495,9 +510,19 @@ def cg_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Seque
     """Classical self-influence I = (1/N) g_xᵀ (G + λI)⁻¹ g_x of the points ``indices``.
 
     Args:
+        model: the trained network at θ0.
+        x_train: the training inputs.
+        y_train: the training targets.
+        indices: the training points to score.
+        loss: ``"squared"`` or ``"cross_entropy"``.
+        damping: λ.
+        max_iter: CG iteration cap.
+        tol: CG stops a right-hand side once its relative residual is below this.
         gn_data: average G over this many random training points instead of all N (cheaper;
             ``None`` = all).
         block: right-hand sides solved together (one vectorized product per CG iteration).
+        seed: seed of the ``gn_data`` subset.
+        progress: show progress bars.
 
     Returns:
         ``(scores, info)``; info has the CG iteration counts and worst relative residual.

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from .covariance import Covariance, quadratic_trace, sandwich
 from .covariance import gate as gate_covariance
 from .hooks import forward_hooks
-from .rules import LayerRule, UnsupportedModuleError, rule_for
+from .rules import LayerRule, UnsupportedModuleError, rule_for, weight_bias
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,6 @@ class TracedLayer:
     path: str
     module: nn.Module
     rule: LayerRule
-
-
-class ArchitectureMismatchError(ValueError):
-    """A fitted summary was used with a model of another architecture."""
 
 
 def trace(model: nn.Module) -> list[TracedLayer]:
@@ -74,12 +70,6 @@ def trace(model: nn.Module) -> list[TracedLayer]:
     return layers
 
 
-def parameter_signature(model: nn.Module) -> list[list]:
-    """Names and shapes of all parameters: enough to tell two architectures apart for
-    estimators that treat the model as a black box."""
-    return [[name, list(p.shape)] for name, p in model.named_parameters()]
-
-
 def layer_signature(layers: list[TracedLayer]) -> list[dict]:
     """Per-layer type, hyper-parameters and parameter shapes of a traced model."""
     return [
@@ -91,27 +81,6 @@ def layer_signature(layers: list[TracedLayer]) -> list[dict]:
         }
         for layer in layers
     ]
-
-
-def check_signature(expected: list, actual: list, what: str = "architecture") -> None:
-    """Raise :class:`ArchitectureMismatchError` describing the first difference."""
-    if expected == actual:
-        return
-    if len(expected) != len(actual):
-        raise ArchitectureMismatchError(
-            f"{what} mismatch: the summary was fitted on a model with {len(expected)} "
-            f"entries, this model has {len(actual)}"
-        )
-    for i, (e, a) in enumerate(zip(expected, actual)):
-        if e != a:
-            raise ArchitectureMismatchError(
-                f"{what} mismatch at entry {i}: fitted on {e}, got {a}"
-            )
-
-
-def _weight_bias(params: Mapping[str, Tensor], path: str) -> tuple[Tensor, Tensor | None]:
-    prefix = f"{path}." if path else ""
-    return params[prefix + "weight"], params.get(prefix + "bias")
 
 
 GateFn = Callable[[str, Tensor], Tensor]
@@ -149,11 +118,11 @@ def propagate_linearized(
     for layer in layers:
         rule, module = layer.rule, layer.module
         if rule.kind == "affine":
-            w0, b0 = _weight_bias(params0, layer.path)
+            w0, b0 = weight_bias(params0, layer.path)
             s0 = rule.apply(module, a0, w0, b0)
             if params1 is not None:
-                w1, b1 = _weight_bias(params1, layer.path)
-                db = None if b0 is None else b1 - b0
+                w1, b1 = weight_bias(params1, layer.path)
+                db = None if b0 is None or b1 is None else b1 - b0
                 ds = rule.apply(module, a0, w1 - w0, db)
                 if da is not None:
                     ds = ds + rule.apply(module, da, w1, None)
@@ -208,6 +177,9 @@ def reference_moments(
     """Mean and covariance of the reference activations a0 entering every affine layer.
 
     Args:
+        layers: output of :func:`trace`.
+        params0: reference parameters θ0 by name; each may carry a leading component
+            dimension G.
         mean: input means, (G, d) for G mixture components.
         cov: input covariances in any form of :mod:`fsd.covariance`.
         gate_means: Bernoulli means μ per ReLU path, each (G, units).
@@ -223,14 +195,15 @@ def reference_moments(
         if layer.rule.kind == "affine":
             if out and layer_moments is not None:
                 mean, cov = layer_moments[layer.path]
-            w0, b0 = _weight_bias(params0, layer.path)
+            w0, b0 = weight_bias(params0, layer.path)
             s0_mean = mean @ w0.T + (0 if b0 is None else b0)
             out.append((mean, cov, s0_mean))
             mean, cov = s0_mean, sandwich(w0, cov)
         elif layer.rule.kind == "gate":
             # Algorithm 2 gates means by μ and covariances by μμᵀ
             mu = gate_means[layer.path]
-            mean, cov = mean * mu, gate_covariance(cov, mu)
+            # a ReLU follows an affine layer, whose sandwich() made the covariance full
+            mean, cov = mean * mu, gate_covariance(cov, mu)  # pyright: ignore[reportArgumentType]
     return out
 
 
@@ -252,9 +225,12 @@ def delta_moments(
     far cheaper for few outputs.
 
     Args:
+        layers: output of :func:`trace`.
         params0: reference parameters; each may carry a leading component dimension G, so
             summaries of several reference networks are evaluated in one batched pass.
+        params1: parameters θ of the other network (differentiable).
         reference: output of :func:`reference_moments` (fixed after fit).
+        gate_means: Bernoulli means μ per ReLU path, each (G, units).
         output_rows: (k', k) or per component (G, k', k) matrix selecting outputs (rows of
             the identity; zero rows pad components with fewer outputs).
 
@@ -273,8 +249,8 @@ def delta_moments(
         if layer.rule.kind == "affine":
             mean0, _, s0_mean = reference[index]
             index += 1
-            w0, _ = _weight_bias(params0, layer.path)
-            w1, b1 = _weight_bias(params1, layer.path)
+            w0, _ = weight_bias(params0, layer.path)
+            w1, b1 = weight_bias(params1, layer.path)
             deltas[layer.path] = (w0, w1)
             # same operation order as s0_mean, so the difference is exactly 0 at θ0
             new_mean = (mean0 @ w1.T + (0 if b1 is None else b1)) - s0_mean
@@ -283,6 +259,7 @@ def delta_moments(
             mean_d = new_mean
         elif layer.rule.kind == "gate" and mean_d is not None:
             mean_d = mean_d * gate_means[layer.path]
+    assert mean_d is not None  # there is an affine layer (checked above)
     groups = mean_d.shape[0]
     output_rows = output_rows.to(mean_d.dtype)
     rows = output_rows.expand(groups, *output_rows.shape[-2:])

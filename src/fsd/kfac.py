@@ -65,7 +65,8 @@ class KFAC(Estimator):
     def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
              dtype: torch.dtype, device: torch.device, progress: bool) -> None:
         layers = self._layers(model)
-        params = {k: v.detach().requires_grad_(True) for k, v in self._theta0().items()}
+        params = {k: v.detach().requires_grad_(True)
+                  for k, v in self.reference_parameters().items()}
         buffers = {k[len("buffer0."):]: v for k, v in self._state.items()
                    if k.startswith("buffer0.")}
         # sums over examples, zero-initialised so every rank reduces the same tensors
@@ -122,9 +123,10 @@ class KFAC(Estimator):
             raise SummaryFormatError("meta 'layers': no layer recorded")
 
     def _distance(self, model: nn.Module) -> Tensor:
-        theta0 = self._theta0()
+        theta0 = self.reference_parameters()
         current = dict(model.named_parameters())
-        total = 0.0
+        total = torch.zeros((), dtype=theta0[next(iter(theta0))].dtype,
+                            device=theta0[next(iter(theta0))].device)
         for path, has_bias in self._meta["layers"]:
             key = f"{path}." if path else ""
             delta = current[f"{key}weight"] - theta0[f"{key}weight"]

@@ -17,9 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from .covariance import Covariance, low_rank_plus_diagonal, sample, sampling_factor
-from .exact_moments import delta_second_moment, reference_blocks
 from .estimator import Data, Estimator, Reservoir, iter_batches
+from .exact_moments import delta_second_moment, reference_blocks
 from .interpreter import (
+    TracedLayer,
     check_moment_support,
     delta_moments,
     layer_signature,
@@ -29,6 +30,7 @@ from .interpreter import (
     true_gates,
 )
 from .metrics import check_metric, pointwise_distance
+from .rules import weight_bias
 from .statistics import StatisticsCollector
 from .validation import (
     SummaryFormatError,
@@ -107,25 +109,30 @@ class _LinearizedEstimator(Estimator):
         layers = trace(model)
         gaussian = self.config["inputs"] == "gaussian"
         needs_stats = gaussian or self.bernoulli
-        own = needs_stats and statistics is None
-        collector = self.statistics_collector(model) if own else statistics
+        own: StatisticsCollector | None = None  # a collector made here, for this data
+        if needs_stats and statistics is None:
+            own = self.statistics_collector(model)
+        collector = statistics if own is None else own
         reservoir = None if gaussian else Reservoir(
             self.config["coreset_size"], torch.Generator().manual_seed(self.config["seed"]))
-        if own or reservoir is not None:
+        if own is not None or reservoir is not None:
             labelled = self._classwise is not False
             try:
                 for x, y in iter_batches(data, dtype=dtype, device=device, progress=progress,
                                          desc=f"{type(self).__name__}: statistics"):
-                    if own:
-                        with torch.no_grad(), collector.record(labels=y if labelled else None):
+                    if own is not None:
+                        with torch.no_grad(), own.record(labels=y if labelled else None):
                             model(x)
                     if reservoir is not None:
                         reservoir.add(x, y)
             finally:
-                if own:
-                    collector.remove()
+                if own is not None:
+                    own.remove()
         groups: list[list[int]] = []
         if needs_stats:
+            if not isinstance(collector, StatisticsCollector):
+                raise TypeError(f"statistics= must be a fsd.StatisticsCollector, got "
+                                f"{type(collector).__name__}")
             groups = self._store_statistics(collector, gaussian, dtype, device)
         if self.bernoulli:
             missing = [layer.path for layer in layers
@@ -156,7 +163,7 @@ class _LinearizedEstimator(Estimator):
         self._meta["groups"] = stats.groups
         self._meta["input_shape"] = list(stats.input_shape)
         if gaussian:
-            if stats.means is None:
+            if stats.means is None or stats.covariances is None:
                 raise ValueError("the statistics hold no input moments (collector moments=None)")
             covariances = stats.covariances
             form = self.config["covariance"]
@@ -245,7 +252,7 @@ class _LinearizedEstimator(Estimator):
             return x, group, x.new_full((n,), 1.0 / n)
         mean, weights = self._state["input.mean"], self._state["weights"]
         generator = self._generator(mean.device)
-        cov = self._input_covariance()
+        cov = self.input_covariance()
         if not isinstance(cov, tuple) and cov.dim() == 3 and "factors" not in self._cache:
             self._cache["factors"] = [sampling_factor(c) for c in cov]
         shape = tuple(self._meta["input_shape"])
@@ -253,7 +260,7 @@ class _LinearizedEstimator(Estimator):
         # stratified over mixture components: unbiased, lower variance than drawing classes
         for g in range(mean.shape[0]):
             n = max(1, round(self.config["num_samples"] * float(weights[g])))
-            component = tuple(c[g] for c in cov) if isinstance(cov, tuple) else cov[g]
+            component = (cov[0][g], cov[1][g]) if isinstance(cov, tuple) else cov[g]
             factor = self._cache["factors"][g] if "factors" in self._cache else None
             x = sample(mean[g], component, n, generator, full_factor=factor)
             xs.append(x.reshape(n, *shape))
@@ -261,14 +268,19 @@ class _LinearizedEstimator(Estimator):
             sample_weights.append(weights[g].expand(n) / n)
         return torch.cat(xs), torch.cat(groups), torch.cat(sample_weights)
 
-    def _input_covariance(self) -> Covariance:
+    def input_covariance(self) -> Covariance:
+        """The stored input covariance (Gaussian inputs) in the current placement.
+
+        A full (G, d, d) or diagonal (G, d) tensor, or for ``covariance="lowrank"`` the pair
+        ``(factor (G, d, r), residual (G, d))`` (see :mod:`fsd.covariance`).
+        """
         if "input.cov_factor" in self._state:
             return self._state["input.cov_factor"], self._state["input.cov_residual"]
         return self._state["input.cov"]
 
     def _distance(self, model: nn.Module) -> Tensor:
         layers = trace(model)
-        params0 = self._theta0()
+        params0 = self.reference_parameters()
         params1 = dict(model.named_parameters())
         if self._deterministic:
             return self._moment_distance(layers, params0, params1)
@@ -283,6 +295,7 @@ class _LinearizedEstimator(Estimator):
         else:
             gate = true_gates
         z0, dz = propagate_linearized(layers, params0, params1, x, gate)
+        assert dz is not None  # params1 was given
         reference = self._select(z0)
         rho = pointwise_distance(self.config["metric"], reference, self._select(dz))
         return (sample_weights * rho).sum()
@@ -294,15 +307,28 @@ class _LinearizedEstimator(Estimator):
                  if k.startswith("layer.") and k.endswith(".mean")]
         return {p: (self._state[f"layer.{p}.mean"], self._state[f"layer.{p}.cov"]) for p in paths}
 
-    def _moment_parts(self, layers, params0) -> dict[str, Any]:
-        """What BGLN-D needs besides θ: fixed after fit, so computed once and cached."""
+    def moment_parts(self, layers: list[TracedLayer], params0: dict[str, Tensor]
+                     ) -> dict[str, Any]:
+        """What BGLN-D needs besides θ: fixed after fit, so computed once and cached.
+
+        Args:
+            layers: the traced model (:func:`fsd.trace`).
+            params0: θ0, :meth:`reference_parameters`.
+
+        Returns:
+            ``{"reference", "gate_means", "output_rows", "weights"}``: the reference-side
+            moments (:func:`fsd.interpreter.reference_moments`, or
+            :func:`fsd.exact_moments.reference_blocks` for ``moments="exact"``), the Bernoulli
+            means per ReLU path, the rows selecting the fitted outputs and the mixture
+            weights. :class:`fsd.SummarySet` stacks these to batch several summaries.
+        """
         if "moment_parts" not in self._cache:
             gate_means = self._gate_means()
             mean = self._state["input.mean"]
             propagate = reference_blocks if self.config.get("moments") == "exact" \
                 else reference_moments
             with torch.no_grad():
-                reference = propagate(layers, params0, mean, self._input_covariance(),
+                reference = propagate(layers, params0, mean, self.input_covariance(),
                                       gate_means, self._layer_moments())
             eye = torch.eye(self._output_size(layers, params0), dtype=mean.dtype,
                             device=mean.device)
@@ -313,7 +339,7 @@ class _LinearizedEstimator(Estimator):
         return self._cache["moment_parts"]
 
     def _moment_distance(self, layers, params0, params1) -> Tensor:
-        parts = self._moment_parts(layers, params0)
+        parts = self.moment_parts(layers, params0)
         if self.config.get("moments") == "exact":
             per_group = 0.5 * delta_second_moment(
                 layers, params0, params1, parts["reference"], parts["gate_means"],
@@ -327,7 +353,7 @@ class _LinearizedEstimator(Estimator):
     @staticmethod
     def _output_size(layers, params0) -> int:
         last = [layer for layer in layers if layer.rule.kind == "affine"][-1]
-        return params0[f"{last.path}.weight" if last.path else "weight"].shape[0]
+        return weight_bias(params0, last.path)[0].shape[0]
 
 
 class LAFTR(_LinearizedEstimator):

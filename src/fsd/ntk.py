@@ -46,7 +46,7 @@ class NTK(Estimator):
                                      f"(examples, *features)")
 
     def _distance(self, model: nn.Module) -> Tensor:
-        theta0 = self._theta0()
+        theta0 = self.reference_parameters()
         names = list(theta0)
         current = dict(model.named_parameters())
         buffers = {k[len("buffer0."):]: v for k, v in self._state.items()
@@ -54,10 +54,12 @@ class NTK(Estimator):
         x = self._state["coreset.x"]
 
         def f(*params: Tensor) -> Tensor:
-            return functional_call(model, {**dict(zip(names, params)), **buffers}, (x,))
+            state = {**dict(zip(names, params, strict=True)), **buffers}
+            return functional_call(model, state, (x,))
 
         primals = tuple(theta0[n] for n in names)
         tangents = tuple(current[n] - theta0[n] for n in names)
-        f0, jv = jvp(f, primals, tangents)
+        # torch's annotation of jvp does not tie the tuple's length to has_aux (False here)
+        f0, jv = jvp(f, primals, tangents)  # pyright: ignore[reportAssignmentType]
         reference = self._select(f0).detach()
         return pointwise_distance(self.config["metric"], reference, self._select(jv)).mean()

@@ -17,7 +17,7 @@ The walker in :mod:`fsd.interpreter` is generic; adding a layer type means regis
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -37,12 +37,15 @@ class LayerRule:
             architecture signature that a fitted summary checks).
         flat_moments: whether BGLN-D's moment propagation (which works on flattened
             feature vectors) supports this particular module.
+
+    The callables receive a module of exactly the registered type, so they may use its own
+    attributes (annotated ``Any``: the type checker cannot tie a rule to its type).
     """
 
     kind: RuleKind
     apply: Callable[..., Any]
-    hyper: Callable[[nn.Module], dict] = field(default=lambda m: {})
-    flat_moments: Callable[[nn.Module], bool] = field(default=lambda m: False)
+    hyper: Callable[[Any], dict] = field(default=lambda m: {})
+    flat_moments: Callable[[Any], bool] = field(default=lambda m: False)
 
 
 RULES: dict[type, LayerRule] = {}
@@ -68,6 +71,17 @@ def rule_for(module: nn.Module, path: str) -> LayerRule:
             f"linearized estimators; supported: {supported}"
         )
     return rule
+
+
+def weight_bias(params: Mapping[str, Tensor], path: str) -> tuple[Tensor, Tensor | None]:
+    """The ``weight`` and ``bias`` (``None`` without one) of the affine layer at ``path``.
+
+    Args:
+        params: parameters by dotted name, as ``model.named_parameters()`` gives them.
+        path: the layer's dotted path (``""`` for a model that is a single layer).
+    """
+    prefix = f"{path}." if path else ""
+    return params[prefix + "weight"], params.get(prefix + "bias")
 
 
 def _conv2d_hyper(m: nn.Conv2d) -> dict:

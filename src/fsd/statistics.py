@@ -53,16 +53,18 @@ class MomentAccumulator:
         """Fold another accumulator's data into this one (exact); returns ``self``."""
         if other.diagonal != self.diagonal:
             raise ValueError("cannot merge diagonal and full moment accumulators")
-        if other.count:
+        if other.count and other.mean is not None and other._m2 is not None:
             self._merge(other.count, other.mean, other._m2)
         return self
 
     def _merge(self, n: int, mean: Tensor, m2: Tensor) -> None:
-        if self.count == 0:
+        # count == 0 exactly when mean and _m2 are None
+        if self.count == 0 or self.mean is None or self._m2 is None:
             self.count, self.mean, self._m2 = n, mean.clone(), m2.clone()
             return
         if mean.shape != self.mean.shape:
-            raise ValueError(f"feature size changed: {tuple(self.mean.shape)} vs {tuple(mean.shape)}")
+            raise ValueError(f"feature size changed: {tuple(self.mean.shape)} vs "
+                             f"{tuple(mean.shape)}")
         total = self.count + n
         delta = (mean - self.mean).to(self.mean.device)
         correction = delta.pow(2) if self.diagonal else torch.outer(delta, delta)
@@ -71,9 +73,12 @@ class MomentAccumulator:
         self.count = total
 
     def covariance(self) -> Tensor:
-        """Population covariance (divides by n): the second moment of the empirical
-        distribution, which is what FSD over the data is an expectation under."""
-        if self.count == 0:
+        """Population covariance (divides by n).
+
+        It is the second moment of the empirical distribution, which is what FSD over the
+        data is an expectation under.
+        """
+        if self.count == 0 or self._m2 is None:
             raise ValueError("no data was accumulated")
         return self._m2 / self.count
 
@@ -110,9 +115,10 @@ class GateAccumulator:
 
     def merge(self, other: "GateAccumulator") -> "GateAccumulator":
         """Fold another accumulator in, weighting by example counts; returns ``self``."""
-        if other.count == 0:
+        # count == 0 exactly when _value is None
+        if other.count == 0 or other._value is None:
             return self
-        if self.count == 0:
+        if self.count == 0 or self._value is None:
             self._value, self.count = other._value.clone(), other.count
             return self
         total = self.count + other.count
@@ -373,7 +379,9 @@ class StatisticsCollector:
                 for key in group:
                     if p in layer_acc.get(key, {}):
                         merged.merge(layer_acc[key][p])
-                layers[p].append((merged.mean, merged.covariance()))
+                covariance = merged.covariance()  # raises if no example reached the layer
+                assert merged.mean is not None
+                layers[p].append((merged.mean, covariance))
         weights = torch.tensor(counts, dtype=torch.float64)
         weights = weights / weights.sum()
         return Statistics(

@@ -19,35 +19,37 @@ from torch import Tensor, nn
 
 from .estimator import Estimator, evaluation_mode, model_dtype_device
 from .exact_moments import delta_second_moment
-from .interpreter import check_signature, delta_moments, trace
+from .interpreter import delta_moments, trace
 from .linearized import BGLN
 
 
-def _form(estimator: Estimator) -> tuple:
+def _form(estimator: BGLN) -> tuple:
     """Estimators whose stored input covariances can be concatenated share this key."""
-    state = estimator._state
-    if "input.cov_factor" in state:
-        return ("lowrank", state["input.cov_factor"].shape[-1])
-    return ("full" if state["input.cov"].dim() == 3 else "diag",)
+    cov = estimator.input_covariance()
+    if isinstance(cov, tuple):
+        return ("lowrank", cov[0].shape[-1])
+    return ("full" if cov.dim() == 3 else "diag",)
 
 
 def _batch_key(estimator: Estimator) -> tuple | None:
     """Summaries with equal keys are evaluated in one pass; ``None``: one by one."""
     if isinstance(estimator, BGLN) and estimator.config["deterministic"]:
-        return (estimator.config["moments"],) + _form(estimator)
+        return (estimator.config["moments"], *_form(estimator))
     return None
 
 
 def _cat_padded(tensors: list[Tensor]) -> Tensor:
-    """Concatenate along dim 0, zero-padding the last dim to the widest (extra zero columns
-    of a factor Φ leave ΦΦᵀ unchanged)."""
+    """Concatenate along dim 0, zero-padding the last dim to the widest.
+
+    Extra zero columns of a factor Φ leave ΦΦᵀ unchanged.
+    """
     width = max(t.shape[-1] for t in tensors)
     return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tensors])
 
 
 def _cat_covariance(covs: list[Any]) -> Any:
     if isinstance(covs[0], tuple):
-        return tuple(torch.cat(parts) for parts in zip(*covs))
+        return tuple(torch.cat(parts) for parts in zip(*covs, strict=True))
     return torch.cat(covs)
 
 
@@ -67,7 +69,7 @@ class SummarySet:
         if len(weights) != len(self.estimators):
             raise ValueError(f"{len(weights)} weights for {len(self.estimators)} estimators")
         for e in self.estimators:
-            e._require_fitted()
+            e.require_fitted()
         self.weights = [float(w) for w in weights]
         self._cache: dict[Any, Any] = {}
 
@@ -108,8 +110,8 @@ class SummarySet:
         layers = trace(model)
         for i in members:
             estimator = self.estimators[i]
-            check_signature(estimator._meta["signature"], estimator._signature(model))
-            estimator._move(dtype, device)
+            estimator.check_architecture(model)
+            estimator.place(dtype, device)
         key = (tuple(members), str(dtype), str(device))
         if key not in self._cache:
             self._cache[key] = self._stack(layers, members)
@@ -132,13 +134,15 @@ class SummarySet:
         parts, params0, counts = [], [], []
         for i in members:
             estimator = self.estimators[i]
-            theta0 = estimator._theta0()
-            part = estimator._moment_parts(layers, theta0)
+            assert isinstance(estimator, BGLN)  # _batch_key batches BGLN-D summaries only
+            theta0 = estimator.reference_parameters()
+            part = estimator.moment_parts(layers, theta0)
             parts.append(part)
             params0.append(theta0)
             counts.append(part["weights"].shape[0])
         stacked_params = {
-            name: torch.cat([p[name].expand(c, *p[name].shape) for p, c in zip(params0, counts)])
+            name: torch.cat([p[name].expand(c, *p[name].shape)
+                             for p, c in zip(params0, counts, strict=True)])
             for name in params0[0]}
         exact = self.estimators[members[0]].config["moments"] == "exact"
         if exact:  # per affine layer a dict of blocks (fsd.exact_moments.reference_blocks)
@@ -157,12 +161,13 @@ class SummarySet:
                       for path in parts[0]["gate_means"]}
         widest = max(p["output_rows"].shape[0] for p in parts)
         rows = []
-        for p, c in zip(parts, counts):
+        for p, c in zip(parts, counts, strict=True):
             r = p["output_rows"]
             padded = r.new_zeros(widest, r.shape[1])
             padded[: r.shape[0]] = r  # zero rows select nothing
             rows.append(padded.expand(c, *padded.shape))
-        weights = torch.cat([self.weights[i] * p["weights"] for i, p in zip(members, parts)])
+        weights = torch.cat([self.weights[i] * p["weights"]
+                             for i, p in zip(members, parts, strict=True)])
         return {"params0": stacked_params, "reference": reference, "gate_means": gate_means,
                 "output_rows": torch.cat(rows), "weights": weights, "exact": exact}
 

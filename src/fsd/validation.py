@@ -10,7 +10,7 @@ sees a malformed tensor.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -92,7 +92,8 @@ def require(stored: Mapping[str, Tensor], key: str) -> Tensor:
     return stored[key]
 
 
-def require_shape(stored: Mapping[str, Tensor], key: str, shape: list[int | None]) -> Tensor:
+def require_shape(stored: Mapping[str, Tensor], key: str, shape: Sequence[int | None]
+                  ) -> Tensor:
     """The stored tensor ``key`` with ``shape`` (``None`` matches any size)."""
     value = require(stored, key)
     if value.dim() != len(shape) or any(s is not None and s != v

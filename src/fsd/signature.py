@@ -1,0 +1,56 @@
+"""Architecture signatures: what a fitted summary records about its model, and the check.
+
+A summary is only meaningful for the architecture it was fitted on. Every estimator stores a
+JSON-able signature of the reference model at ``fit`` and compares the calling model's
+signature with it in ``distance``. Black-box estimators use :func:`parameter_signature`;
+the linearized ones use the per-layer signature of :func:`fsd.interpreter.layer_signature`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from torch import nn
+
+
+class ArchitectureMismatchError(ValueError):
+    """A fitted summary was used with a model of another architecture."""
+
+
+def normalize(signature: Any) -> Any:
+    """The signature after a JSON round trip (tuples become lists), as it is saved.
+
+    Saved and freshly computed signatures compare equal only in this form.
+    """
+    return json.loads(json.dumps(signature))
+
+
+def parameter_signature(model: nn.Module) -> list[list]:
+    """Names and shapes of all parameters.
+
+    Enough to tell two architectures apart for estimators that treat the model as a black box.
+    """
+    return [[name, list(p.shape)] for name, p in model.named_parameters()]
+
+
+def check_signature(expected: list, actual: list, what: str = "architecture") -> None:
+    """Raise :class:`ArchitectureMismatchError` describing the first difference.
+
+    Args:
+        expected: the signature recorded at ``fit``.
+        actual: the calling model's signature.
+        what: the word used in the message.
+    """
+    if expected == actual:
+        return
+    if len(expected) != len(actual):
+        raise ArchitectureMismatchError(
+            f"{what} mismatch: the summary was fitted on a model with {len(expected)} "
+            f"entries, this model has {len(actual)}"
+        )
+    for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
+        if e != a:
+            raise ArchitectureMismatchError(
+                f"{what} mismatch at entry {i}: fitted on {e}, got {a}"
+            )

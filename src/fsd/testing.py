@@ -1,0 +1,206 @@
+"""Reference implementations that tests and benchmarks check the library against.
+
+Each one is written directly from the paper's definitions, slowly and densely, and uses none
+of the library's own machinery (no :mod:`fsd.interpreter`, no :mod:`fsd.covariance`), so an
+error in the library cannot hide in its reference:
+
+- :func:`dense_algorithm2` — BGLN-D, paper Algorithm 2, line by line in float64 with the
+  covariances pushed forwards as dense matrices.
+- :func:`linearized_outputs` — LAFTR's linearized network (paper eqs. 4–7) for one example:
+  the reference network θ0 runs as usual; the network θ runs with every ReLU replaced by the
+  reference's gate 1{s0 > 0} and every max-pool routed by the reference's argmax, window by
+  window.
+- :func:`one_point_at_a_time` — PBRF self-influence (:mod:`fsd.influence`) solved by plain
+  autograd SGD on a copy of the module, one training point after another: the arithmetic
+  that :class:`fsd.influence.PBRF` batches with ``vmap``.
+
+They are slow on purpose; nothing in the library calls them.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .influence import pointwise_loss
+
+
+def _leaves(model: nn.Module) -> Iterator[nn.Module]:
+    """The leaf layers of (nested) ``nn.Sequential`` containers, in order, repeats included."""
+    if isinstance(model, nn.Sequential):
+        for child in model:  # iterating a Sequential keeps a module used at two positions
+            yield from _leaves(child)
+    else:
+        yield model
+
+
+def _float64(value: Any) -> Tensor:
+    return torch.as_tensor(value).to(torch.float64)
+
+
+def dense_algorithm2(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,
+                     gate_means: Sequence[Any], outputs: Sequence[int] | None = None
+                     ) -> Tensor:
+    """BGLN-D's ½‖E Δz‖² + ½ tr Cov(Δz) by paper Algorithm 2, dense, in float64.
+
+    Only the models' ``nn.Linear`` layers are read (in order); between consecutive ones the
+    network is assumed to have one ReLU, gated by Bernoulli means. Anything parameter-free
+    before the first layer (e.g. ``nn.Flatten``) is taken to be absorbed in ``mean``/``cov``.
+
+    Args:
+        model0: the reference network θ0.
+        model1: the network θ (the result is differentiable in its parameters).
+        mean: mean of the (flattened) inputs, shape (d,).
+        cov: their covariance, shape (d, d).
+        gate_means: Bernoulli means μ of the hidden ReLUs, one (units,) vector per hidden
+            layer.
+        outputs: restrict Δz to these output units.
+
+    Returns:
+        A 0-dim float64 tensor.
+    """
+    linear0 = [m for m in _leaves(model0) if isinstance(m, nn.Linear)]
+    linear1 = [m for m in _leaves(model1) if isinstance(m, nn.Linear)]
+    if len(linear0) != len(linear1) or len(gate_means) != len(linear0) - 1:
+        raise ValueError(f"{len(linear0)} and {len(linear1)} Linear layers with "
+                         f"{len(gate_means)} gate vectors: expected L, L and L - 1")
+    e_a0, c_a0 = _float64(mean), _float64(cov)
+    e_da, c_da = torch.zeros_like(e_a0), torch.zeros_like(c_a0)
+    for index, (l0, l1) in enumerate(zip(linear0, linear1, strict=True)):
+        w0, w1 = _float64(l0.weight), _float64(l1.weight)
+        b0 = torch.zeros(w0.shape[0], dtype=torch.float64) if l0.bias is None \
+            else _float64(l0.bias)
+        b1 = torch.zeros(w1.shape[0], dtype=torch.float64) if l1.bias is None \
+            else _float64(l1.bias)
+        dw, db = w1 - w0, b1 - b0
+        e_s0, e_ds = w0 @ e_a0 + b0, dw @ e_a0 + w1 @ e_da + db
+        c_s0, c_ds = w0 @ c_a0 @ w0.T, dw @ c_a0 @ dw.T + w1 @ c_da @ w1.T
+        if index == len(linear0) - 1:
+            if outputs is not None:
+                rows = torch.as_tensor(list(outputs), dtype=torch.long)
+                e_ds, c_ds = e_ds[rows], c_ds[rows][:, rows]
+            return 0.5 * e_ds @ e_ds + 0.5 * torch.trace(c_ds)
+        mu = _float64(gate_means[index])
+        outer = torch.outer(mu, mu)
+        e_a0, e_da, c_a0, c_da = mu * e_s0, mu * e_ds, outer * c_s0, outer * c_ds
+    raise ValueError("the models have no nn.Linear layer")
+
+
+def _routed_max_pool(a0: Tensor, a1: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Max-pool one example (C, H, W) with kernel = stride = k, window by window.
+
+    ``a0`` is pooled by its maximum, ``a1`` taken at the reference's argmax (the first
+    occurrence of the maximum).
+    """
+    c, h, w = a0.shape
+    out0 = a0.new_empty(c, h // k, w // k)
+    out1 = a1.new_empty(c, h // k, w // k)
+    for ch in range(c):
+        for i in range(h // k):
+            for j in range(w // k):
+                win0 = a0[ch, i * k:(i + 1) * k, j * k:(j + 1) * k].reshape(-1)
+                win1 = a1[ch, i * k:(i + 1) * k, j * k:(j + 1) * k].reshape(-1)
+                best = int(torch.argmax(win0))  # torch returns the first maximal index
+                out0[ch, i, j], out1[ch, i, j] = win0[best], win1[best]
+    return out0, out1
+
+
+def linearized_outputs(model0: nn.Module, model1: nn.Module, x: Tensor
+                       ) -> tuple[Tensor, Tensor]:
+    """LAFTR's linearized forward pass for one example (paper eqs. 4–7).
+
+    The linearized network differs from the network θ only at the nonlinearities, so Linear,
+    Conv2d, AvgPool2d and Flatten layers are each network's own modules; every ReLU becomes
+    its gate 1{s0 > 0} at the reference, every MaxPool2d (kernel = stride, no padding) takes
+    the reference's argmax window by window, and Dropout and Identity are the identity
+    (evaluation). Anything else raises ``NotImplementedError``.
+
+    Args:
+        model0: the reference network θ0 (nested ``nn.Sequential`` containers are walked).
+        model1: the network θ, same architecture.
+        x: one input, without a batch dimension.
+
+    Returns:
+        ``(z0, z1)``: the reference outputs f(x, θ0) and the linearized network's outputs.
+    """
+    a0, a1 = x[None], x[None]
+    for l0, l1 in zip(_leaves(model0), _leaves(model1), strict=True):
+        if type(l0) is not type(l1):
+            raise ValueError(f"the architectures differ: {type(l0).__name__} and "
+                             f"{type(l1).__name__}")
+        if isinstance(l0, (nn.Linear, nn.Conv2d, nn.AvgPool2d, nn.Flatten)):
+            a0, a1 = l0(a0), l1(a1)
+        elif isinstance(l0, nn.ReLU):
+            # a1 = relu(s0) + 1{s0 > 0}(s1 − s0): the ReLU replaced by its gate at the reference
+            s0, s1 = a0, a1
+            a0 = torch.clamp(s0, min=0)
+            a1 = torch.clamp(s0, min=0) + (s0 > 0).to(s0.dtype) * (s1 - s0)
+        elif isinstance(l0, nn.MaxPool2d):
+            k = l0.kernel_size
+            if not (isinstance(k, int) and l0.stride in (k, (k, k)) and l0.padding == 0
+                    and l0.dilation == 1 and not l0.ceil_mode):
+                raise NotImplementedError(f"MaxPool2d other than kernel = stride: {l0}")
+            o0, o1 = _routed_max_pool(a0[0], a1[0], k)
+            a0, a1 = o0[None], o1[None]
+        elif isinstance(l0, (nn.Dropout, nn.Identity)):
+            continue
+        else:
+            raise NotImplementedError(f"no reference for {type(l0).__name__}")
+    return a0[0], a1[0]
+
+
+def one_point_at_a_time(model: nn.Module, term: Callable[[nn.Module], Tensor], n: int,
+                        x: Tensor, y: Tensor, *, damping: float, steps: int, lr: float,
+                        point_term: bool) -> np.ndarray:
+    """Squared-error PBRF self-influence of each point (x[i], y[i]), one solve after another.
+
+    Each solve copies the module, minimizes
+    −(1/n)·L(f(x_i, θ), y_i) + term(θ) + (λ/2)‖θ − θ0‖² (+ (1/2n)‖f(x_i, θ) − f(x_i, θ0)‖²
+    with ``point_term``) by ``steps`` steps of plain SGD (autograd, parameters updated in
+    place), and scores L(f(x_i, θ₋), y_i) − L(f(x_i, θ0), y_i). The term is ``reset()``
+    before every solve when it has that method, as :class:`fsd.influence.PBRF` does.
+
+    Args:
+        model: the trained network θ0 (not modified).
+        term: the distance term D, ``term(module) -> 0-dim tensor``.
+        n: the training-set size N.
+        x: the points' inputs, (B, ...).
+        y: their targets, (B, k).
+        damping: λ.
+        steps: SGD steps per point.
+        lr: SGD learning rate.
+        point_term: add the removed point's own exact term.
+
+    Returns:
+        The B scores, float64.
+    """
+    scores = []
+    for i in range(x.shape[0]):
+        work = copy.deepcopy(model)
+        theta0 = [p.detach().clone() for p in work.parameters()]
+        xi, yi = x[i:i + 1], y[i:i + 1]
+        with torch.no_grad():
+            reference = work(xi)
+            before = pointwise_loss("squared", reference, yi).sum()
+        reset = getattr(term, "reset", None)
+        if reset is not None:
+            reset()
+        for _ in range(steps):
+            out = work(xi)
+            value = (-pointwise_loss("squared", out, yi).sum() / n + term(work)
+                     + 0.5 * damping * sum((p - p0).pow(2).sum()
+                                           for p, p0 in zip(work.parameters(), theta0,
+                                                            strict=True)))
+            if point_term:
+                value = value + 0.5 * (out - reference).pow(2).sum() / n
+            grads = torch.autograd.grad(value, list(work.parameters()))
+            with torch.no_grad():
+                for p, g in zip(work.parameters(), grads, strict=True):
+                    p.sub_(lr * g)
+        with torch.no_grad():
+            scores.append(float(pointwise_loss("squared", work(xi), yi).sum() - before))
+    return np.array(scores, dtype=np.float64)

@@ -1,0 +1,235 @@
+"""fsd.rules: every registered layer rule against a brute-force evaluation in float64."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import fsd
+from conftest import DTYPE, labelled_batches, linear_net, perturbed, stack
+from fsd import rules
+
+SUPPORTED = {nn.Linear, nn.Conv2d, nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.Flatten, nn.Dropout,
+             nn.Identity}
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+
+
+# ----------------------------------------------------------------------------------------
+# brute-force evaluations: explicit loops over outputs, windows and positions
+# ----------------------------------------------------------------------------------------
+def brute_linear(x, w, b):
+    n, (o, i) = x.shape[0], w.shape
+    y = torch.zeros(n, o, dtype=DTYPE)
+    for r, j in itertools.product(range(n), range(o)):
+        y[r, j] = sum(w[j, k] * x[r, k] for k in range(i)) + (0 if b is None else b[j])
+    return y
+
+
+def brute_conv2d(x, w, b, stride, padding, dilation, groups):
+    n, c_in, h, wd = x.shape
+    c_out, c_per, kh, kw = w.shape
+    xp = torch.zeros(n, c_in, h + 2 * padding[0], wd + 2 * padding[1], dtype=DTYPE)
+    xp[:, :, padding[0]:padding[0] + h, padding[1]:padding[1] + wd] = x
+    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    y = torch.zeros(n, c_out, oh, ow, dtype=DTYPE)
+    out_per = c_out // groups
+    for r, co, i, j in itertools.product(range(n), range(c_out), range(oh), range(ow)):
+        first = (co // out_per) * c_per  # the group's first input channel
+        total = 0.0 if b is None else float(b[co])
+        for ci, u, v in itertools.product(range(c_per), range(kh), range(kw)):
+            total += float(w[co, ci, u, v] * xp[r, first + ci, i * stride[0] + u * dilation[0],
+                                                 j * stride[1] + v * dilation[1]])
+        y[r, co, i, j] = total
+    return y
+
+
+def _windows(h, w, k, s, p):
+    """(output position, list of in-range input positions) of a k×k pooling window."""
+    oh, ow = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
+    for i, j in itertools.product(range(oh), range(ow)):
+        cells = [(i * s + u - p, j * s + v - p) for u, v in itertools.product(range(k), range(k))]
+        yield (i, j), [(a, c) for a, c in cells if 0 <= a < h and 0 <= c < w], oh, ow
+
+
+def brute_max_pool(x, k, s, p):
+    n, ch, h, w = x.shape
+    windows = list(_windows(h, w, k, s, p))
+    oh, ow = windows[0][2], windows[0][3]
+    y = torch.zeros(n, ch, oh, ow, dtype=DTYPE)
+    index = torch.zeros(n, ch, oh, ow, dtype=torch.long)
+    for r, c in itertools.product(range(n), range(ch)):
+        for (i, j), cells, _, _ in windows:
+            a, b = max(cells, key=lambda cell: float(x[r, c, cell[0], cell[1]]))
+            y[r, c, i, j], index[r, c, i, j] = x[r, c, a, b], a * w + b
+    return y, index
+
+
+def brute_avg_pool(x, k, s, p, count_include_pad):
+    n, ch, h, w = x.shape
+    windows = list(_windows(h, w, k, s, p))
+    y = torch.zeros(n, ch, windows[0][2], windows[0][3], dtype=DTYPE)
+    for r, c in itertools.product(range(n), range(ch)):
+        for (i, j), cells, _, _ in windows:
+            total = sum(float(x[r, c, a, b]) for a, b in cells)
+            y[r, c, i, j] = total / (k * k if count_include_pad else len(cells))
+    return y
+
+
+# ----------------------------------------------------------------------------------------
+# the registry
+# ----------------------------------------------------------------------------------------
+def test_the_registry_holds_exactly_the_tested_layer_types():
+    # a newly registered rule must get its brute-force test below
+    assert set(rules.RULES) == SUPPORTED
+
+
+def test_linear_rule_uses_the_parameters_passed_in():
+    m = nn.Linear(4, 3).to(DTYPE)
+    x, w, b = _randn(5, 4, seed=1), _randn(3, 4, seed=2), _randn(3, seed=3)
+    rule = rules.rule_for(m, "")
+    assert rule.kind == "affine" and rule.flat_moments(m) and rule.hyper(m) == {}
+    torch.testing.assert_close(rule.apply(m, x, w, b), brute_linear(x, w, b), rtol=1e-13, atol=0)
+    torch.testing.assert_close(rule.apply(m, x, w, None), brute_linear(x, w, None), rtol=1e-13,
+                               atol=0)
+    with torch.no_grad():  # with the module's own parameters it is the module
+        torch.testing.assert_close(rule.apply(m, x, m.weight, m.bias), m(x))
+
+
+@pytest.mark.parametrize("stride, padding, dilation, groups", [
+    ((1, 1), (0, 0), (1, 1), 1), ((2, 1), (1, 2), (1, 1), 1), ((1, 1), (1, 1), (2, 1), 2)])
+def test_conv2d_rule_against_explicit_loops(stride, padding, dilation, groups):
+    m = nn.Conv2d(2, 4, (3, 2), stride=stride, padding=padding, dilation=dilation,
+                  groups=groups).to(DTYPE)
+    x = _randn(2, 2, 6, 5, seed=4)
+    w, b = _randn(*m.weight.shape, seed=5), _randn(4, seed=6)
+    rule = rules.rule_for(m, "conv")
+    assert rule.kind == "affine" and not rule.flat_moments(m)
+    assert rule.hyper(m) == {"stride": list(stride), "padding": list(padding),
+                             "dilation": list(dilation), "groups": groups}
+    expected = brute_conv2d(x, w, b, stride, padding, dilation, groups)
+    torch.testing.assert_close(rule.apply(m, x, w, b), expected, rtol=1e-12, atol=1e-12)
+    expected = brute_conv2d(x, w, None, stride, padding, dilation, groups)
+    torch.testing.assert_close(rule.apply(m, x, w, None), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_conv2d_with_another_padding_mode_is_refused():
+    m = nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect")
+    with pytest.raises(fsd.UnsupportedModuleError, match="padding_mode='reflect'"):
+        rules.rule_for(m, "").hyper(m)
+
+
+def test_relu_rule_is_the_gate_kind():
+    m = nn.ReLU()
+    x = _randn(4, 6, seed=7)
+    rule = rules.rule_for(m, "")
+    assert rule.kind == "gate" and rule.flat_moments(m)
+    torch.testing.assert_close(rule.apply(m, x), torch.where(x > 0, x, torch.zeros_like(x)),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("k, s, p", [(2, 2, 0), (3, 1, 1), (2, 1, 0)])
+def test_maxpool_rule_values_and_argmax_indices(k, s, p):
+    m = nn.MaxPool2d(k, s, p)
+    x = _randn(2, 3, 5, 6, seed=8)
+    rule = rules.rule_for(m, "")
+    assert rule.kind == "maxpool" and not rule.flat_moments(m)
+    y, index = rule.apply(m, x)
+    expected_y, expected_index = brute_max_pool(x, k, s, p)
+    torch.testing.assert_close(y, expected_y, rtol=0, atol=0)
+    assert torch.equal(index, expected_index)
+    assert rule.hyper(m)["kernel_size"] == k and rule.hyper(m)["padding"] == p
+
+
+@pytest.mark.parametrize("k, s, p, include", [(2, 2, 0, True), (3, 1, 1, True),
+                                              (3, 2, 1, False)])
+def test_avgpool_rule_against_explicit_windows(k, s, p, include):
+    m = nn.AvgPool2d(k, s, p, count_include_pad=include)
+    x = _randn(2, 2, 5, 6, seed=9)
+    rule = rules.rule_for(m, "")
+    assert rule.kind == "fixed" and not rule.flat_moments(m)
+    torch.testing.assert_close(rule.apply(m, x), brute_avg_pool(x, k, s, p, include),
+                               rtol=1e-13, atol=1e-15)
+    assert rule.hyper(m)["count_include_pad"] is include
+
+
+@pytest.mark.parametrize("start, end, flat", [(1, -1, True), (2, -1, False), (1, 2, False)])
+def test_flatten_rule(start, end, flat):
+    m = nn.Flatten(start, end)
+    x = _randn(2, 3, 4, 5, seed=10)
+    rule = rules.rule_for(m, "")
+    assert rule.kind == "fixed" and rule.flat_moments(m) is flat
+    assert rule.hyper(m) == {"start_dim": start, "end_dim": end}
+    expected = {(1, -1): x.reshape(2, 60), (2, -1): x.reshape(2, 3, 20),
+                (1, 2): x.reshape(2, 12, 5)}[(start, end)]
+    assert torch.equal(rule.apply(m, x), expected)
+
+
+@pytest.mark.parametrize("module", [nn.Dropout(0.9), nn.Identity()], ids=["dropout", "identity"])
+def test_dropout_and_identity_are_the_identity_even_in_training_mode(module):
+    module.train()
+    x = _randn(50, 8, seed=11)
+    rule = rules.rule_for(module, "")
+    assert rule.kind == "fixed" and rule.flat_moments(module)
+    assert torch.equal(rule.apply(module, x), x)
+
+
+def test_unsupported_module_error_names_class_path_and_the_supported_types():
+    with pytest.raises(fsd.UnsupportedModuleError) as info:
+        rules.rule_for(nn.Tanh(), "encoder.3")
+    message = str(info.value)
+    assert "Tanh" in message and "'encoder.3'" in message
+    assert all(t.__name__ in message for t in SUPPORTED)
+    with pytest.raises(fsd.UnsupportedModuleError, match="'<root>'"):
+        rules.rule_for(nn.GELU(), "")
+
+
+def test_subclasses_of_supported_types_are_not_matched():
+    class LeakyishReLU(nn.ReLU):
+        def forward(self, x):
+            return super().forward(x) + 0.1 * x
+
+    with pytest.raises(fsd.UnsupportedModuleError, match="LeakyishReLU at '1'"):
+        fsd.trace(nn.Sequential(nn.Linear(3, 3), LeakyishReLU()))
+
+
+class Scale(nn.Module):
+    """y = 2x: a parameter-free linear map that no built-in rule covers."""
+
+    def forward(self, x):
+        return 2 * x
+
+
+def test_register_rule_makes_a_new_layer_type_usable(monkeypatch):
+    monkeypatch.setattr(rules, "RULES", dict(rules.RULES))  # restored after the test
+    model = nn.Sequential(nn.Linear(4, 5), Scale(), nn.Linear(5, 3)).to(DTYPE)
+    with pytest.raises(fsd.UnsupportedModuleError, match="Scale at '1'"):
+        fsd.trace(model)
+    fsd.register_rule(Scale, fsd.LayerRule(kind="fixed", apply=lambda m, x: 2 * x))
+    assert [layer.rule.kind for layer in fsd.trace(model)] == ["affine", "fixed", "affine"]
+    # a network without gates: LAFTR on all the data is the exact FSD
+    data = labelled_batches(20, (4,), seed=12)
+    other = perturbed(model, 0.3, seed=13)
+    laftr = fsd.LAFTR(coreset_size=None).fit(model, data)
+    with torch.no_grad():
+        xs = stack(data)[0]
+        truth = 0.5 * (other(xs) - model(xs)).pow(2).sum(-1).mean()
+    torch.testing.assert_close(laftr.distance(other).detach(), truth, rtol=1e-12, atol=0)
+
+
+def test_weight_bias_reads_a_layer_from_a_flat_parameter_dict():
+    model = linear_net([3, 4, 2], seed=14)
+    params = dict(model.named_parameters())
+    w, b = rules.weight_bias(params, "1")
+    assert w is params["1.weight"] and b is params["1.bias"]
+    single = nn.Linear(3, 2, bias=False)
+    w, b = rules.weight_bias(dict(single.named_parameters()), "")
+    assert w is single.weight and b is None
+    with pytest.raises(KeyError):
+        rules.weight_bias(params, "2")
