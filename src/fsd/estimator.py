@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import distributed
+from .graph import unwrap
 from .signature import check_signature, normalize, parameter_signature
 from .validation import SummaryFormatError, check_common
 
@@ -301,6 +302,7 @@ class Estimator:
         Returns:
             ``self``.
         """
+        model = unwrap(model)  # torch.compile / DDP wrappers: the user's model inside
         dtype, device = model_dtype_device(model)
         self._stored, self._meta, self._cache = {}, {}, {}
         self._state = self._stored
@@ -331,6 +333,7 @@ class Estimator:
         Returns a 0-dim tensor, differentiable w.r.t. the model's parameters.
         """
         self.require_fitted()
+        model = unwrap(model)
         self.check_architecture(model)
         dtype, device = model_dtype_device(model)
         self.place(dtype, device)
@@ -439,7 +442,7 @@ class Estimator:
         The model must have the architecture the summary was fitted on; ``distance`` checks
         this on every call.
         """
-        check_signature(self._meta["signature"], normalize(self._signature(model)))
+        check_signature(self._meta["signature"], normalize(self._signature(unwrap(model))))
 
     def place(self, dtype: torch.dtype, device: torch.device) -> None:
         """Compute in ``dtype`` on ``device`` from now on (``distance`` follows the model).

@@ -21,8 +21,9 @@ from torch import Tensor, nn
 
 from .covariance import Covariance, quadratic_trace, sandwich
 from .covariance import gate as gate_covariance
+from .graph import chain, unwrap
 from .hooks import forward_hooks
-from .rules import LayerRule, UnsupportedModuleError, rule_for, weight_bias
+from .rules import RULES, LayerRule, UnsupportedModuleError, rule_for, weight_bias
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,28 @@ class TracedLayer:
 
 
 def trace(model: nn.Module) -> list[TracedLayer]:
-    """Flatten (nested) ``nn.Sequential`` containers into the list of their leaf layers.
+    """The model as the chain of its rule-tagged layers.
 
-    Raises :class:`~fsd.rules.UnsupportedModuleError` naming the class and path of the first
-    module that has no rule, or of a module object used at two positions.
+    Nested ``nn.Sequential`` containers of layers with rules are flattened directly; any
+    other model (a class with a ``forward``, a Sequential subclass, wrappers) is traced with
+    torch.fx (:func:`fsd.graph.chain`). Raises :class:`~fsd.rules.UnsupportedModuleError`
+    naming the class and path of the first module that has no rule, of a module object used
+    at two positions, or of the graph node where a traced model stops being a chain.
     """
+    model = unwrap(model)
+    # a user's class is traced; torch's own layers (the root itself) get the rule's message
+    if not _plain(model) and not type(model).__module__.startswith("torch.nn."):
+        layers = [TracedLayer(step.path, step.module, rule_for(step.module, step.path))
+                  for step in chain(model)]
+        calls: dict[int, str] = {}
+        for layer in layers:
+            if id(layer.module) in calls:
+                raise UnsupportedModuleError(
+                    f"module {type(layer.module).__name__} at '{layer.path}' is called twice "
+                    f"in forward; give each position its own module")
+            calls[id(layer.module)] = layer.path
+        _check_hooks(model)
+        return layers
     layers: list[TracedLayer] = []
     seen: dict[int, str] = {}
 
@@ -61,13 +79,24 @@ def trace(model: nn.Module) -> list[TracedLayer]:
     visit(model, "")
     if not layers:
         raise UnsupportedModuleError("the model has no layers")
+    _check_hooks(model)
+    return layers
+
+
+def _plain(module: nn.Module) -> bool:
+    """Nested exact ``nn.Sequential`` containers of modules with a rule (no tracing needed)."""
+    if type(module) is nn.Sequential:
+        return all(_plain(child) for child in module._modules.values() if child is not None)
+    return type(module) in RULES
+
+
+def _check_hooks(model: nn.Module) -> None:
     hooks = forward_hooks(model)
     if hooks:
         raise UnsupportedModuleError(
             f"the model has a {hooks[0]}: LAFTR and BGLN evaluate the layers from their rules "
             f"and would ignore what the hook changes; remove it (handle.remove()) or use "
-            f"ExactFSD, NTK or EWC, which run the model's forward")
-    return layers
+            f"ExactFSD, NTK, EWC or KFAC, which run the model's forward")
 
 
 def layer_signature(layers: list[TracedLayer]) -> list[dict]:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from .covariance import Covariance, low_rank_plus_diagonal, sample, sampling_factor
 from .estimator import Data, Estimator, Reservoir, iter_batches
 from .exact_moments import delta_second_moment, reference_blocks
+from .graph import runnable
 from .interpreter import (
     TracedLayer,
     check_moment_support,
@@ -110,8 +111,10 @@ class _LinearizedEstimator(Estimator):
         gaussian = self.config["inputs"] == "gaussian"
         needs_stats = gaussian or self.bernoulli
         own: StatisticsCollector | None = None  # a collector made here, for this data
+        runner = model
         if needs_stats and statistics is None:
-            own = self.statistics_collector(model)
+            runner = runnable(model)  # function calls in forward become hookable modules
+            own = self.statistics_collector(runner)
         collector = statistics if own is None else own
         reservoir = None if gaussian else Reservoir(
             self.config["coreset_size"], torch.Generator().manual_seed(self.config["seed"]))
@@ -122,7 +125,7 @@ class _LinearizedEstimator(Estimator):
                                          desc=f"{type(self).__name__}: statistics"):
                     if own is not None:
                         with torch.no_grad(), own.record(labels=y if labelled else None):
-                            model(x)
+                            runner(x)
                     if reservoir is not None:
                         reservoir.add(x, y)
             finally:

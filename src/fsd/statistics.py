@@ -21,8 +21,10 @@ import torch
 from torch import Tensor, nn
 
 from . import distributed
+from .graph import unwrap
 from .hooks import recording_hook
 from .interpreter import trace
+from .rules import UnsupportedModuleError
 
 
 class MomentAccumulator:
@@ -215,14 +217,22 @@ class StatisticsCollector:
         self._labels: Tensor | None = None
         self._active = False
         self._handles = []
-        self.gate_paths = [layer.path for layer in trace(model) if layer.rule.kind == "gate"] \
+        layers = trace(model)
+        self.gate_paths = [layer.path for layer in layers if layer.rule.kind == "gate"] \
             if gates else []
         if moments is not None:
             self._handles.append(model.register_forward_pre_hook(
                 recording_hook(self._input_hook_fn())))
-        modules = dict(model.named_modules())
-        self.layer_paths = [layer.path for layer in trace(model)
+        modules = dict(unwrap(model).named_modules())
+        self.layer_paths = [layer.path for layer in layers
                             if layer.rule.kind == "affine"][1:] if layer_moments else []
+        functional = [p for p in self.gate_paths + self.layer_paths if p not in modules]
+        if functional:
+            raise UnsupportedModuleError(
+                f"the layer at '{functional[0]}' is a function call in "
+                f"{type(unwrap(model)).__name__}.forward; StatisticsCollector records at "
+                f"modules: use the module form (e.g. nn.ReLU()), or fit(model, data), which "
+                f"traces the model")
         for path in self.layer_paths:
             self._handles.append(modules[path].register_forward_pre_hook(self._layer_hook(path)))
         # trace() has refused module objects used at two positions, so one hook = one layer

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .estimator import Estimator, evaluation_mode, model_dtype_device
 from .exact_moments import delta_second_moment
+from .graph import unwrap
 from .interpreter import delta_moments, trace
 from .linearized import BGLN
 
@@ -86,6 +87,7 @@ class SummarySet:
 
     def distance(self, model: nn.Module) -> Tensor:
         """Σ_i weight_i · D_i(model): a differentiable 0-dim tensor (0 for an empty set)."""
+        model = unwrap(model)
         dtype, device = model_dtype_device(model)
         batches: dict[tuple, list[int]] = {}
         singles: list[int] = []
