@@ -262,5 +262,5 @@ def test_a_changed_submodule_is_traced_again():
     model = _build("functional")
     assert [s.path for s in chain(model)][:2] == ["fc1", "relu"]
     model.fc2 = nn.Sequential(nn.Linear(9, 7), nn.Tanh())
-    with pytest.raises(fsd.UnsupportedModuleError, match="Tanh at 'fc2.1'"):
+    with pytest.raises(fsd.UnsupportedModuleError, match=r"Tanh at 'fc2\.1'"):
         fsd.trace(model)
