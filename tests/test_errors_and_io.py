@@ -185,8 +185,9 @@ def test_architecture_mismatch_after_load_and_conv_hyperparameters(tmp_path):
 # ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad, name", [(nn.Tanh, "Tanh"),
                                        (lambda: nn.BatchNorm1d(4), "BatchNorm1d")])
-@pytest.mark.parametrize("make", LINEARIZED)
+@pytest.mark.parametrize("make", [p for p in LINEARIZED if p.id.startswith("bgln")])
 def test_unsupported_module_names_class_and_path(make, bad, name):
+    # BGLN needs a rule for every layer; LAFTR linearizes any operation (test_linearize.py)
     model = nn.Sequential(nn.Linear(5, 4), nn.Sequential(bad(), nn.Linear(4, 3))).to(DTYPE)
     data = labelled_batches(10, (5,), seed=0)
     with pytest.raises(fsd.UnsupportedModuleError) as info:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -126,6 +127,13 @@ class EWC(Estimator):
                 require_nonnegative(self._stored, name)
 
     def _distance(self, model: nn.Module) -> Tensor:
+        moved = [name for name, b in model.named_buffers()
+                 if b.is_floating_point() and f"buffer0.{name}" in self._state
+                 and not torch.equal(b, self._state[f"buffer0.{name}"])]
+        if moved:
+            warnings.warn(f"EWC measures parameter movement only; the buffers {moved[:3]} "
+                          f"(e.g. BatchNorm running statistics) moved too and are not "
+                          f"counted: use ExactFSD, NTK or LAFTR to include them", stacklevel=3)
         theta0 = self.reference_parameters()
         total = 0.0
         for name, p in model.named_parameters():

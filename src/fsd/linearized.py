@@ -20,6 +20,7 @@ from .covariance import Covariance, low_rank_plus_diagonal, sample, sampling_fac
 from .estimator import Data, Estimator, Reservoir, iter_batches
 from .exact_moments import delta_second_moment, reference_blocks
 from .graph import runnable
+from .hooks import forward_hooks
 from .interpreter import (
     TracedLayer,
     check_moment_support,
@@ -30,8 +31,10 @@ from .interpreter import (
     trace,
     true_gates,
 )
+from .linearize import linearized_outputs
 from .metrics import check_metric, pointwise_distance
-from .rules import weight_bias
+from .rules import UnsupportedModuleError, weight_bias
+from .signature import parameter_signature
 from .statistics import StatisticsCollector
 from .validation import (
     SummaryFormatError,
@@ -66,7 +69,24 @@ class _LinearizedEstimator(Estimator):
     bernoulli: ClassVar[bool] = False
 
     def _signature(self, model: nn.Module) -> Any:
-        return layer_signature(trace(model))
+        layers = self._chain(model)
+        # a graph LAFTR linearizes node by node (fsd.linearize) is checked by its parameters
+        return parameter_signature(model) if layers is None else layer_signature(layers)
+
+    def _chain(self, model: nn.Module) -> list[TracedLayer] | None:
+        """The model's chain of layers; ``None`` for a graph only LAFTR can walk."""
+        try:
+            return trace(model)
+        except UnsupportedModuleError:
+            if self.bernoulli:  # BGLN needs a chain of rule-tagged layers
+                raise
+            hooks = forward_hooks(model)
+            if hooks:
+                raise UnsupportedModuleError(
+                    f"the model has a {hooks[0]}: LAFTR evaluates the traced graph and would "
+                    f"ignore what the hook changes; remove it or use ExactFSD, NTK, EWC or "
+                    f"KFAC") from None
+            return None
 
     @property
     def _classwise(self) -> bool | int:
@@ -107,13 +127,14 @@ class _LinearizedEstimator(Estimator):
     # ----- fit --------------------------------------------------------------------------
     def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
              dtype: torch.dtype, device: torch.device, progress: bool) -> None:
-        layers = trace(model)
+        layers = self._chain(model)
         gaussian = self.config["inputs"] == "gaussian"
         needs_stats = gaussian or self.bernoulli
         own: StatisticsCollector | None = None  # a collector made here, for this data
         runner = model
         if needs_stats and statistics is None:
-            runner = runnable(model)  # function calls in forward become hookable modules
+            if self.bernoulli or self.config.get("reference") == "layerwise":
+                runner = runnable(model)  # function calls in forward become hookable modules
             own = self.statistics_collector(runner)
         collector = statistics if own is None else own
         reservoir = None if gaussian else Reservoir(
@@ -138,6 +159,7 @@ class _LinearizedEstimator(Estimator):
                                 f"{type(collector).__name__}")
             groups = self._store_statistics(collector, gaussian, dtype, device)
         if self.bernoulli:
+            assert layers is not None  # BGLN: _chain raised otherwise
             missing = [layer.path for layer in layers
                        if layer.rule.kind == "gate" and f"gate.{layer.path}" not in self._state]
             if missing:
@@ -157,6 +179,7 @@ class _LinearizedEstimator(Estimator):
                     [lookup[c] for c in ys.tolist()], dtype=torch.long, device=device)
             self._meta["input_shape"] = list(xs.shape[1:])
         if self._deterministic:
+            assert layers is not None
             check_moment_support(layers, tuple(self._meta["input_shape"]))
 
     def _store_statistics(self, collector: StatisticsCollector, gaussian: bool,
@@ -282,7 +305,13 @@ class _LinearizedEstimator(Estimator):
         return self._state["input.cov"]
 
     def _distance(self, model: nn.Module) -> Tensor:
-        layers = trace(model)
+        layers = self._chain(model)
+        if layers is None:  # LAFTR on a graph that is not a chain
+            x, _, sample_weights = self._inputs()
+            z0, dz = linearized_outputs(model, self._reference_state(), x)
+            rho = pointwise_distance(self.config["metric"], self._select(z0).detach(),
+                                     self._select(dz))
+            return (sample_weights * rho).sum()
         params0 = self.reference_parameters()
         params1 = dict(model.named_parameters())
         if self._deterministic:

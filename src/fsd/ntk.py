@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import types
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -46,20 +48,53 @@ class NTK(Estimator):
                                      f"(examples, *features)")
 
     def _distance(self, model: nn.Module) -> Tensor:
-        theta0 = self.reference_parameters()
-        names = list(theta0)
-        current = dict(model.named_parameters())
-        buffers = {k[len("buffer0."):]: v for k, v in self._state.items()
-                   if k.startswith("buffer0.")}
+        # θ0 and the floating buffers (BatchNorm's running statistics) are linearized alike:
+        # a network whose only change is its running statistics has moved too
+        reference = self._reference_state()
+        current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        names = [n for n, v in reference.items() if v.is_floating_point()]
+        fixed = {n: v for n, v in reference.items() if not v.is_floating_point()}
         x = self._state["coreset.x"]
 
-        def f(*params: Tensor) -> Tensor:
-            state = {**dict(zip(names, params, strict=True)), **buffers}
+        def f(*values: Tensor) -> Tensor:
+            state = {**dict(zip(names, values, strict=True)), **fixed}
             return functional_call(model, state, (x,))
 
-        primals = tuple(theta0[n] for n in names)
-        tangents = tuple(current[n] - theta0[n] for n in names)
-        # torch's annotation of jvp does not tie the tuple's length to has_aux (False here)
-        f0, jv = jvp(f, primals, tangents)  # pyright: ignore[reportAssignmentType]
+        primals = tuple(reference[n] for n in names)
+        tangents = tuple(current[n] - reference[n] for n in names)
+        with explicit_batch_norm(model):  # torch's kernel has no derivative in its statistics
+            # torch's annotation of jvp does not tie the tuple's length to has_aux (False here)
+            f0, jv = jvp(f, primals, tangents)  # pyright: ignore[reportAssignmentType]
         reference = self._select(f0).detach()
         return pointwise_distance(self.config["metric"], reference, self._select(jv)).mean()
+
+
+@contextlib.contextmanager
+def explicit_batch_norm(model: nn.Module) -> Iterator[None]:
+    """Evaluate BatchNorm layers in evaluation mode by their formula, inside the block.
+
+    (x − running_mean) / √(running_var + eps) · weight + bias, written with elementary
+    operations, is differentiable in the running statistics — forward-mode included —
+    where ``torch.batch_norm`` is not.
+    """
+    patched = [m for m in model.modules()
+               if isinstance(m, nn.modules.batchnorm._BatchNorm) and not m.training
+               and m.running_mean is not None and m.running_var is not None]
+    for m in patched:
+        m.forward = types.MethodType(_batch_norm_formula, m)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward
+
+
+def _batch_norm_formula(self: nn.modules.batchnorm._BatchNorm, x: Tensor) -> Tensor:
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    assert self.running_mean is not None and self.running_var is not None
+    y = (x - self.running_mean.view(shape)) * (self.running_var + self.eps).rsqrt().view(shape)
+    if self.weight is not None:
+        y = y * self.weight.view(shape)
+    if self.bias is not None:
+        y = y + self.bias.view(shape)
+    return y

@@ -217,7 +217,8 @@ class StatisticsCollector:
         self._labels: Tensor | None = None
         self._active = False
         self._handles = []
-        layers = trace(model)
+        # moments alone need no layers (any model: LAFTR with Gaussian inputs)
+        layers = trace(model) if gates or layer_moments else []
         self.gate_paths = [layer.path for layer in layers if layer.rule.kind == "gate"] \
             if gates else []
         if moments is not None:

@@ -1,0 +1,195 @@
+"""LAFTR on any traceable graph: every operation linearized around the reference network.
+
+The chain walker (:func:`fsd.interpreter.propagate_linearized`) covers chains of rule-tagged
+layers. This module evaluates LAFTR's definition on a torch.fx graph of any shape — residual
+additions, concatenations, normalisation layers, attention, smooth activations — by carrying
+through every node the reference value a0 and the difference Δa of the linearized network:
+
+- a parameter-free operation f (``F.gelu``, ``+``, ``torch.cat``, ``softmax``, ``@`` of two
+  activations, …) is replaced by its first-order expansion at the reference:
+  Δout = J_f(a0) · Δa (``torch.func.jvp``); linear operations are therefore exact;
+- a layer with parameters or buffers m(x; p) (``nn.LayerNorm``, ``nn.BatchNorm2d`` in
+  evaluation mode, ``nn.MultiheadAttention``, …) is exact in its own parameters at the
+  reference input and linear in its input: Δout = m(a0; p1) − m(a0; p0) + J_x m(a0; p1)·Δa,
+  so the moved network's weights *and* running statistics count. ``nn.Linear`` and
+  ``nn.Conv2d`` use the affine rule's form (ΔW a0 + W1 Δa + Δb, no cancellation);
+- a parameter read directly in ``forward`` (``self.position``) enters with Δ = p1 − p0.
+
+For a ReLU network this is exactly the chain walker's result (gates 1{s0 > 0}); for a
+network without nonlinearities it is the exact FSD.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor, fx, nn
+from torch.func import functional_call, jvp
+from torch.fx.node import map_arg
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .rules import RULES
+
+_GRAPHS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, fx.Graph]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _graph(model: nn.Module) -> fx.Graph:
+    # traced once per model and structure (distance() runs on every training step)
+    structure = (type(model).forward, model.__dict__.get("forward"),
+                 tuple((path, id(m), type(m)) for path, m in model.named_modules()))
+    cached = _GRAPHS.get(model)
+    if cached is None or cached[0] != structure:
+        cached = (structure, fx.symbolic_trace(model).graph)
+        _GRAPHS[model] = cached
+    return cached[1]
+
+
+def linearized_outputs(model: nn.Module, reference: Mapping[str, Tensor], x: Tensor
+                       ) -> tuple[Tensor, Tensor]:
+    """Reference outputs z0 and the linearized network's differences Δz on inputs ``x``.
+
+    Args:
+        model: the moved network (its parameters and buffers are θ).
+        reference: θ0's parameters and buffers by name (``Estimator._reference_state``).
+        x: inputs (n, ...).
+
+    Returns:
+        ``(z0, dz)``, differentiable in the model's parameters through ``dz``.
+    """
+    # attention's fused kernels have no forward-mode derivative; the math kernel has
+    with sdpa_kernel([SDPBackend.MATH]):
+        return _propagate(model, reference, x)
+
+
+def _propagate(model: nn.Module, reference: Mapping[str, Tensor], x: Tensor
+               ) -> tuple[Tensor, Tensor]:
+    current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    modules = dict(model.named_modules())
+    value: dict[fx.Node, Any] = {}
+    delta: dict[fx.Node, Any] = {}
+    for node in _graph(model).nodes:
+        if node.op == "placeholder":
+            value[node], delta[node] = x, None
+        elif node.op == "get_attr":
+            name = str(node.target)
+            value[node] = reference[name]
+            moved = current[name]
+            delta[node] = moved - reference[name] if moved.is_floating_point() else None
+        elif node.op == "call_module":
+            value[node], delta[node] = _module(node, modules[str(node.target)], reference,
+                                               current, value, delta)
+        elif node.op in ("call_function", "call_method"):
+            value[node], delta[node] = _operation(node, value, delta)
+        elif node.op == "output":
+            out = node.args[0]
+            assert isinstance(out, fx.Node)
+            z0, dz = value[out], delta[out]
+            return z0, torch.zeros_like(z0) if dz is None else dz
+    raise AssertionError("a traced graph ends with an output node")
+
+
+def _moving(node: fx.Node, value: dict, delta: dict) -> list[fx.Node]:
+    """Input nodes carrying a difference (floating tensors of the linearized network)."""
+    return [n for n in node.all_input_nodes
+            if isinstance(value[n], Tensor) and delta.get(n) is not None]
+
+
+def _arguments(node: fx.Node, value: dict, substitute: dict[fx.Node, Tensor]
+               ) -> tuple[Any, Any]:
+    def pick(n: fx.Node) -> Any:
+        return substitute.get(n, value[n])
+    return map_arg(node.args, pick), map_arg(node.kwargs, pick)
+
+
+def _linearize(fn: Any, node: fx.Node, value: dict, delta: dict) -> tuple[Any, Any]:
+    """fn(substitutions) at the reference, and its JVP along the inputs' differences.
+
+    The output may be a tensor or a tuple of them (e.g. attention's (output, weights)); the
+    difference has the same structure, ``None`` where an output does not move.
+    """
+    out0 = fn({})
+    moving = _moving(node, value, delta)
+    leaves, spec = tree_flatten(out0)
+    moves = [i for i, leaf in enumerate(leaves)
+             if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+    if not moving or not moves:
+        return out0, None
+
+    def f(*primals: Tensor) -> tuple[Tensor, ...]:
+        out, _ = tree_flatten(fn(dict(zip(moving, primals, strict=True))))
+        return tuple(out[i] for i in moves)
+
+    tangents = jvp(f, tuple(value[n] for n in moving), tuple(delta[n] for n in moving))[1]
+    d: list[Any] = [None] * len(leaves)
+    for i, t in zip(moves, tangents, strict=True):
+        d[i] = t
+    return out0, tree_unflatten(d, spec)
+
+
+def _operation(node: fx.Node, value: dict, delta: dict) -> tuple[Any, Any]:
+    if node.target is operator.getitem and isinstance(value[node.args[0]], (tuple, list)):
+        source, index = node.args[0], node.args[1]  # an item of a module's tuple output
+        inner = delta[source]
+        return value[source][index], None if inner is None else inner[index]
+
+    def run(substitute: dict[fx.Node, Tensor]) -> Any:
+        args, kwargs = _arguments(node, value, substitute)
+        if node.op == "call_method":
+            self_arg, *rest = args
+            return getattr(self_arg, str(node.target))(*rest, **kwargs)
+        return node.target(*args, **kwargs)  # type: ignore[operator]
+
+    return _linearize(run, node, value, delta)
+
+
+def _module(node: fx.Node, module: nn.Module, reference: Mapping[str, Tensor],
+            current: Mapping[str, Tensor], value: dict, delta: dict) -> tuple[Any, Any]:
+    prefix = f"{node.target}."
+    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    state0 = {n: reference[prefix + n] for n in names}
+    state1 = {n: current[prefix + n] for n in names}
+    rule = RULES.get(type(module))
+    if rule is not None and rule.kind == "affine":
+        (a0,) = _arguments(node, value, {})[0]
+        da = delta[node.all_input_nodes[0]]
+        w0, b0, w1, b1 = state0["weight"], state0.get("bias"), state1["weight"], state1.get("bias")
+        out0 = rule.apply(module, a0, w0, b0)
+        db = None if b0 is None or b1 is None else b1 - b0
+        d = rule.apply(module, a0, w1 - w0, db)  # ΔW first: no cancellation as θ → θ0
+        if da is not None:
+            d = d + rule.apply(module, da, w1, None)
+        return out0, d
+
+    def run(state: dict[str, Tensor]) -> Any:
+        def call(substitute: dict[fx.Node, Tensor]) -> Any:
+            args, kwargs = _arguments(node, value, substitute)
+            return functional_call(module, state, args, kwargs)
+        return call
+
+    out0, d = _linearize(run(state1), node, value, delta)
+    # the reference side is evaluated with θ0's own parameters and buffers
+    out0 = run(state0)({})
+    if names:  # exact in the layer's own parameters and buffers at the reference input
+        d = _add(_subtract(run(state1)({}), out0), d)
+    return out0, d
+
+
+def _subtract(a: Any, b: Any) -> Any:
+    if isinstance(a, Tensor):
+        return a - b if a.is_floating_point() else None
+    if isinstance(a, (tuple, list)):
+        return tuple(_subtract(x, y) for x, y in zip(a, b, strict=True))
+    return None
+
+
+def _add(a: Any, b: Any) -> Any:
+    if a is None or b is None:
+        return b if a is None else a
+    if isinstance(a, Tensor):
+        return a + b
+    return tuple(_add(x, y) for x, y in zip(a, b, strict=True))

@@ -1,0 +1,304 @@
+"""LAFTR on any traceable graph (fsd.linearize), NTK/EWC with buffers, against brute force.
+
+The brute-force LAFTR is an independent construction: run the reference network and record
+the input of every nonlinear layer; then run the moved network with each nonlinear layer's
+output replaced (forward hook) by its first-order expansion at the reference input,
+m(s0) + J m(s0)·(s − s0), evaluated with the moved layer's own parameters. Its output minus
+the reference output is LAFTR's Δz.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import jvp
+
+import fsd
+from fsd.interpreter import propagate_linearized, trace
+from fsd.linearize import linearized_outputs
+
+DTYPE = torch.float64
+NONLINEAR = (nn.ReLU, nn.GELU, nn.LeakyReLU, nn.Tanh, nn.SiLU, nn.LayerNorm, nn.MaxPool2d,
+             nn.MultiheadAttention, nn.Softplus)
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.act1, self.act2 = nn.ReLU(), nn.ReLU()
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.act1(self.inp(x))
+        h = h + self.fc2(self.act2(self.fc1(h)))
+        return self.out(h)
+
+
+class TinyResNet(nn.Module):
+    """Conv–BN–ReLU stem, one residual block, adaptive average pooling, linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.conv1, self.bn1 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.act1, self.act2 = nn.ReLU(), nn.ReLU()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.stem(x)
+        r = self.bn2(self.conv2(self.act1(self.bn1(self.conv1(h)))))
+        h = self.act2(h + r)
+        return self.head(torch.flatten(self.pool(h), 1))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: one attention head and a GELU MLP, mean-pooled to 3 outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(8), nn.LayerNorm(8)
+        self.attention = nn.MultiheadAttention(8, 1, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, need_weights=False)[0]
+        x = x + self.mlp(self.norm2(x))
+        return self.head(x.mean(dim=1))
+
+
+def _mlp(act: nn.Module) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(6, 10), act, nn.Linear(10, 10), copy.deepcopy(act),
+                         nn.Linear(10, 3))
+
+
+ZOO = {
+    "residual-mlp": (ResidualMLP, (6,)),
+    "tiny-resnet": (TinyResNet, (2, 6, 6)),
+    "transformer": (TransformerBlock, (5, 8)),
+    "gelu-mlp": (lambda: _mlp(nn.GELU()), (6,)),
+    "leaky-mlp": (lambda: _mlp(nn.LeakyReLU(0.1)), (6,)),
+    "tanh-mlp": (lambda: _mlp(nn.Tanh()), (6,)),
+    "softplus-mlp": (lambda: _mlp(nn.Softplus()), (6,)),
+}
+
+
+def _build(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    make, shape = ZOO[name]
+    model = make().to(DTYPE)
+    with torch.no_grad():  # running statistics that are not the identity
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    model.eval()
+    x = torch.randn(12, *shape, generator=torch.Generator().manual_seed(seed + 1), dtype=DTYPE)
+    return model, x
+
+
+def _moved(model: nn.Module, scale: float = 0.1, buffers: bool = True) -> nn.Module:
+    moved = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        if buffers:
+            for name, b in moved.named_buffers():
+                if name.endswith("running_mean"):
+                    b.add_(scale * torch.randn(b.shape, generator=g, dtype=b.dtype))
+                if name.endswith("running_var"):
+                    b.mul_(1 + scale * torch.rand(b.shape, generator=g, dtype=b.dtype))
+    return moved
+
+
+def brute_force_laftr(reference: nn.Module, moved: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Δz of the moved network with every nonlinear layer expanded at the reference."""
+    recorded: dict[str, tuple] = {}
+    handles = []
+    for path, m in reference.named_modules():
+        if isinstance(m, NONLINEAR):
+            def record(module, args, kwargs, output, path=path):
+                recorded[path] = (args, kwargs)
+            handles.append(m.register_forward_hook(record, with_kwargs=True))
+    with torch.no_grad():
+        z0 = reference(x)
+    for h in handles:
+        h.remove()
+    handles = []
+    for path, m in moved.named_modules():
+        if isinstance(m, NONLINEAR):
+            def expand(module, args, kwargs, output, path=path):
+                args0, kwargs0 = recorded[path]
+                tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+                def f(*values):
+                    full = list(args0)
+                    for i, v in zip(tensors, values, strict=True):
+                        full[i] = v
+                    out = module._call_impl_without_hooks(*full, **kwargs0) \
+                        if hasattr(module, "_call_impl_without_hooks") else \
+                        module.forward(*full, **kwargs0)
+                    return out[0] if isinstance(out, tuple) else out
+
+                at_reference, tangent = jvp(f, tuple(args0[i] for i in tensors),
+                                            tuple(args[i] - args0[i] for i in tensors))
+                expanded = at_reference + tangent
+                return (expanded, *output[1:]) if isinstance(output, tuple) else expanded
+            handles.append(m.register_forward_hook(expand, with_kwargs=True))
+    try:
+        with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+            z1 = moved(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return z1 - z0
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_laftr_on_any_graph_equals_the_brute_force_expansion(name):
+    model, x = _build(name)
+    moved = _moved(model)
+    expected = brute_force_laftr(model, moved, x)
+    reference = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    reference = {k: v.detach() for k, v in reference.items()}
+    _, dz = linearized_outputs(moved, reference, x)
+    torch.testing.assert_close(dz, expected, rtol=1e-9, atol=1e-12)
+    # and the estimator: ½ mean ‖Δz‖² over the coreset
+    value = fsd.LAFTR(inputs="coreset").fit(model, x).distance(moved)
+    torch.testing.assert_close(value, 0.5 * expected.pow(2).sum(-1).mean(), rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("name", ["residual-mlp", "tiny-resnet", "transformer"])
+def test_laftr_gradient_is_the_brute_force_gradient(name):
+    model, x = _build(name)
+    moved = _moved(model)
+    est = fsd.LAFTR(inputs="coreset").fit(model, x)
+    est.distance(moved).backward()
+    got = [p.grad.clone() for p in moved.parameters()]
+    moved.zero_grad()
+    (0.5 * brute_force_laftr(model, moved, x).pow(2).sum(-1).mean()).backward()
+    for g, p in zip(got, moved.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-8, atol=1e-12)
+
+
+def test_the_generic_pass_equals_the_chain_walker_on_chains():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Flatten(), nn.Linear(27, 8), nn.ReLU(), nn.Linear(8, 3)).to(DTYPE)
+    x = torch.randn(10, 1, 6, 6, dtype=DTYPE)
+    moved = _moved(model)
+    params0 = {k: v.detach() for k, v in model.named_parameters()}
+    z0, dz = propagate_linearized(trace(model), params0, dict(moved.named_parameters()), x)
+    g0, gz = linearized_outputs(moved, params0, x)
+    torch.testing.assert_close(g0, z0, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(gz, dz, rtol=1e-12, atol=1e-14)
+
+
+class AffineGraph(nn.Module):
+    """No nonlinearity: residual add, concatenation, BatchNorm (evaluation), average pooling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.bn = nn.BatchNorm2d(3)
+        self.skip = nn.Conv2d(2, 3, 1)
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.head = nn.Linear(24, 3)
+
+    def forward(self, x):
+        h = self.bn(self.conv(x)) + self.skip(x)
+        h = torch.cat([h, 2 * h], dim=1)
+        return self.head(self.pool(h).flatten(1))
+
+
+def test_laftr_is_the_exact_fsd_on_affine_graphs():
+    torch.manual_seed(4)
+    model = AffineGraph().to(DTYPE).eval()
+    x = torch.randn(20, 2, 5, 5, dtype=DTYPE)
+    moved = _moved(model, 0.3)
+    torch.testing.assert_close(fsd.LAFTR().fit(model, x).distance(moved),
+                               fsd.ExactFSD().fit(model, x).distance(moved), rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("make", [lambda: fsd.LAFTR(), lambda: fsd.NTK(), fsd.ExactFSD])
+def test_running_statistics_alone_count_as_movement(make):
+    # only the BatchNorm running statistics change: the function moved (a true FSD > 0)
+    model, x = _build("tiny-resnet")
+    moved = _moved(model, 0.2)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), moved.parameters(), strict=True):
+            q.copy_(p)
+    truth = 0.5 * (moved(x) - model(x)).pow(2).sum(-1).mean()
+    value = make().fit(model, x).distance(moved)
+    assert float(truth) > 1e-3
+    if isinstance(make(), fsd.ExactFSD):
+        torch.testing.assert_close(value, truth, rtol=1e-12, atol=0)
+    elif isinstance(make(), fsd.LAFTR):
+        expected = brute_force_laftr(model, moved, x)
+        torch.testing.assert_close(value, 0.5 * expected.pow(2).sum(-1).mean(), rtol=1e-9,
+                                   atol=0)
+    else:  # NTK: the first-order change in the buffers, by central differences
+        buffers0 = dict(model.named_buffers())
+        buffers1 = dict(moved.named_buffers())
+        h = 1e-5
+
+        def at(t):
+            state = {**dict(model.named_parameters()),
+                     **{k: (v + t * (buffers1[k] - v) if v.is_floating_point() else v)
+                        for k, v in buffers0.items()}}
+            return torch.func.functional_call(model, state, (x,))
+
+        jv = (at(h) - at(-h)) / (2 * h)
+        torch.testing.assert_close(value, 0.5 * jv.pow(2).sum(-1).mean(), rtol=1e-6, atol=0)
+
+
+def test_ewc_warns_that_moved_buffers_are_not_counted():
+    model, x = _build("tiny-resnet")
+    moved = _moved(model, 0.2)
+    est = fsd.EWC(metric="euclidean").fit(model, x)
+    with pytest.warns(UserWarning, match="buffers .*running_mean.* are not counted"):
+        est.distance(moved)
+
+
+def test_laftr_with_gaussian_inputs_on_a_residual_network():
+    model, _ = _build("residual-mlp")
+    data = torch.randn(400, 6, dtype=DTYPE)
+    est = fsd.LAFTR(inputs="gaussian", num_samples=64, seed=1).fit(model, data)
+    value = est.distance(_moved(model))
+    assert torch.isfinite(value) and float(value) > 0
+
+
+def test_bgln_refuses_a_graph_it_cannot_walk_and_says_what_works():
+    model, x = _build("residual-mlp")
+    with pytest.raises(fsd.UnsupportedModuleError, match=r"not a chain.*'add'.*LAFTR|ExactFSD"):
+        fsd.BGLN(deterministic=True).fit(model, x)
+
+
+def test_a_functional_activation_is_linearized_too():
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(6, 10), nn.Linear(10, 3)
+
+        def forward(self, x):
+            return self.fc2(F.gelu(self.fc1(x)))
+
+    torch.manual_seed(5)
+    model = Functional().to(DTYPE)
+    twin = nn.Sequential(model.fc1, nn.GELU(), model.fc2)
+    x = torch.randn(15, 6, dtype=DTYPE)
+    moved = _moved(model)
+    moved_twin = nn.Sequential(moved.fc1, nn.GELU(), moved.fc2)
+    torch.testing.assert_close(
+        fsd.LAFTR().fit(model, x).distance(moved),
+        0.5 * brute_force_laftr(twin, moved_twin, x).pow(2).sum(-1).mean(), rtol=1e-9, atol=0)
