@@ -394,3 +394,22 @@ def test_batches_of_another_form_say_what_is_accepted():
         fsd.EWC().fit(_mlp(), [{"image": torch.randn(4, 4)}])
     with pytest.raises(ValueError, match=r"is a str.*batch_to_input"):
         fsd.EWC().fit(_mlp(), ["not a batch"])
+
+
+def test_influence_functions_take_a_dataloader_of_the_training_set():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fsd import influence
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1)).double()
+    x, y = torch.randn(30, 3, dtype=DTYPE), torch.randn(30, 1, dtype=DTYPE)
+    loader = DataLoader(TensorDataset(x, y), batch_size=7)
+    common = dict(loss="squared", damping=0.1, steps=5, lr=0.1, progress=False)
+    from_tensors = influence.pbrf_scores(model, x, y, range(4), "ewc", **common)
+    from_loader = influence.pbrf_scores(model, loader, None, range(4), "ewc", **common)
+    assert from_loader.tolist() == from_tensors.tolist()
+    cg = influence.cg_scores(model, TensorDataset(x, y), None, range(4), progress=False)[0]
+    assert cg.tolist() == influence.cg_scores(model, x, y, range(4), progress=False)[0].tolist()
+    with pytest.raises(ValueError, match="targets are missing"):
+        influence.make_term("ewc", model, x, None, "squared")

@@ -54,7 +54,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 from tqdm.auto import tqdm
 
-from .estimator import Estimator
+from .estimator import Estimator, as_batches
 from .ewc import EWC
 from .linearized import BGLN
 from .metrics import pointwise_distance
@@ -157,7 +157,33 @@ def _batches(x: Tensor, y: Tensor, size: int = 1024) -> list[tuple[Tensor, Tenso
     return list(zip(torch.split(x, size), torch.split(y, size), strict=True))
 
 
-def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
+def training_tensors(x: Any, y: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The training set as two tensors (inputs, targets).
+
+    ``x`` is a tensor with its targets ``y``, or — with ``y=None`` — any form
+    :meth:`fsd.Estimator.fit` reads with labels: a ``DataLoader`` or list of ``(x, y)``
+    batches, a ``TensorDataset``, one ``(x, y)`` pair. The influence functions take either.
+    """
+    if isinstance(x, Tensor):
+        if y is None:
+            raise ValueError("targets are missing: pass (x, y) tensors, or y=None with a "
+                             "DataLoader / TensorDataset / list of (x, y) batches as x")
+        return x, y
+    if y is not None:
+        raise ValueError("give targets either with the inputs' tensor or inside the data, "
+                         "not both")
+    xs, ys = [], []
+    for batch in as_batches(x):
+        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+            raise ValueError("influence needs labelled data: (x, y) batches")
+        xs.append(torch.as_tensor(batch[0]))
+        ys.append(torch.as_tensor(batch[1]))
+    if not xs:
+        raise ValueError("no data: the data iterable is empty")
+    return torch.cat(xs), torch.cat(ys)
+
+
+def make_term(method: str, model: nn.Module, x: Any, y: Tensor | None, loss: str, *,
               batch_size: int | None = 128, seed: int = 0, bgln_covariance: str = "full",
               bgln_rank: int = 64, bgln_moments: str = "paper", bgln_groups: Tensor | None = None,
               ewc_data: int | None = None, ewc_fisher: str = "true", progress: bool = False
@@ -188,6 +214,7 @@ def make_term(method: str, model: nn.Module, x: Tensor, y: Tensor, loss: str, *,
             paper's construction, random vectors whose covariance is G) or ``"empirical"``.
         progress: show progress bars while fitting.
     """
+    x, y = training_tensors(x, y)
     metric = bregman_metric(loss)
     if method == "exact":
         return ExactTerm(model, x, metric, batch_size, seed)
@@ -340,7 +367,7 @@ class PBRF:
         return self.losses(self.solve(x, y), x, y) - before
 
 
-def pbrf_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Sequence[int],
+def pbrf_scores(model: nn.Module, x_train: Any, y_train: Tensor | None, indices: Sequence[int],
                 method: str, *, loss: str = "squared", damping: float = 1e-3, steps: int = 100,
                 lr: float = 0.01, batch_size: int | None = 128, seed: int = 0,
                 bgln_covariance: str = "full", bgln_rank: int = 64, bgln_moments: str = "paper",
@@ -352,8 +379,10 @@ def pbrf_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Seq
     Fits the method's distance term at the model's parameters (θ0), then solves the PBRFs,
     ``points_per_solve`` points side by side (memory grows with it: one copy of θ, its
     gradient and the term's intermediates per point). See :class:`PBRF` and
-    :func:`make_term` for the other arguments.
+    :func:`make_term` for the other arguments; the training set is two tensors or, with
+    ``y_train=None``, a DataLoader or other labelled data (:func:`training_tensors`).
     """
+    x_train, y_train = training_tensors(x_train, y_train)
     if points_per_solve < 1:
         raise ValueError(f"points_per_solve must be ≥ 1, got {points_per_solve}")
     term = make_term(method, model, x_train, y_train, loss, batch_size=batch_size, seed=seed,
@@ -503,7 +532,7 @@ def per_example_gradients(model: nn.Module, x: Tensor, y: Tensor, loss: str = "s
     return torch.cat([g.reshape(x.shape[0], -1) for g in grads.values()], dim=1)
 
 
-def cg_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Sequence[int], *,
+def cg_scores(model: nn.Module, x_train: Any, y_train: Tensor | None, indices: Sequence[int], *,
               loss: str = "squared", damping: float = 1e-3, max_iter: int = 100,
               tol: float = 1e-6, gn_data: int | None = None, block: int = 64, seed: int = 0,
               progress: bool = True) -> tuple[np.ndarray, dict[str, Any]]:
@@ -511,7 +540,8 @@ def cg_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Seque
 
     Args:
         model: the trained network at θ0.
-        x_train: the training inputs.
+        x_train: the training inputs, or labelled data (a DataLoader, ...) with
+            ``y_train=None`` (:func:`training_tensors`).
         y_train: the training targets.
         indices: the training points to score.
         loss: ``"squared"`` or ``"cross_entropy"``.
@@ -527,6 +557,7 @@ def cg_scores(model: nn.Module, x_train: Tensor, y_train: Tensor, indices: Seque
     Returns:
         ``(scores, info)``; info has the CG iteration counts and worst relative residual.
     """
+    x_train, y_train = training_tensors(x_train, y_train)
     model = model.eval()
     x_gn = x_train
     if gn_data is not None and gn_data < x_train.shape[0]:
