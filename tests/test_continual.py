@@ -16,7 +16,7 @@ import torch
 from fsd_experiments import continual
 from fsd import load as fsd_load
 from fsd_experiments.cli import main
-from fsd_experiments.compare import mlp
+from fsd_experiments.models import mlp
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
@@ -312,7 +312,7 @@ def test_penalty_gap_compares_each_summary_with_the_true_fsd(tmp_path, capsys):
         assert r["ratio"] == pytest.approx(r["estimate"] / r["true_fsd"])
     # the true FSD by hand: ½‖Δz‖² on the task's head, averaged over its first 200 inputs
     import torch
-    from fsd_experiments.compare import mlp
+    from fsd_experiments.models import mlp
     tasks, _ = continual.make_tasks("split-mnist", str(DATA_DIR), 3, train_subset=200,
                                     test_subset=100, num_tasks=3)
     final = mlp(784, 32, 2, 10)

@@ -7,7 +7,7 @@ import copy
 import torch
 
 from fsd import LAFTR, NTK
-from fsd_experiments.compare import mlp
+from fsd_experiments.models import mlp
 from fsd_experiments.toy import ToyConfig, format_toy, laftr_outputs, ntk_outputs, run_toy, toy_plot
 
 

@@ -17,22 +17,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .data import TensorBatches, load_mnist, split_by_classes
+from .models import mlp
 from fsd.estimator import Estimator
 from fsd.ewc import EWC
 from fsd.exact import ExactFSD
 from fsd.linearized import BGLN, LAFTR
 from fsd.ntk import NTK
-
-
-def mlp(input_dim: int, width: int, depth: int, outputs: int) -> nn.Sequential:
-    """ReLU MLP: Flatten, ``depth`` hidden Linear+ReLU layers of ``width``, Linear head."""
-    layers: list[nn.Module] = [nn.Flatten()]
-    last = input_dim
-    for _ in range(depth):
-        layers += [nn.Linear(last, width), nn.ReLU()]
-        last = width
-    layers.append(nn.Linear(last, outputs))
-    return nn.Sequential(*layers)
 
 
 def train(model: nn.Module, batches: TensorBatches, epochs: int, lr: float,

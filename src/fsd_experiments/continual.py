@@ -54,7 +54,8 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .compare import mlp
+from .devices import device_name, resolve_device
+from .models import mlp
 from .data import TensorBatches, load_mnist, resolve_data_dir, split_by_classes
 from fsd.estimator import Estimator, atomic_torch_save, load
 from fsd.ewc import EWC
@@ -407,15 +408,6 @@ class SeedResult:
     summary_bytes: list[int] = field(default_factory=list)
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``device`` as a ``torch.device``, with a clear error when CUDA is asked for but absent."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {device!r} was asked for, but torch.cuda.is_available() is "
-                           "False on this machine; use --device cpu")
-    return dev
-
-
 def penalty_weights(num_previous: int, mode: str) -> list[float]:
     """Weights of the previous tasks' distances: ``"mean"`` 1/t each, ``"sum"`` 1 each."""
     if mode not in PENALTY_MODES:
@@ -573,12 +565,6 @@ def run_continual(benchmark: str, method: str, seeds: Sequence[int], out: str | 
         results = _results_dict(benchmark, method, hp, list(seeds), done, device)
         write_results(results, out, plots=plots and len(done) == len(seeds))
     return results
-
-
-def device_name(device: str | torch.device) -> str:
-    """The GPU's name for a CUDA device (recorded with timings), else the device type."""
-    dev = torch.device(device)
-    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
 
 
 def _results_dict(benchmark: str, method: str, hp: dict, seeds: list[int],

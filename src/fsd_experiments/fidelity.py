@@ -31,7 +31,7 @@ import torch
 from scipy import stats as scipy_stats
 from torch import Tensor, nn
 
-from .compare import mlp
+from .models import mlp
 from .data import TensorBatches, load_mnist, split_by_classes
 from fsd.estimator import Estimator
 from fsd.ewc import EWC

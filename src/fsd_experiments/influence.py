@@ -22,8 +22,8 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .compare import mlp
-from .continual import device_name, resolve_device
+from .devices import device_name, resolve_device
+from .models import mlp
 from .data import UCI_DATASETS, DataNotFoundError, TensorBatches, load_mnist, load_uci
 from fsd.influence import cg_scores, pbrf_scores, pointwise_loss
 

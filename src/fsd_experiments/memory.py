@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .compare import mlp
+from .models import cifar_cnn, mlp
 from fsd.estimator import Estimator
 from fsd.ewc import EWC
 from fsd.linearized import BGLN, LAFTR
@@ -140,24 +140,6 @@ def memory_gain_table(P: int = CIFAR_CNN_P, Cs: Sequence[int] = (10, 20, 50),
                          "paper_laftr": list(paper[0]) if paper else None,
                          "paper_laftr_coreset": list(paper[1]) if paper else None})
     return rows
-
-
-def cifar_cnn(heads: int = 6, classes_per_head: int = 10) -> nn.Sequential:
-    """The Split CIFAR100 CNN (Zenke et al. 2017, used by FROMP / S-FSVI), P = 1,276,508.
-
-    conv3×3 32 ('same'), conv3×3 32 ('valid'), maxpool 2, conv3×3 64 ('same'),
-    conv3×3 64 ('valid'), maxpool 2, dense 2304→512, and ``heads`` heads of
-    ``classes_per_head`` outputs, stored as one Linear (same parameter count). Dropout is
-    left out: it holds no parameters and no statistics.
-    """
-    return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(64, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * 6 * 6, 512), nn.ReLU(),
-        nn.Linear(512, heads * classes_per_head),
-    )
 
 
 @dataclass

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp
 
-from .compare import mlp
+from .models import mlp
 from fsd.estimator import Estimator
 from fsd.ewc import EWC
 from fsd.linearized import BGLN
