@@ -18,25 +18,12 @@ from tqdm.auto import tqdm
 
 from .data import TensorBatches, load_mnist, split_by_classes
 from .models import mlp
+from .training import cross_entropy, train
 from fsd.estimator import Estimator
 from fsd.ewc import EWC
 from fsd.exact import ExactFSD
 from fsd.linearized import BGLN, LAFTR
 from fsd.ntk import NTK
-
-
-def train(model: nn.Module, batches: TensorBatches, epochs: int, lr: float,
-          desc: str = "training", progress: bool = True) -> None:
-    """Plain Adam + cross-entropy training (used to make the reference and moved networks)."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    model.train()
-    for epoch in range(epochs):
-        for x, y in tqdm(batches, desc=f"{desc} epoch {epoch + 1}/{epochs}", leave=False,
-                         disable=not progress):
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-    model.eval()
 
 
 def default_estimators(coreset_size: int = 40, num_samples: int = 128
@@ -94,11 +81,14 @@ def compare_estimators(data_dir: str | None = None, *, width: int = 100, depth: 
     x23, y23 = split_by_classes(x, y, [2, 3])
     generator = torch.Generator().manual_seed(seed)
     model = mlp(28 * 28, width, depth, 2)
+    # plain Adam + cross-entropy makes the reference and the moved network
     train(model, TensorBatches(x01, y01, batch_size, shuffle=True, generator=generator),
-          epochs, lr, "task 0/1", progress)
+          cross_entropy, torch.optim.Adam(model.parameters(), lr=lr), epochs=epochs,
+          desc="task 0/1", progress=progress)
     moved = copy.deepcopy(model)
     train(moved, TensorBatches(x23, y23, batch_size, shuffle=True, generator=generator),
-          finetune_epochs, lr, "task 2/3", progress)
+          cross_entropy, torch.optim.Adam(moved.parameters(), lr=lr), epochs=finetune_epochs,
+          desc="task 2/3", progress=progress)
 
     reference_data = TensorBatches(x01, y01, 1024)
     exact = ExactFSD().fit(model, reference_data)

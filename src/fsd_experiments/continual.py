@@ -52,10 +52,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from .devices import device_name, resolve_device
 from .models import mlp
+from .training import LossFn, train
 from .data import TensorBatches, load_mnist, resolve_data_dir, split_by_classes
 from fsd.estimator import Estimator, atomic_torch_save, load
 from fsd.ewc import EWC
@@ -385,6 +385,30 @@ def _fit_summary(method: str, hp: dict, model: nn.Module, task: Task,
                          statistics=collector)
 
 
+class _LastEpochRecorder:
+    """The data loss of one task, recording the summary's statistics in the last epoch."""
+
+    def __init__(self, collector: StatisticsCollector | None, epochs: int,
+                 classwise: bool) -> None:
+        self.collector, self.epochs, self.classwise = collector, epochs, classwise
+        self.recording = False
+
+    def start_epoch(self, epoch: int) -> None:
+        """Record during the last epoch only (when there is a collector)."""
+        self.recording = self.collector is not None and epoch == self.epochs - 1
+
+    def head_loss(self, task: Task) -> LossFn:
+        """Cross-entropy on ``task``'s head; the forward pass is recorded when asked."""
+        def loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+            if self.recording and self.collector is not None:
+                with self.collector.record(labels=y if self.classwise else None):
+                    logits = model(x)
+            else:
+                logits = model(x)
+            return nn.functional.cross_entropy(_head(logits, task), y)
+        return loss
+
+
 def _with_legacy_outputs(hp: dict, benchmark: str, method: str) -> dict:
     # settings written before ``penalty_outputs`` existed: every summary covered its task's
     # head, which on a single-head benchmark is every logit, whatever the setting says
@@ -473,25 +497,11 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
             optimizer = torch.optim.Adam(model.parameters(), lr=hp["lr"])
         batches = TensorBatches(task.x_train, task.y_train, hp["batch_size"], shuffle=True,
                                 generator=shuffle)
-        model.train()
-        for epoch in range(hp["epochs"]):
-            record = collector is not None and epoch == hp["epochs"] - 1
-            bar = tqdm(batches, desc=f"{method} seed {seed} task {t + 1}/{len(tasks)} "
-                                     f"epoch {epoch + 1}/{hp['epochs']}",
-                       leave=False, disable=not progress, mininterval=2.0)
-            for x, y in bar:
-                x, y = x.to(dev), y.to(dev)
-                optimizer.zero_grad(set_to_none=True)
-                if record:
-                    with collector.record(labels=y if spec.classwise else None):
-                        logits = model(x)
-                else:
-                    logits = model(x)
-                loss = nn.functional.cross_entropy(_head(logits, task), y)
-                if previous and hp["fsd_scale"]:
-                    loss = loss + hp["fsd_scale"] * penalty.distance(model)
-                loss.backward()
-                optimizer.step()
+        recording = _LastEpochRecorder(collector, hp["epochs"], spec.classwise)
+        train(model, batches, recording.head_loss(task), optimizer, epochs=hp["epochs"],
+              penalty=penalty.distance if previous else None, weight=hp["fsd_scale"],
+              on_epoch=recording.start_epoch, device=dev, progress=progress,
+              desc=f"{method} seed {seed} task {t + 1}/{len(tasks)}", mininterval=2.0)
         row = [_accuracy(model, other, dev) for other in tasks]
         if spec.factory is not None and not last_task:
             estimator = _fit_summary(method, hp, model, task, collector, seed * 100 + t)

@@ -32,6 +32,7 @@ from scipy import stats as scipy_stats
 from torch import Tensor, nn
 
 from .models import mlp
+from .training import cross_entropy, minibatch_stream, train
 from .data import TensorBatches, load_mnist, split_by_classes
 from fsd.estimator import Estimator
 from fsd.ewc import EWC
@@ -133,27 +134,20 @@ def train_steps(model: nn.Module, x: Tensor, y: Tensor, *, lr: float, steps: int
     model after each step count in ``snapshots`` are returned (one run gives a whole row of
     the learning-rate × iterations grid).
     """
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     wanted, out = set(snapshots), {}
-    order = torch.empty(0, dtype=torch.long)
-    model.train()
-    if callback is not None:
-        callback(0)
-    for step in range(1, steps + 1):
-        if order.numel() < batch_size:  # reshuffle when the epoch runs out
-            order = torch.cat([order, torch.randperm(x.shape[0], generator=generator)])
-        index, order = order[:batch_size], order[batch_size:]
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(x[index]), y[index])
-        if penalty is not None and lam:
-            loss = loss + lam * penalty(model)
-        loss.backward()
-        optimizer.step()
+
+    def after(step: int) -> None:
         if step in wanted:
             out[step] = copy.deepcopy(model).eval()
         if callback is not None:
             callback(step)
-    model.eval()
+
+    model.train()
+    if callback is not None:
+        callback(0)
+    train(model, minibatch_stream(x, y, batch_size, steps, generator), cross_entropy,
+          torch.optim.Adam(model.parameters(), lr=lr), penalty=penalty, weight=lam,
+          on_step=after, bar=None)
     return out
 
 

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from .devices import device_name, resolve_device
 from .models import mlp
+from .training import train
 from .data import UCI_DATASETS, DataNotFoundError, TensorBatches, load_mnist, load_uci
 from fsd.influence import cg_scores, pbrf_scores, pointwise_loss
 
@@ -55,21 +56,15 @@ def train_sgd(model: nn.Module, x: Tensor, y: Tensor, *, loss: str, epochs: int,
               batch_size: int = 128, seed: int = 0, desc: str = "training",
               progress: bool = True) -> bool:
     """Plain SGD on the mean loss; returns ``False`` if the loss became non-finite."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     batches = TensorBatches(x, y, batch_size, shuffle=True,
                             generator=torch.Generator().manual_seed(seed))
-    model.train()
-    for _ in tqdm(range(epochs), desc=desc, leave=False, disable=not progress):
-        for xb, yb in batches:
-            optimizer.zero_grad(set_to_none=True)
-            value = pointwise_loss(loss, model(xb), yb).mean()
-            if not torch.isfinite(value):
-                model.eval()
-                return False
-            value.backward()
-            optimizer.step()
-    model.eval()
-    return True
+
+    def mean_pointwise(model: nn.Module, xb: Tensor, yb: Tensor) -> Tensor:
+        return pointwise_loss(loss, model(xb), yb).mean()
+
+    return train(model, batches, mean_pointwise, torch.optim.SGD(model.parameters(), lr=lr),
+                 epochs=epochs, stop_on_nonfinite=True, progress=progress, desc=desc,
+                 bar="epochs")
 
 
 def mean_loss(model: nn.Module, x: Tensor, y: Tensor, loss: str) -> float:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp
 
 from .models import mlp
+from .training import squared_error, train
 from fsd.estimator import Estimator
 from fsd.ewc import EWC
 from fsd.linearized import BGLN
@@ -73,15 +74,9 @@ def make_data(n: int = 40, noise: float = 0.05, seed: int = 0,
 def fit_regression(model: nn.Module, x: Tensor, y: Tensor, *, steps: int, lr: float,
                    penalty: Callable[[nn.Module], Tensor] | None = None,
                    lam: float = 0.0) -> None:
-    """Full-batch Adam on mean squared error (+ ``lam * penalty(model)``)."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = (model(x) - y).pow(2).mean()
-        if penalty is not None:
-            loss = loss + lam * penalty(model)
-        loss.backward()
-        optimizer.step()
+    """Full-batch Adam on mean squared error (+ ``lam * penalty(model)``), ``steps`` steps."""
+    train(model, [(x, y)], squared_error, torch.optim.Adam(model.parameters(), lr=lr),
+          epochs=steps, penalty=penalty, weight=lam, bar=None)
 
 
 def laftr_outputs(reference: nn.Sequential, model: nn.Sequential, x: Tensor) -> Tensor:
