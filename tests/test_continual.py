@@ -288,11 +288,12 @@ def test_rank_option_stores_low_rank_moments(tmp_path):
 def test_metric_option_reaches_monte_carlo_estimators_only(tmp_path):
     # default: softmax outputs for the Monte Carlo methods, as the authors' BGLN-S code
     hp = continual.default_hyperparameters("split-mnist", "bgln-s")
-    assert continual.METHODS["bgln-s"].factory(hp, 0).config["metric"] == "softmax_euclidean"
-    assert continual.METHODS["laftr"].factory(
+    bgln_s = continual.METHODS["bgln-s"]
+    assert bgln_s.continual_estimator(hp, 0).config["metric"] == "softmax_euclidean"
+    assert continual.METHODS["laftr"].continual_estimator(
         continual.default_hyperparameters("split-mnist", "laftr"), 0).config["metric"] == \
         "softmax_euclidean"
-    assert continual.METHODS["bgln-s"].factory({**hp, "metric": "euclidean"}, 0).config[
+    assert bgln_s.continual_estimator({**hp, "metric": "euclidean"}, 0).config[
         "metric"] == "euclidean"
     assert continual.default_hyperparameters("split-mnist", "bgln-d")["metric"] is None
     with pytest.raises(ValueError, match="metric applies to"):

@@ -18,30 +18,32 @@ from tqdm.auto import tqdm
 
 from .data import TensorBatches, load_mnist, split_by_classes
 from .models import mlp
+from .presets import by_title
 from .training import cross_entropy, train
 from fsd.estimator import Estimator
-from fsd.ewc import EWC
 from fsd.exact import ExactFSD
-from fsd.linearized import BGLN, LAFTR
-from fsd.ntk import NTK
+
+
+#: the estimators compared, in table order (display names of :mod:`fsd_experiments.presets`)
+COMPARED: tuple[str, ...] = (
+    "LAFTR (coreset)", "LAFTR (gaussian)", "BGLN-S", "BGLN-S-Var", "BGLN-S-CW",
+    "BGLN-S (coreset)", "BGLN-D", "BGLN-D-Var", "BGLN-D-CW", "NTK (coreset)", "EWC")
 
 
 def default_estimators(coreset_size: int = 40, num_samples: int = 128
                        ) -> dict[str, Callable[[], Estimator]]:
-    """The estimators compared, by display name (factories, so each run is fresh)."""
-    return {
-        "LAFTR (coreset)": lambda: LAFTR(inputs="coreset", coreset_size=coreset_size),
-        "LAFTR (gaussian)": lambda: LAFTR(inputs="gaussian", num_samples=num_samples),
-        "BGLN-S": lambda: BGLN(num_samples=num_samples),
-        "BGLN-S-Var": lambda: BGLN(covariance="diag", num_samples=num_samples),
-        "BGLN-S-CW": lambda: BGLN(classwise=True, num_samples=num_samples),
-        "BGLN-S (coreset)": lambda: BGLN(inputs="coreset", coreset_size=coreset_size),
-        "BGLN-D": lambda: BGLN(deterministic=True),
-        "BGLN-D-Var": lambda: BGLN(deterministic=True, covariance="diag"),
-        "BGLN-D-CW": lambda: BGLN(deterministic=True, classwise=True),
-        "NTK (coreset)": lambda: NTK(coreset_size=coreset_size),
-        "EWC": lambda: EWC(fisher="true", metric="euclidean"),
-    }
+    """The estimators compared, by display name (factories, so each run is fresh).
+
+    Coreset methods keep ``coreset_size`` points; the ones sampling Gaussian inputs draw
+    ``num_samples`` per call; everything else keeps its preset's defaults.
+    """
+    def factory(title: str) -> Callable[[], Estimator]:
+        preset = by_title(title)
+        options: dict[str, int] = ({"coreset_size": coreset_size} if preset.coreset else
+                                   {"num_samples": num_samples} if preset.sampled else {})
+        return lambda: preset.make(**options)
+
+    return {title: factory(title) for title in COMPARED}
 
 
 @dataclass

@@ -47,34 +47,33 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from .devices import device_name, resolve_device
+from .benchmarks import CL_BENCHMARKS, SPLIT_PAIRS
 from .models import mlp
+from .presets import (CL_METHODS, PRESETS, SOFTMAX_FAMILIES, Preset,
+                      default_hyperparameters)
 from .training import LossFn, train
 from .data import TensorBatches, load_mnist, resolve_data_dir, split_by_classes
 from fsd.estimator import Estimator, atomic_torch_save, load
-from fsd.ewc import EWC
 from fsd.exact import ExactFSD
-from fsd.linearized import BGLN, LAFTR
 from fsd.metrics import METRICS, check_metric
-from fsd.ntk import NTK
 from fsd.statistics import StatisticsCollector
 from fsd.summary_set import combine
 
 __all__ = [
-    "BENCHMARKS", "METHODS", "PAPER", "MethodSpec", "Task", "accuracy_summary", "add_cli",
+    "BENCHMARKS", "METHODS", "PAPER", "Task", "accuracy_summary", "add_cli",
     "average_accuracy", "backward_transfer", "default_hyperparameters", "gap_markdown",
     "make_tasks", "merge_runs", "penalty_gap", "penalty_weights", "report", "resolve_device",
     "results_markdown", "run_continual", "run_seed", "write_results",
 ]
 
-BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist", "split-fashion-mnist")
-SPLIT_PAIRS = [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9)]
+BENCHMARKS: tuple[str, ...] = CL_BENCHMARKS
 CHECKPOINT_VERSION = 2
 OPTIMIZER_MODES: tuple[str, ...] = ("shared", "per-task")
 PENALTY_MODES: tuple[str, ...] = ("mean", "sum")
@@ -165,149 +164,8 @@ def make_tasks(benchmark: str, data_dir: str | None, seed: int, *,
 # ------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class MethodSpec:
-    """How a method summarizes a finished task.
-
-    Attributes:
-        factory: builds a fresh estimator from (hyper-parameters, estimator seed); ``None``
-            for plain fine-tuning.
-        moments: input moments to record in the last epoch (``"full"``, ``"diag"``, None).
-        gates: record ReLU gate frequencies in the last epoch.
-        classwise: record labels (class-conditional summaries).
-        layer_moments: record the reference's input moments at every affine layer
-            (``reference="layerwise"``).
-        needs_data: ``fit`` reads the task's training data (coresets, Fisher).
-        family: key into the paper's per-method tables of defaults.
-    """
-
-    factory: Callable[[dict, int], Estimator] | None
-    moments: str | None = None
-    gates: bool = False
-    classwise: bool = False
-    layer_moments: bool = False
-    needs_data: bool = False
-    family: str = "bgln-s"
-
-
-def _covariance(hp: dict) -> dict[str, Any]:
-    # low-rank(+diagonal) input covariance when --rank is given (checked in run_continual)
-    return {} if hp.get("rank") is None else {"covariance": "lowrank", "rank": hp["rank"]}
-
-
-def _sampled(hp: dict) -> dict[str, Any]:
-    # output metric of the Monte Carlo estimators (BGLN-D has only the Euclidean one)
-    return {} if hp.get("metric") is None else {"metric": hp["metric"]}
-
-
-def _bgln(**kw: Any) -> Callable[[dict, int], Estimator]:
-    extra = (lambda hp: _covariance(hp)) if kw.get("deterministic") else \
-        (lambda hp: {**_covariance(hp), **_sampled(hp)})
-    return lambda hp, seed: BGLN(num_samples=hp["num_samples"], seed=seed,
-                                 **{**kw, **extra(hp)})
-
-
-METHODS: dict[str, MethodSpec] = {
-    "finetune": MethodSpec(None, family="finetune"),
-    # EWC: diagonal Gauss-Newton of the Euclidean logit metric, the same quadratic the NTK
-    # estimator averages over its coreset, so λ lives on the same scale as the FSD methods.
-    "ewc": MethodSpec(lambda hp, seed: EWC(fisher="true", metric="euclidean", seed=seed),
-                      needs_data=True, family="ewc"),
-    "ntk": MethodSpec(lambda hp, seed: NTK(coreset_size=hp["coreset_size"], seed=seed),
-                      needs_data=True, family="ntk"),
-    # ExactFSD over a 40-point random coreset (the subset is drawn by the harness)
-    "exact-coreset": MethodSpec(lambda hp, seed: ExactFSD(), needs_data=True, family="ntk"),
-    "laftr": MethodSpec(lambda hp, seed: LAFTR(inputs="gaussian", num_samples=hp["num_samples"],
-                                               seed=seed, **_covariance(hp), **_sampled(hp)),
-                        moments="full", family="bgln-s"),
-    "laftr-coreset": MethodSpec(lambda hp, seed: LAFTR(inputs="coreset",
-                                                       coreset_size=hp["coreset_size"], seed=seed,
-                                                       **_sampled(hp)),
-                                needs_data=True, family="bgln-s"),
-    "bgln-s": MethodSpec(_bgln(), moments="full", gates=True, family="bgln-s"),
-    "bgln-d": MethodSpec(_bgln(deterministic=True), moments="full", gates=True, family="bgln-d"),
-    # beyond the paper: exact joint-moment propagation (= E[BGLN-S]) and the reference
-    # network's real layer-wise moments; λ and learning rate default to BGLN-D's
-    "bgln-d-exact": MethodSpec(_bgln(deterministic=True, moments="exact"), moments="full",
-                               gates=True, family="bgln-d"),
-    "bgln-d-layerwise": MethodSpec(_bgln(deterministic=True, reference="layerwise"),
-                                   moments="full", gates=True, layer_moments=True,
-                                   family="bgln-d"),
-    "bgln-s-cw": MethodSpec(_bgln(classwise=True), moments="full", gates=True, classwise=True,
-                            family="bgln-s-cw"),
-    "bgln-d-cw": MethodSpec(_bgln(deterministic=True, classwise=True), moments="full",
-                            gates=True, classwise=True, family="bgln-d-cw"),
-    "bgln-s-var": MethodSpec(_bgln(covariance="diag"), moments="diag", gates=True,
-                             family="bgln-s"),
-    "bgln-d-var": MethodSpec(_bgln(deterministic=True, covariance="diag"), moments="diag",
-                             gates=True, family="bgln-d"),
-    "bgln-s-coreset": MethodSpec(
-        lambda hp, seed: BGLN(inputs="coreset", coreset_size=hp["coreset_size"],
-                              num_samples=hp["num_samples"], seed=seed, **_sampled(hp)),
-        gates=True, needs_data=True, family="bgln-s"),
-}
-
-# The authors' BGLN-S code measures ½‖softmax(z1) − softmax(z0)‖² (its l2_norm normalizes by
-# default), while BGLN-D works on logits; the paper's λ for each was tuned that way.
-_SOFTMAX_FAMILIES = ("bgln-s", "bgln-s-cw")
-_ALL_LOGIT_FAMILIES = ("bgln-d", "bgln-d-cw")
-
-# Paper tables (appendix): epochs, FSD scale λ, batch size per method family and benchmark.
-# Families the tables do not list take the closest listed method's values: the -var and
-# -coreset and LAFTR variants those of BGLN-S / BGLN-D; exact-coreset those of NTK (coreset).
-# finetune and EWC are not in the tables: BGLN-S's epochs and batch size, λ = 1 for EWC
-# (not tuned).
-_TABLE = {
-    #            (epochs, λ, batch)  split-mnist     permuted-mnist
-    "ntk":       {"split": (15, 1.0, 256), "permuted": (5, 1.0, 256)},
-    "bgln-s":    {"split": (15, 5.0, 32), "permuted": (15, 1.0, 128)},
-    "bgln-d":    {"split": (15, 0.1, 32), "permuted": (15, 0.005, 128)},
-    "bgln-s-cw": {"split": (15, 2.0, 32), "permuted": (15, 1.0, 128)},
-    "bgln-d-cw": {"split": (15, 0.1, 32), "permuted": (15, 0.005, 128)},
-    "ewc":       {"split": (15, 1.0, 32), "permuted": (15, 1.0, 128)},
-    "finetune":  {"split": (15, 0.0, 32), "permuted": (15, 0.0, 128)},
-}
-
-
-def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
-    """The paper's hyper-parameters for (benchmark, method), see the module docstring.
-
-    Learning rate 0.001 everywhere except BGLN-S on Split MNIST and BGLN-D on Permuted MNIST
-    (0.0001), as the paper states. Gate frequencies: running mean (the paper's momentum
-    1/batch_size is exactly a simple moving average). Split Fashion-MNIST uses Split MNIST's
-    values (the paper has no Fashion-MNIST experiment).
-    """
-    if benchmark not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {benchmark!r}; expected one of {BENCHMARKS}")
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
-    column = "permuted" if benchmark == "permuted-mnist" else "split"
-    epochs, scale, batch = _TABLE[METHODS[method].family][column]
-    lr = 1e-3
-    if (column, method) in (("split", "bgln-s"), ("permuted", "bgln-d"),
-                            ("permuted", "bgln-d-exact"), ("permuted", "bgln-d-layerwise")):
-        lr = 1e-4
-    return {
-        "epochs": epochs, "fsd_scale": scale, "batch_size": batch, "lr": lr,
-        # permuted: the authors' example settings (512); split: FROMP's 256 (docs/results.md)
-        "width": 512 if column == "permuted" else 256, "depth": 2,
-        # Monte Carlo samples per BGLN-S/LAFTR distance call: the paper does not say
-        # (its Algorithm 1 draws one); 32 keeps the penalty's cost near BGLN-D's while its
-        # gradient noise stays well below the minibatch loss's
-        "momentum": None, "coreset_size": 40, "num_samples": 32,
-        "fisher_samples": 1000, "train_subset": None, "test_subset": None, "tasks": None,
-        # the authors' code: one Adam for the stream, penalty averaged over previous tasks
-        "optimizer": "shared", "penalty": "mean",
-        # None: the method's input covariance (full, or diagonal for -var); r: store the data
-        # covariance as its top-r eigenpairs plus a diagonal (BGLN methods with full moments)
-        "rank": None,
-        # output metric of the Monte Carlo (LAFTR / BGLN-S) penalties; see the module docstring
-        "metric": "softmax_euclidean" if METHODS[method].family in _SOFTMAX_FAMILIES else None,
-        # multi-head benchmarks: the logits each task's summary covers. The authors' BGLN-D
-        # (``determ_fsd``) is never given the task's label set, so it covers all of them;
-        # their sampled and coreset penalties are restricted to the task's head
-        "penalty_outputs": "all" if METHODS[method].family in _ALL_LOGIT_FAMILIES else "head",
-    }
+#: the methods of ``fsd cl``, by name (see :mod:`fsd_experiments.presets`)
+METHODS: dict[str, Preset] = {name: PRESETS[name] for name in CL_METHODS}
 
 
 # ------------------------------------------------------------------------------------------
@@ -368,7 +226,7 @@ def _fit_summary(method: str, hp: dict, model: nn.Module, task: Task,
                  collector: StatisticsCollector | None, seed: int) -> Estimator:
     """Fit task ``task``'s estimator at the model's current parameters."""
     spec = METHODS[method]
-    estimator = spec.factory(hp, seed)
+    estimator = spec.continual_estimator(hp, seed)
     gen = torch.Generator().manual_seed(seed)  # coreset / Fisher subset of this task
     data: Any = None
     if method == "exact-coreset":
@@ -484,12 +342,12 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
         # summaries are always read back from disk, also in an uninterrupted run, so that a
         # resumed run sees estimators in exactly the same state (their sampling RNG included)
         previous = [load(ckpt_dir / f"task{i}.fsd", map_location=dev) for i in range(t)] \
-            if spec.factory is not None else []
+            if spec.estimator is not None else []
         # one penalty object: BGLN-D summaries of all previous tasks evaluate in one pass
         penalty = combine(previous, penalty_weights(len(previous), hp["penalty"]))
         last_task = t == len(tasks) - 1
         collector = None
-        if spec.factory is not None and not last_task and (spec.moments or spec.gates):
+        if spec.estimator is not None and not last_task and (spec.moments or spec.gates):
             collector = StatisticsCollector(model, moments=spec.moments, gates=spec.gates,
                                             momentum=hp["momentum"],
                                             layer_moments=spec.layer_moments)
@@ -503,7 +361,7 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
               on_epoch=recording.start_epoch, device=dev, progress=progress,
               desc=f"{method} seed {seed} task {t + 1}/{len(tasks)}", mininterval=2.0)
         row = [_accuracy(model, other, dev) for other in tasks]
-        if spec.factory is not None and not last_task:
+        if spec.estimator is not None and not last_task:
             estimator = _fit_summary(method, hp, model, task, collector, seed * 100 + t)
             estimator.save(ckpt_dir / f"task{t}.fsd")
             result.summary_bytes.append(int(estimator.nbytes))
@@ -555,13 +413,13 @@ def run_continual(benchmark: str, method: str, seeds: Sequence[int], out: str | 
                          f"got {hp['penalty_outputs']!r}")
     if hp["metric"] is not None and hp["metric"] != default_hyperparameters(benchmark,
                                                                            method)["metric"]:
-        sampled = [m for m, spec in METHODS.items() if spec.family in _SOFTMAX_FAMILIES]
+        sampled = [m for m, spec in METHODS.items() if spec.family in SOFTMAX_FAMILIES]
         if method not in sampled:
             raise ValueError(f"metric applies to the Monte Carlo methods {sorted(sampled)}, "
                              f"not {method!r}")
         check_metric(hp["metric"])
     if hp["rank"] is not None:
-        if METHODS[method].moments != "full" or METHODS[method].factory is None:
+        if METHODS[method].moments != "full" or METHODS[method].estimator is None:
             raise ValueError(f"rank applies to BGLN/LAFTR methods with full input moments, "
                              f"not {method!r}")
         if hp["rank"] < 1:

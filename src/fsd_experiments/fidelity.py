@@ -32,13 +32,11 @@ from scipy import stats as scipy_stats
 from torch import Tensor, nn
 
 from .models import mlp
+from .presets import PRESETS, Preset, by_title
 from .training import cross_entropy, minibatch_stream, train
 from .data import TensorBatches, load_mnist, split_by_classes
 from fsd.estimator import Estimator
-from fsd.ewc import EWC
 from fsd.exact import ExactFSD
-from fsd.linearized import BGLN, LAFTR
-from fsd.ntk import NTK
 from fsd.statistics import StatisticsCollector
 
 BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist")
@@ -56,7 +54,7 @@ DEPTH_ESTIMATORS: tuple[str, ...] = ("LAFTR (coreset)", "NTK (coreset)", "BGLN-D
 MINIMIZE_ESTIMATORS: tuple[str, ...] = (
     "none", "LAFTR (coreset)", "NTK (coreset)", "BGLN-S", "BGLN-D", "BGLN-D-CW", "EWC")
 #: estimators whose ``distance`` draws random samples (inputs and/or gates)
-SAMPLED = {"BGLN-S (coreset)", "LAFTR (gaussian)", "BGLN-S", "BGLN-S-Var", "BGLN-S-CW"}
+SAMPLED = {p.title for p in PRESETS.values() if p.sampled}
 
 
 # ----- data ---------------------------------------------------------------------------------
@@ -205,6 +203,17 @@ class Suite:
         return sum(fresh.distance(model) for _ in range(self.repeats)) / self.repeats
 
 
+#: every estimator :func:`fit_suite` can fit, by display name
+FITTABLE: tuple[str, ...] = tuple(p.title for p in PRESETS.values()
+                                  if p.estimator is not None and p.estimator is not ExactFSD)
+
+
+def _preset(name: str) -> Preset:
+    if name not in FITTABLE:
+        raise ValueError(f"unknown estimator {name!r}; expected one of {', '.join(FITTABLE)}")
+    return by_title(name)
+
+
 def fit_suite(reference: nn.Module, bench: Benchmark, names: Sequence[str], *,
               coreset_size: int = 200, num_samples: int = 2048, repeats: int = 4,
               seed: int = 0, batch_size: int = 1024, ewc_examples: int | None = None
@@ -225,8 +234,9 @@ def fit_suite(reference: nn.Module, bench: Benchmark, names: Sequence[str], *,
     index = torch.randperm(task.x.shape[0], generator=torch.Generator().manual_seed(seed))
     index = index[:coreset_size]
     coreset = [(task.x[index], task.y[index])]
+    presets = {name: _preset(name) for name in names if name != "none"}
     collector = None
-    if any(n not in ("LAFTR (coreset)", "NTK (coreset)", "EWC", "none") for n in names):
+    if any(p.needs_statistics for p in presets.values()):
         start = time.perf_counter()
         collector = StatisticsCollector(reference, moments="full", gates=True,
                                         layer_moments=True)
@@ -236,45 +246,24 @@ def fit_suite(reference: nn.Module, bench: Benchmark, names: Sequence[str], *,
                     reference(x)
         collector.remove()
         times["statistics"] = time.perf_counter() - start
-    makers: dict[str, Callable[[], Estimator]] = {
-        "LAFTR (coreset)": lambda: LAFTR(inputs="coreset").fit(reference, coreset),
-        "BGLN-S (coreset)": lambda: BGLN(inputs="coreset", num_samples=num_samples, seed=seed)
-        .fit(reference, coreset, statistics=collector),
-        "NTK (coreset)": lambda: NTK().fit(reference, coreset),
-        "LAFTR (gaussian)": lambda: LAFTR(inputs="gaussian", num_samples=num_samples,
-                                          seed=seed).fit(reference, statistics=collector),
-        "BGLN-S": lambda: BGLN(num_samples=num_samples, seed=seed)
-        .fit(reference, statistics=collector),
-        "BGLN-S-Var": lambda: BGLN(covariance="diag", num_samples=num_samples, seed=seed)
-        .fit(reference, statistics=collector),
-        "BGLN-S-CW": lambda: BGLN(classwise=True, num_samples=num_samples, seed=seed)
-        .fit(reference, statistics=collector),
-        "BGLN-D": lambda: BGLN(deterministic=True).fit(reference, statistics=collector),
-        "BGLN-D (exact)": lambda: BGLN(deterministic=True, moments="exact")
-        .fit(reference, statistics=collector),
-        "BGLN-D (layerwise)": lambda: BGLN(deterministic=True, reference="layerwise")
-        .fit(reference, statistics=collector),
-        "BGLN-D (exact+layerwise)": lambda: BGLN(deterministic=True, moments="exact",
-                                                  reference="layerwise")
-        .fit(reference, statistics=collector),
-        "BGLN-D-Var": lambda: BGLN(deterministic=True, covariance="diag")
-        .fit(reference, statistics=collector),
-        "BGLN-D-CW": lambda: BGLN(deterministic=True, classwise=True)
-        .fit(reference, statistics=collector),
-        # Fisher of the same Euclidean (unit-variance Gaussian) metric, over all task-1 data
-        "EWC": lambda: EWC(fisher="true", metric="euclidean", chunk_size=64)
-        .fit(reference, TensorBatches(task.x[:ewc_examples], task.y[:ewc_examples],
-                                      batch_size)),
-    }
+
+    def fit(preset: Preset) -> Estimator:
+        if preset.name == "ewc":
+            # Fisher of the same Euclidean (unit-variance Gaussian) metric, over task-1 data
+            return preset.make(chunk_size=64).fit(
+                reference, TensorBatches(task.x[:ewc_examples], task.y[:ewc_examples],
+                                         batch_size))
+        estimator = preset.make(**({"num_samples": num_samples, "seed": seed}
+                                   if preset.sampled else {}))
+        statistics = collector if preset.needs_statistics else None
+        if preset.coreset:
+            return estimator.fit(reference, coreset, statistics=statistics)
+        return estimator.fit(reference, statistics=statistics)
+
     estimators = {}
-    for name in names:
-        if name == "none":
-            continue
-        if name not in makers:
-            raise ValueError(f"unknown estimator {name!r}; expected one of "
-                             f"{', '.join(makers)}")
+    for name, preset in presets.items():
         start = time.perf_counter()
-        estimators[name] = makers[name]()
+        estimators[name] = fit(preset)
         times[name] = time.perf_counter() - start
     return Suite(exact, estimators, repeats, len(index), times)
 

@@ -26,10 +26,8 @@ import torch
 from torch import nn
 
 from .models import cifar_cnn, mlp
+from .presets import PRESETS
 from fsd.estimator import Estimator
-from fsd.ewc import EWC
-from fsd.linearized import BGLN, LAFTR
-from fsd.ntk import NTK
 
 #: the paper's memory-gain table: (C, N) -> (LAFTR at d = 1000, 2000, 3000; LAFTR (coreset))
 PAPER_MEMORY_GAIN: dict[tuple[int, int], tuple[tuple[float, ...], tuple[float, ...]]] = {
@@ -174,32 +172,34 @@ def measured_counts(model: nn.Module, input_shape: Sequence[int], N: int, C: int
     y = torch.arange(n) % C
     data = [(x, y)]
     costs = memory_costs(P, A, d, N, C)
-    specs: list[tuple[str, str, str, Callable[[], Estimator], str]] = [
-        ("NTK (coreset)", "NTK (coreset)", "2P + Nd", lambda: NTK(coreset_size=N).fit(model, data),
+
+    def fitted(method: str) -> Callable[[], Estimator]:
+        preset = PRESETS[method]
+        if method == "ewc":  # the Fisher's size does not depend on how many examples it
+            # averages: fit on a few
+            return lambda: preset.make(chunk_size=1).fit(model, [(x[:2], y[:2])])
+        options = {"coreset_size": N} if preset.coreset else {}
+        return lambda: preset.make(**options).fit(model, data)
+
+    # (method, formula key of memory_costs, formula, note)
+    rows_wanted: list[tuple[str, str, str, str]] = [
+        ("ntk", "NTK (coreset)", "2P + Nd",
          "θ0 + coreset; J(θ−θ0) is recomputed by forward-mode AD, not stored"),
-        ("LAFTR (coreset)", "LAFTR (coreset)", "P + Nd",
-         lambda: LAFTR(inputs="coreset", coreset_size=N).fit(model, data), "θ0 + coreset"),
-        ("BGLN-S (coreset)", "BGLN-S (coreset)", "P + A + Nd",
-         lambda: BGLN(inputs="coreset", coreset_size=N).fit(model, data),
-         "+1 mixture weight"),
-        ("LAFTR (gaussian)", "LAFTR", "P + d + d²",
-         lambda: LAFTR(inputs="gaussian").fit(model, data),
+        ("laftr-coreset", "LAFTR (coreset)", "P + Nd", "θ0 + coreset"),
+        ("bgln-s-coreset", "BGLN-S (coreset)", "P + A + Nd", "+1 mixture weight"),
+        ("laftr", "LAFTR", "P + d + d²",
          "+1 mixture weight; full d×d covariance stored (not d(d+1)/2)"),
-        ("BGLN-S", "BGLN-S / BGLN-D", "P + A + d + d²", lambda: BGLN().fit(model, data),
-         "+1 mixture weight"),
-        ("BGLN-S-Var", "BGLN-S-Var / BGLN-D-Var", "P + A + 2d",
-         lambda: BGLN(covariance="diag").fit(model, data), "+1 mixture weight"),
+        ("bgln-s", "BGLN-S / BGLN-D", "P + A + d + d²", "+1 mixture weight"),
+        ("bgln-s-var", "BGLN-S-Var / BGLN-D-Var", "P + A + 2d", "+1 mixture weight"),
     ]
     if deterministic:
-        specs.append(("BGLN-D", "BGLN-S / BGLN-D", "P + A + d + d²",
-                      lambda: BGLN(deterministic=True).fit(model, data), "+1 mixture weight"))
+        rows_wanted.append(("bgln-d", "BGLN-S / BGLN-D", "P + A + d + d²", "+1 mixture weight"))
     if classwise:
-        specs.append(("BGLN-S-CW", "BGLN-S-CW / BGLN-D-CW", "P + C(A + d + d²)",
-                      lambda: BGLN(classwise=True).fit(model, data), "+C mixture weights"))
-    # the Fisher's size does not depend on how many examples it averages: fit on a few
-    specs.append(("EWC", "EWC", "2P",
-                  lambda: EWC(fisher="true", metric="euclidean", chunk_size=1)
-                  .fit(model, [(x[:2], y[:2])]), "θ0 + diagonal Fisher"))
+        rows_wanted.append(("bgln-s-cw", "BGLN-S-CW / BGLN-D-CW", "P + C(A + d + d²)",
+                            "+C mixture weights"))
+    rows_wanted.append(("ewc", "EWC", "2P", "θ0 + diagonal Fisher"))
+    specs = [(PRESETS[m].title, key, formula, fitted(m), note)
+             for m, key, formula, note in rows_wanted]
     rows = []
     for name, key, formula, make, note in specs:
         est = make()

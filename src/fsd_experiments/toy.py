@@ -31,16 +31,15 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp
 
 from .models import mlp
+from .presets import PRESETS
 from .training import squared_error, train
 from fsd.estimator import Estimator
-from fsd.ewc import EWC
-from fsd.linearized import BGLN
-from fsd.ntk import NTK
 
+#: the regularizers of the right panel, by display name ("NTK": over all task-1 inputs)
 REGULARIZERS: dict[str, Callable[[], Estimator]] = {
-    "BGLN-D": lambda: BGLN(deterministic=True),
-    "EWC": lambda: EWC(fisher="true", metric="euclidean"),
-    "NTK": lambda: NTK(),
+    "BGLN-D": PRESETS["bgln-d"].make,
+    "EWC": PRESETS["ewc"].make,
+    "NTK": PRESETS["ntk"].make,
 }
 
 
