@@ -16,13 +16,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from fsd.estimator import Estimator
+from fsd.exact import ExactFSD
+
 from .data import TensorBatches, load_mnist, split_by_classes
 from .models import mlp
 from .presets import by_title
 from .training import cross_entropy, train
-from fsd.estimator import Estimator
-from fsd.exact import ExactFSD
-
 
 #: the estimators compared, in table order (display names of :mod:`fsd_experiments.presets`)
 COMPARED: tuple[str, ...] = (

@@ -43,7 +43,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,18 +52,20 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .devices import device_name, resolve_device
-from .benchmarks import CL_BENCHMARKS, SPLIT_PAIRS
-from .models import mlp
-from .presets import (CL_METHODS, PRESETS, SOFTMAX_FAMILIES, Preset,
-                      default_hyperparameters)
-from .training import LossFn, train
-from .data import TensorBatches, load_mnist, resolve_data_dir, split_by_classes
 from fsd.estimator import Estimator, atomic_torch_save, load
 from fsd.exact import ExactFSD
 from fsd.metrics import METRICS, check_metric
 from fsd.statistics import StatisticsCollector
 from fsd.summary_set import combine
+
+from .benchmarks import CL_BENCHMARKS, Task, make_tasks
+from .data import TensorBatches
+from .devices import device_name, resolve_device
+from .io import atomic_write_text, write_json
+from .models import mlp
+from .plotting import pyplot
+from .presets import CL_METHODS, PRESETS, SOFTMAX_FAMILIES, Preset, default_hyperparameters
+from .training import LossFn, train
 
 __all__ = [
     "BENCHMARKS", "METHODS", "PAPER", "Task", "accuracy_summary", "add_cli",
@@ -82,81 +83,6 @@ PENALTY_OUTPUTS: tuple[str, ...] = ("head", "all")
 
 class CheckpointMismatchError(RuntimeError):
     """A run directory holds a checkpoint written with other settings than those asked for."""
-
-
-# ------------------------------------------------------------------------------------------
-# Tasks
-# ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Task:
-    """One task of a stream: train/test tensors and the output units it uses."""
-
-    name: str
-    x_train: Tensor
-    y_train: Tensor
-    x_test: Tensor
-    y_test: Tensor
-    outputs: list[int] | None  # head units (multi-head), None = all outputs
-
-
-def _subset(x: Tensor, y: Tensor, n: int | None, generator: torch.Generator
-            ) -> tuple[Tensor, Tensor]:
-    if n is None or n >= x.shape[0]:
-        return x, y
-    idx = torch.randperm(x.shape[0], generator=generator)[:n].sort().values
-    return x[idx], y[idx]
-
-
-_LOADED: dict[tuple, tuple[Tensor, Tensor]] = {}
-
-
-def _load_cached(data_dir: str | None, split: str, kind: str) -> tuple[Tensor, Tensor]:
-    # several seeds (or runs in one process) reuse the decoded files; tasks never modify them
-    key = (str(resolve_data_dir(data_dir)), split, kind)
-    if key not in _LOADED:
-        _LOADED[key] = load_mnist(data_dir, split, kind=kind)
-    return _LOADED[key]
-
-
-def make_tasks(benchmark: str, data_dir: str | None, seed: int, *,
-               train_subset: int | None = None, test_subset: int | None = None,
-               num_tasks: int | None = None) -> tuple[list[Task], int]:
-    """Build the task stream of ``benchmark``; returns (tasks, number of model outputs).
-
-    Args:
-        benchmark: one of :data:`BENCHMARKS`.
-        data_dir: data directory (``None``: ``$FSD_DATA_DIR`` or the default cache).
-        seed: seeds the permutations (permuted-mnist) and the subsets.
-        train_subset / test_subset: keep a random N (M) examples per task (tiny runs).
-        num_tasks: keep only the first tasks.
-    """
-    if benchmark not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {benchmark!r}; expected one of {BENCHMARKS}")
-    kind = "fashion-mnist" if benchmark == "split-fashion-mnist" else "mnist"
-    x_tr, y_tr = _load_cached(data_dir, "train", kind)
-    x_te, y_te = _load_cached(data_dir, "test", kind)
-    # separate generators so subsets do not depend on how many permutations were drawn
-    sub_gen = torch.Generator().manual_seed(10_000 + seed)
-    tasks: list[Task] = []
-    if benchmark.startswith("split"):
-        count = len(SPLIT_PAIRS) if num_tasks is None else min(num_tasks, len(SPLIT_PAIRS))
-        for i, pair in enumerate(SPLIT_PAIRS[:count]):
-            xa, ya = _subset(*split_by_classes(x_tr, y_tr, pair), train_subset, sub_gen)
-            xb, yb = _subset(*split_by_classes(x_te, y_te, pair), test_subset, sub_gen)
-            tasks.append(Task(f"{pair[0]}/{pair[1]}", xa, ya, xb, yb, [2 * i, 2 * i + 1]))
-        return tasks, 2 * len(SPLIT_PAIRS)
-    perm_gen = torch.Generator().manual_seed(seed)
-    count = 10 if num_tasks is None else min(num_tasks, 10)
-    xa_all, ya_all = _subset(x_tr, y_tr, train_subset, sub_gen)
-    xb_all, yb_all = _subset(x_te, y_te, test_subset, sub_gen)
-    for i in range(count):
-        perm = torch.arange(784) if i == 0 else torch.randperm(784, generator=perm_gen)
-        xa = xa_all.reshape(-1, 784)[:, perm].reshape(-1, 1, 28, 28)
-        xb = xb_all.reshape(-1, 784)[:, perm].reshape(-1, 1, 28, 28)
-        tasks.append(Task(f"perm {i + 1}", xa, ya_all, xb, yb_all, None))
-    return tasks, 10
 
 
 # ------------------------------------------------------------------------------------------
@@ -197,13 +123,6 @@ def accuracy_summary(values: Sequence[float]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 # Training loop
 # ------------------------------------------------------------------------------------------
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
 
 
 def _head(logits: Tensor, task: Task) -> Tensor:
@@ -496,10 +415,7 @@ def results_markdown(results: dict) -> str:
 
 
 def _plot(results: dict, out: Path) -> list[Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     r = _mean_matrix(results)
     t = r.shape[0]
     title = f"{results['method']} on {results['benchmark']}"
@@ -541,8 +457,8 @@ def _plot(results: dict, out: Path) -> list[Path]:
 def write_results(results: dict, out: str | os.PathLike, plots: bool = True) -> None:
     """Write ``results.json``, ``results.md`` (atomically) and, optionally, the PNG plots."""
     out = Path(out)
-    _atomic_write_text(out / "results.json", json.dumps(results, indent=1))
-    _atomic_write_text(out / "results.md", results_markdown(results))
+    write_json(out / "results.json", results, indent=1)
+    atomic_write_text(out / "results.md", results_markdown(results))
     if plots:
         _plot(results, out)
 
@@ -811,7 +727,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         header = ("# Continual learning results\n\nProduced by `fsd cl report "
                   + " ".join(args.dirs) + "`.\n\n")
-        out.write_text(header + table)
+        atomic_write_text(out, header + table)
         print(f"wrote {out}")
     return 0
 

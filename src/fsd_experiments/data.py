@@ -19,7 +19,6 @@ import gzip
 import hashlib
 import os
 import pickle
-import secrets
 import shlex
 import shutil
 import subprocess
@@ -31,6 +30,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .io import atomic_write_bytes
 
 __all__ = [
     "CIFAR_DIRS",
@@ -529,22 +530,6 @@ def _canonical_fetch_name(name: str) -> str:
     return n
 
 
-def _write_atomic(dest: Path, payload: bytes) -> None:
-    """Write ``payload`` to ``dest`` via a temporary file in the same folder and ``os.replace``."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    # A unique name opened with "xb" (not mkstemp) so the file gets umask-based permissions.
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _install_idx(target: Path, name: str, raw: bytes, compressed: bytes | None) -> None:
     """Store idx ``name`` as ``target/<name>.gz`` and drop a stale uncompressed sibling.
 
@@ -552,7 +537,7 @@ def _install_idx(target: Path, name: str, raw: bytes, compressed: bytes | None) 
     otherwise ``raw`` is compressed here.
     """
     payload = compressed if compressed is not None else gzip.compress(raw, compresslevel=6)
-    _write_atomic(target / f"{name}.gz", payload)
+    atomic_write_bytes(target / f"{name}.gz", payload)
     # The loader prefers an uncompressed file, so a stale one would shadow the new .gz.
     for stale in (target / name, target / name.replace("-idx", ".idx", 1)):
         stale.unlink(missing_ok=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,15 +30,20 @@ import torch
 from scipy import stats as scipy_stats
 from torch import Tensor, nn
 
-from .models import mlp
-from .presets import PRESETS, Preset, by_title
-from .training import cross_entropy, minibatch_stream, train
-from .data import TensorBatches, load_mnist, split_by_classes
 from fsd.estimator import Estimator
 from fsd.exact import ExactFSD
 from fsd.statistics import StatisticsCollector
 
-BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist")
+from .benchmarks import FIDELITY_BENCHMARKS, Benchmark, load_benchmark
+from .data import TensorBatches
+from .io import atomic_write_text, write_json
+from .models import mlp
+from .plotting import pyplot
+from .presets import PRESETS, Preset, by_title
+from .stats import bootstrap_spearman_difference
+from .training import cross_entropy, minibatch_stream, train
+
+BENCHMARKS: tuple[str, ...] = FIDELITY_BENCHMARKS
 STUDIES: tuple[str, ...] = ("pairs", "depth", "minimize")
 
 #: every estimator of the pairs study, in table order
@@ -55,69 +59,6 @@ MINIMIZE_ESTIMATORS: tuple[str, ...] = (
     "none", "LAFTR (coreset)", "NTK (coreset)", "BGLN-S", "BGLN-D", "BGLN-D-CW", "EWC")
 #: estimators whose ``distance`` draws random samples (inputs and/or gates)
 SAMPLED = {p.title for p in PRESETS.values() if p.sampled}
-
-
-# ----- data ---------------------------------------------------------------------------------
-@dataclass
-class Task:
-    """One task: flattened float inputs and integer labels, train and test."""
-
-    x: Tensor
-    y: Tensor
-    x_test: Tensor
-    y_test: Tensor
-
-
-@dataclass
-class Benchmark:
-    """The first two tasks of a continual-learning benchmark sharing one output head."""
-
-    name: str
-    outputs: int
-    task1: Task
-    task2: Task
-
-    @property
-    def input_dim(self) -> int:
-        """Flattened input dimension d."""
-        return int(self.task1.x[0].numel())
-
-
-def _subset(x: Tensor, y: Tensor, limit: int | None, generator: torch.Generator
-            ) -> tuple[Tensor, Tensor]:
-    if limit is None or limit >= x.shape[0]:
-        return x, y
-    index = torch.randperm(x.shape[0], generator=generator)[:limit].sort().values
-    return x[index], y[index]
-
-
-def load_benchmark(name: str, data_dir: str | None = None, *, max_train: int | None = None,
-                   max_test: int | None = None, seed: int = 0) -> Benchmark:
-    """Tasks 1 and 2 of Split MNIST (0/1 then 2/3, 2 outputs) or Permuted MNIST
-    (identity then one fixed random permutation, 10 outputs).
-
-    ``max_train``/``max_test`` keep a random subset of each task (quick runs and tests).
-    """
-    if name not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; expected one of {', '.join(BENCHMARKS)}")
-    generator = torch.Generator().manual_seed(seed)
-    x, y = load_mnist(data_dir, "train")
-    xt, yt = load_mnist(data_dir, "test")
-    x, xt = x.flatten(1), xt.flatten(1)
-    if name == "split-mnist":
-        parts = []
-        for classes in ([0, 1], [2, 3]):
-            a, b = split_by_classes(x, y, classes)
-            c, d = split_by_classes(xt, yt, classes)
-            a, b = _subset(a, b, max_train, generator)
-            c, d = _subset(c, d, max_test, generator)
-            parts.append(Task(a, b, c, d))
-        return Benchmark(name, 2, parts[0], parts[1])
-    x, y = _subset(x, y, max_train, generator)
-    xt, yt = _subset(xt, yt, max_test, generator)
-    perm = torch.randperm(x.shape[1], generator=generator)
-    return Benchmark(name, 10, Task(x, y, xt, yt),
-                     Task(x[:, perm], y, xt[:, perm], yt))
 
 
 # ----- training -----------------------------------------------------------------------------
@@ -154,8 +95,8 @@ def train_reference(bench: Benchmark, *, width: int, depth: int, epochs: float, 
     """θ1: a ReLU MLP trained on task 1 for ``epochs`` passes (Adam)."""
     torch.manual_seed(seed)
     model = mlp(bench.input_dim, width, depth, bench.outputs)
-    steps = max(1, math.ceil(epochs * bench.task1.x.shape[0] / batch_size))
-    train_steps(model, bench.task1.x, bench.task1.y, lr=lr, steps=steps, batch_size=batch_size,
+    steps = max(1, math.ceil(epochs * bench.task1.x_train.shape[0] / batch_size))
+    train_steps(model, bench.task1.x_train, bench.task1.y_train, lr=lr, steps=steps, batch_size=batch_size,
                 generator=torch.Generator().manual_seed(seed))
     return model
 
@@ -167,7 +108,7 @@ def make_family(reference: nn.Module, bench: Benchmark, *, lrs: Sequence[float],
     family = []
     for k, lr in enumerate(lrs):
         model = copy.deepcopy(reference)
-        snaps = train_steps(model, bench.task2.x, bench.task2.y, lr=lr, steps=max(iters),
+        snaps = train_steps(model, bench.task2.x_train, bench.task2.y_train, lr=lr, steps=max(iters),
                             batch_size=batch_size,
                             generator=torch.Generator().manual_seed(seed + 1000 + k),
                             snapshots=iters)
@@ -229,11 +170,11 @@ def fit_suite(reference: nn.Module, bench: Benchmark, names: Sequence[str], *,
     reference.eval()
     times: dict[str, float] = {}
     start = time.perf_counter()
-    exact = ExactFSD().fit(reference, TensorBatches(task.x, task.y, batch_size))
+    exact = ExactFSD().fit(reference, TensorBatches(task.x_train, task.y_train, batch_size))
     times["ExactFSD"] = time.perf_counter() - start
-    index = torch.randperm(task.x.shape[0], generator=torch.Generator().manual_seed(seed))
+    index = torch.randperm(task.x_train.shape[0], generator=torch.Generator().manual_seed(seed))
     index = index[:coreset_size]
-    coreset = [(task.x[index], task.y[index])]
+    coreset = [(task.x_train[index], task.y_train[index])]
     presets = {name: _preset(name) for name in names if name != "none"}
     collector = None
     if any(p.needs_statistics for p in presets.values()):
@@ -241,7 +182,7 @@ def fit_suite(reference: nn.Module, bench: Benchmark, names: Sequence[str], *,
         collector = StatisticsCollector(reference, moments="full", gates=True,
                                         layer_moments=True)
         with torch.no_grad():
-            for x, y in TensorBatches(task.x, task.y, batch_size):
+            for x, y in TensorBatches(task.x_train, task.y_train, batch_size):
                 with collector.record(labels=y):
                     reference(x)
         collector.remove()
@@ -251,7 +192,7 @@ def fit_suite(reference: nn.Module, bench: Benchmark, names: Sequence[str], *,
         if preset.name == "ewc":
             # Fisher of the same Euclidean (unit-variance Gaussian) metric, over task-1 data
             return preset.make(chunk_size=64).fit(
-                reference, TensorBatches(task.x[:ewc_examples], task.y[:ewc_examples],
+                reference, TensorBatches(task.x_train[:ewc_examples], task.y_train[:ewc_examples],
                                          batch_size))
         estimator = preset.make(**({"num_samples": num_samples, "seed": seed}
                                    if preset.sampled else {}))
@@ -348,37 +289,6 @@ def summarize_pairs(pairs: list[dict[str, Any]], names: Sequence[str]
     return summary
 
 
-def _rowwise_spearman(truth: np.ndarray, values: np.ndarray) -> np.ndarray:
-    # Spearman = Pearson of (average-tie) ranks, for every row of (draws, n) at once
-    rt = scipy_stats.rankdata(truth, axis=1)
-    rv = scipy_stats.rankdata(values, axis=1)
-    rt -= rt.mean(1, keepdims=True)
-    rv -= rv.mean(1, keepdims=True)
-    denom = np.sqrt((rt ** 2).sum(1) * (rv ** 2).sum(1))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return (rt * rv).sum(1) / denom
-
-
-def bootstrap_spearman_difference(pairs: list[dict[str, Any]], name: str, baseline: str,
-                                  draws: int = 1000, seed: int = 0,
-                                  level: float = 0.9) -> tuple[float, float, float]:
-    """Spearman(name) − Spearman(baseline) over the pairs, with a percentile bootstrap
-    interval (pairs resampled with replacement, both estimators on the same resample)."""
-    t = np.array([p["true"] for p in pairs], dtype=float)
-    a = np.array([p["estimates"][name] for p in pairs], dtype=float)
-    b = np.array([p["estimates"][baseline] for p in pairs], dtype=float)
-    whole = np.arange(len(t))[None]
-    point = float((_rowwise_spearman(t[whole], a[whole])
-                   - _rowwise_spearman(t[whole], b[whole]))[0])
-    idx = np.random.default_rng(seed).integers(0, len(t), (draws, len(t)))
-    diffs = _rowwise_spearman(t[idx], a[idx]) - _rowwise_spearman(t[idx], b[idx])
-    diffs = diffs[np.isfinite(diffs)]  # resamples with a constant column have no ranks
-    if diffs.size == 0:
-        return point, float("nan"), float("nan")
-    lo, hi = np.quantile(diffs, [(1 - level) / 2, (1 + level) / 2])
-    return point, float(lo), float(hi)
-
-
 def format_summary(summary: dict[str, dict[str, float]], nbytes: dict[str, int] | None = None,
                    versus: dict[str, tuple[float, float, float]] | None = None) -> str:
     """Markdown table of :func:`fidelity_metrics` per estimator.
@@ -406,10 +316,7 @@ def format_summary(summary: dict[str, dict[str, float]], nbytes: dict[str, int] 
 
 def scatter_plot(result: dict[str, Any], path: Path, title: str) -> None:
     """Log–log scatter of estimate vs true FSD, one colour per estimator, with y = x."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     pairs = result["pairs"]
     names = list(result["summary"])
     fig, ax = plt.subplots(figsize=(7.5, 6))
@@ -490,10 +397,7 @@ def format_depth(result: dict[str, Any]) -> str:
 
 def depth_plot(result: dict[str, Any], path: Path, title: str) -> None:
     """Spearman (solid) and Kendall (dashed) correlation with the truth vs depth."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = result["depths"]
     depths = [r["depth"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4.5))
@@ -545,7 +449,7 @@ def minimization_study(bench: Benchmark, reference: nn.Module, suite: Suite,
                 model.train()
 
             start = time.perf_counter()
-            train_steps(model, bench.task2.x, bench.task2.y, lr=lr, steps=steps,
+            train_steps(model, bench.task2.x_train, bench.task2.y_train, lr=lr, steps=steps,
                         batch_size=batch_size, generator=torch.Generator().manual_seed(seed + 7),
                         penalty=penalty, lam=lam, callback=record)
             log["seconds"] = time.perf_counter() - start
@@ -571,10 +475,7 @@ def format_minimization(result: dict[str, Any]) -> str:
 def minimization_plot(result: dict[str, Any], path: Path, title: str) -> None:
     """Per λ: true FSD from θ1 vs task-2 test accuracy along training, one colour per
     estimator (the unregularized run in every panel)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     lams = result["lams"]
     fig, axes = plt.subplots(1, len(lams), figsize=(5.5 * len(lams), 4.5), squeeze=False)
     names = list(dict.fromkeys(c["estimator"] for c in result["runs"]))
@@ -640,13 +541,13 @@ def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | Non
     tag = bench.name
     results: dict[str, Any] = {"benchmark": tag, "config": {
         k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
-        "task1_train_size": int(bench.task1.x.shape[0])}
+        "task1_train_size": int(bench.task1.x_train.shape[0])}
     md: list[str] = [f"## {tag}\n"]
     say = print if progress else (lambda *a, **k: None)
 
     def save() -> None:
-        (out / f"fidelity_{tag}.json").write_text(json.dumps(results, indent=1))
-        (out / f"fidelity_{tag}.md").write_text("\n".join(md) + "\n")
+        write_json(out / f"fidelity_{tag}.json", results, indent=1)
+        atomic_write_text(out / f"fidelity_{tag}.md", "\n".join(md) + "\n")
 
     reference = suite = None
     if "pairs" in studies or "minimize" in studies:

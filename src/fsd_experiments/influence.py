@@ -15,20 +15,29 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .devices import device_name, resolve_device
-from .models import mlp
-from .training import train
-from .data import UCI_DATASETS, DataNotFoundError, TensorBatches, load_mnist, load_uci
 from fsd.influence import cg_scores, pbrf_scores, pointwise_loss
 
-from .stats import kmeans_labels
+from .data import UCI_DATASETS, DataNotFoundError, TensorBatches, load_mnist, load_uci
+from .devices import device_name, resolve_device
+from .io import atomic_write_text, write_json
+from .models import mlp
+from .plotting import pyplot
+from .stats import (
+    area_under,
+    bootstrap_intervals,
+    correlations,
+    detection_curve,
+    detection_intervals,
+    kmeans_labels,
+)
+from .training import train
 
 #: Methods of each study: the PBRF methods, CG, and (mislabeled) a random ranking.
 UCI_METHODS: tuple[str, ...] = ("exact", "ewc", "cg", "bgln-d")
@@ -78,156 +87,6 @@ def mean_loss(model: nn.Module, x: Tensor, y: Tensor, loss: str) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def correlations(scores: np.ndarray, reference: np.ndarray) -> dict[str, float]:
-    """Pearson and Spearman correlation of ``scores`` with ``reference`` (scipy.stats)."""
-    from scipy import stats
-    return {"pearson": float(stats.pearsonr(scores, reference)[0]),
-            "spearman": float(stats.spearmanr(scores, reference)[0])}
-
-
-def _rowwise_pearson(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a = a - a.mean(axis=1, keepdims=True)
-    b = b - b.mean(axis=1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return (a * b).sum(axis=1) / np.sqrt((a * a).sum(axis=1) * (b * b).sum(axis=1))
-
-
-def _resampling(n: int, resamples: int, level: float, seed: int
-               ) -> tuple[np.ndarray, Callable[[np.ndarray], list[float]]]:
-    # the bootstraps' shared part: (resamples, n) row indices drawn with replacement, and the
-    # two-sided percentile interval of a vector of resampled statistics
-    if not 0 < level < 1:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
-    if resamples < 1:
-        raise ValueError(f"resamples must be positive, got {resamples}")
-    tails = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
-
-    def interval(x: np.ndarray) -> list[float]:
-        return [float(v) for v in np.nanpercentile(x, tails)]
-
-    return np.random.default_rng(seed).integers(0, n, size=(resamples, n)), interval
-
-
-def bootstrap_intervals(scores: dict[str, Sequence[float]], reference: Sequence[float], *,
-                        baseline: str | None = "ewc", resamples: int = 2000,
-                        level: float = 0.95, seed: int = 0) -> dict[str, Any]:
-    """Percentile-bootstrap intervals of each method's correlation with the reference.
-
-    The scored points are resampled with replacement (the same resamples for every method,
-    so differences are paired). With 50 scored points a Pearson of 0.90 can have an interval
-    0.2 wide; this says which gaps between methods the data resolve.
-
-    Args:
-        scores: method name → scores of the same points as ``reference``. Methods with a
-            non-finite score are left out (their correlation is undefined).
-        reference: the oracle's scores.
-        baseline: also give the paired difference (method − baseline) of Pearson and
-            Spearman for every other method, if the baseline is among ``scores``.
-        resamples: bootstrap resamples.
-        level: coverage of the two-sided percentile intervals.
-
-    Returns:
-        ``{"resamples", "level", "pearson": {m: [lo, hi]}, "spearman": {m: [lo, hi]},
-        "difference": {m: {"baseline", "pearson": [lo, hi], "spearman": [lo, hi]}}}``.
-    """
-    from scipy import stats
-    reference = np.asarray(reference, dtype=float)
-    n = reference.shape[0]
-    if n < 3 or not np.isfinite(reference).all():
-        raise ValueError("the reference needs at least 3 finite scores")
-    rows, interval = _resampling(n, resamples, level, seed)
-    ref = reference[rows]
-    ref_ranks = stats.rankdata(ref, axis=1)
-    draws: dict[str, dict[str, np.ndarray]] = {}
-    for method, values in scores.items():
-        values = np.asarray(values, dtype=float)
-        if values.shape != reference.shape:
-            raise ValueError(f"{method}: {values.shape[0]} scores for {n} reference scores")
-        if not np.isfinite(values).all():
-            continue
-        sample = values[rows]
-        draws[method] = {"pearson": _rowwise_pearson(sample, ref),
-                         "spearman": _rowwise_pearson(stats.rankdata(sample, axis=1), ref_ranks)}
-
-    out: dict[str, Any] = {"resamples": resamples, "level": level, "pearson": {},
-                           "spearman": {}, "difference": {}}
-    for method, d in draws.items():
-        for kind in ("pearson", "spearman"):
-            out[kind][method] = interval(d[kind])
-        if baseline in draws and method != baseline:
-            out["difference"][method] = {"baseline": baseline, **{
-                kind: interval(d[kind] - draws[baseline][kind])
-                for kind in ("pearson", "spearman")}}
-    return out
-
-
-def detection_curve(scores: np.ndarray, corrupted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Fraction of corrupted points found vs fraction checked, checking by descending score."""
-    order = np.argsort(-scores, kind="stable")
-    found = np.concatenate([[0.0], np.cumsum(corrupted[order])]) / max(1, corrupted.sum())
-    checked = np.arange(len(scores) + 1) / len(scores)
-    return checked, found
-
-
-def area_under(x: np.ndarray, y: np.ndarray) -> float:
-    """Trapezoidal area under a curve sampled at increasing ``x``."""
-    return float(np.sum((x[1:] - x[:-1]) * (y[1:] + y[:-1]) / 2))
-
-
-def _detection_aucs(scores: np.ndarray, corrupted: np.ndarray) -> np.ndarray:
-    # row-wise area under the detection curve: a corrupted point checked r-th (1-based) of n
-    # adds (n - r + 1/2) / (n m) to the trapezoidal area, m the number of corrupted points
-    n = scores.shape[-1]
-    order = np.argsort(-scores, axis=-1, kind="stable")
-    hits = np.take_along_axis(corrupted, order, axis=-1).astype(float)
-    weights = (n - np.arange(1, n + 1) + 0.5) / n
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return (hits * weights).sum(-1) / hits.sum(-1)
-
-
-def detection_intervals(scores: dict[str, Sequence[float]], corrupted: Sequence[int], *,
-                        baseline: str | None = "ewc", resamples: int = 2000,
-                        level: float = 0.95, seed: int = 0) -> dict[str, Any]:
-    """Percentile-bootstrap intervals of each method's detection AUC over the scored pool.
-
-    The pool is resampled with replacement, the same resamples for every method, so the
-    differences to ``baseline`` are paired: they say whether a gap between two curves is
-    more than the pool's own sampling noise.
-
-    Args:
-        scores: method name → self-influence scores of the pool (methods with a non-finite
-            score are left out).
-        corrupted: 1 where the pool point's label was corrupted, else 0.
-        baseline: also give the paired difference (method − baseline) for every other method.
-        resamples, level: bootstrap resamples and the coverage of the two-sided intervals.
-
-    Returns:
-        ``{"resamples", "level", "auc": {m: [lo, hi]},
-        "difference": {m: {"baseline", "auc": [lo, hi]}}}``.
-    """
-    corrupted = np.asarray(corrupted, dtype=float)
-    n = corrupted.shape[0]
-    if not 0 < corrupted.sum() < n:
-        raise ValueError("the pool needs both corrupted and clean points")
-    rows, interval = _resampling(n, resamples, level, seed)
-    hits = corrupted[rows]
-    draws: dict[str, np.ndarray] = {}
-    for method, values in scores.items():
-        values = np.asarray(values, dtype=float)
-        if values.shape != corrupted.shape:
-            raise ValueError(f"{method}: {values.shape[0]} scores for a pool of {n}")
-        if np.isfinite(values).all():
-            draws[method] = _detection_aucs(values[rows], hits)
-
-    out: dict[str, Any] = {"resamples": resamples, "level": level, "auc": {}, "difference": {}}
-    for method, d in draws.items():
-        out["auc"][method] = interval(d)
-        if baseline in draws and method != baseline:
-            out["difference"][method] = {"baseline": baseline,
-                                         "auc": interval(d - draws[baseline])}
-    return out
-
-
 def pool_corrupted(result: dict[str, Any]) -> np.ndarray:
     """The pool's corrupted mask of a mislabeled result (rebuilt from a curve in old files).
 
@@ -243,30 +102,6 @@ def pool_corrupted(result: dict[str, Any]) -> np.ndarray:
     mask = np.zeros(scores.shape[0])
     mask[np.argsort(-scores, kind="stable")[steps]] = 1.0
     return mask
-
-
-def _json_safe(obj: Any) -> Any:
-    # strict JSON has no NaN/inf: a diverged solve's score is written as null
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-def _write_json(path: Path, payload: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_json_safe(payload), indent=2, allow_nan=False))
-    tmp.replace(path)
-
-
-def _pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 
 # --------------------------------------------------------------------------------------------
@@ -531,7 +366,7 @@ def timing_table(results: Iterable[dict[str, Any]]) -> str:
 def write_uci_outputs(result: dict[str, Any], out: Path) -> None:
     """results.json, results.md and scatter.png (each method vs the exact PBRF) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "results.json", result)
+    write_json(out / "results.json", result, indent=2, nan_as_null=True)
     md = [f"# Influence (UCI {result['dataset']}, seed {result['seed']})", "",
           f"N = {result['n_train']} training points, {len(result['removed_indices'])} removals; "
           f"{result['model']}, SGD lr {result['lr']} (validation-chosen), {result['epochs']} "
@@ -548,9 +383,9 @@ def write_uci_outputs(result: dict[str, Any], out: Path) -> None:
     if _uci_bootstrap(result) is not None:
         md += [interval_table([result]), ""]
     md += ["Wall time:", "", timing_table([result]), ""]
-    (out / "results.md").write_text("\n".join(md))
+    atomic_write_text(out / "results.md", "\n".join(md))
     if "exact" in result["scores"] and len(result["scores"]) > 1:
-        plt = _pyplot()
+        plt = pyplot()
         others = [m for m in result["scores"] if m != "exact"]
         fig, axes = plt.subplots(1, len(others), figsize=(3.2 * len(others), 3.2), squeeze=False)
         reference = np.asarray(result["scores"]["exact"])
@@ -579,8 +414,8 @@ def write_uci_summary(out: Path) -> str:
                       "", uci_table(results), "", interval_table(results), "",
                       "Wall time per method (all removals):", "",
                       timing_table(results), ""])
-    (out / "results.md").write_text(text)
-    _write_json(out / "results.json", {
+    atomic_write_text(out / "results.md", text)
+    write_json(out / "results.json", indent=2, nan_as_null=True, obj={
         "experiment": "uci", "datasets": [r["dataset"] for r in results],
         "correlation": {r["dataset"]: r["correlation"] for r in results},
         "bootstrap": {r["dataset"]: _uci_bootstrap(r) for r in results},
@@ -729,7 +564,7 @@ def write_mislabeled_outputs(result: dict[str, Any], out: Path) -> None:
     corrupted = pool_corrupted(result)
     if 0 < corrupted.sum() < corrupted.shape[0]:
         result["bootstrap"] = detection_intervals(result["scores"], corrupted)
-    _write_json(out / "results.json", result)
+    write_json(out / "results.json", result, indent=2, nan_as_null=True)
     pool = result["pool"]
     boot = result.get("bootstrap", {"auc": {}, "difference": {}, "level": 0.95})
     lines = [f"# Mislabeled-example detection (MNIST, seed {result['seed']})", "",
@@ -757,8 +592,8 @@ def write_mislabeled_outputs(result: dict[str, Any], out: Path) -> None:
                      f"{result.get('nonfinite', {}).get(m, 0)} |")
     lines += ["", "Intervals: paired percentile bootstrap over the pool's points "
               f"({boot.get('resamples', 0)} resamples, the same for every method)."]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    plt = _pyplot()
+    atomic_write_text(out / "results.md", "\n".join(lines) + "\n")
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(4.5, 3.8))
     for m, found in result["curves"].items():
         checked = np.arange(len(found)) / (len(found) - 1)

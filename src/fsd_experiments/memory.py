@@ -16,7 +16,6 @@ their ``nbytes`` (bytes, so divided by the element size) next to the formulas.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,9 +24,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from fsd.estimator import Estimator
+
+from .io import atomic_write_text, write_json
 from .models import cifar_cnn, mlp
 from .presets import PRESETS
-from fsd.estimator import Estimator
 
 #: the paper's memory-gain table: (C, N) -> (LAFTR at d = 1000, 2000, 3000; LAFTR (coreset))
 PAPER_MEMORY_GAIN: dict[tuple[int, int], tuple[tuple[float, ...], tuple[float, ...]]] = {
@@ -298,8 +299,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"memory_{args.arch}.md").write_text(text + "\n")
-        (out / f"memory_{args.arch}.json").write_text(json.dumps(result, indent=1))
+        atomic_write_text(out / f"memory_{args.arch}.md", text + "\n")
+        write_json(out / f"memory_{args.arch}.json", result, indent=1)
         print(f"wrote {out / f'memory_{args.arch}.md'} and .json")
     return 0
 

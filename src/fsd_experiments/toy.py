@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -30,10 +29,13 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp
 
+from fsd.estimator import Estimator
+
+from .io import atomic_write_text, write_json
 from .models import mlp
+from .plotting import pyplot
 from .presets import PRESETS
 from .training import squared_error, train
-from fsd.estimator import Estimator
 
 #: the regularizers of the right panel, by display name ("NTK": over all task-1 inputs)
 REGULARIZERS: dict[str, Callable[[], Estimator]] = {
@@ -168,10 +170,7 @@ def run_toy(config: ToyConfig | None = None) -> dict[str, Any]:
 
 def toy_plot(result: dict[str, Any], path: Path) -> None:
     """The two-panel figure (paper Fig. 1)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     data, grid = result["data"], result["grid"].squeeze(1).numpy()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax in axes:
@@ -256,8 +255,8 @@ def _cmd_toy(args: argparse.Namespace) -> int:
         table, saved["seeds"] = seed_table(cfg, [args.seed + k for k in range(args.seeds)],
                                            done={args.seed: result})
         text += f"\n\nAcross seeds (λ = {cfg.lam:g}):\n\n" + table
-    (out / "toy.md").write_text(text + "\n")
-    (out / "toy.json").write_text(json.dumps(saved, indent=1))
+    atomic_write_text(out / "toy.md", text + "\n")
+    write_json(out / "toy.json", saved, indent=1)
     print(text)
     print(f"wrote {out / 'toy.png'}, toy.md and toy.json")
     return 0
