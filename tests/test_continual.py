@@ -16,6 +16,7 @@ import torch
 from fsd_experiments import continual
 from fsd import load as fsd_load
 from fsd_experiments.cli import main
+from fsd_experiments.continual.report import _protocol
 from fsd_experiments.models import mlp
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -163,7 +164,7 @@ def test_killed_run_resumes_after_last_finished_task(tmp_path, capsys):
             "--test-subset", "100", "--tasks", "3", "--no-progress", "--data-dir",
             str(DATA_DIR)]
     killed, clean = tmp_path / "killed", tmp_path / "clean"
-    env = {**os.environ, "PYTHONPATH": str(Path(continual.__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(continual.__file__).parents[2])}
     proc = subprocess.Popen(args + ["--out", str(killed)], env=env, stderr=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, text=True)
     state = killed / "checkpoints" / "seed5" / "state.pt"
@@ -260,12 +261,12 @@ def test_results_older_than_penalty_outputs_read_as_head_only():
     res = {"benchmark": "split-mnist", "method": "bgln-d",
            "hyperparameters": continual.default_hyperparameters("split-mnist", "bgln-d")}
     del res["hyperparameters"]["penalty_outputs"]
-    assert "penalty_outputs" in continual._protocol(res)
+    assert "penalty_outputs" in _protocol(res)
     # single head: the head is every logit, so an old Permuted MNIST run is still the protocol
     res = {"benchmark": "permuted-mnist", "method": "bgln-d",
            "hyperparameters": continual.default_hyperparameters("permuted-mnist", "bgln-d")}
     del res["hyperparameters"]["penalty_outputs"]
-    assert "not paper protocol" not in continual._protocol(res)
+    assert "not paper protocol" not in _protocol(res)
 
 
 def test_bad_optimizer_mode_is_refused(tmp_path):
