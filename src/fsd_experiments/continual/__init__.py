@@ -40,8 +40,9 @@ from __future__ import annotations
 from ..benchmarks import Task, make_tasks
 from ..presets import default_hyperparameters
 from .cli import add_cli
-from .report import PAPER, gap_markdown, merge_runs, penalty_gap, report
+from .reporting import PAPER, gap_markdown, merge_runs, penalty_gap, report
 from .results import (
+    RunResults,
     SeedResult,
     accuracy_summary,
     average_accuracy,
@@ -49,24 +50,30 @@ from .results import (
     results_markdown,
     write_results,
 )
-from .run import (
+from .runner import (
     BENCHMARKS,
     CHECKPOINT_VERSION,
     METHODS,
-    OPTIMIZER_MODES,
-    PENALTY_MODES,
-    PENALTY_OUTPUTS,
     CheckpointMismatchError,
     penalty_weights,
+    run,
     run_continual,
     run_seed,
     summary_outputs,
 )
+from .settings import (
+    OPTIMIZER_MODES,
+    PENALTY_MODES,
+    PENALTY_OUTPUTS,
+    Hyperparameters,
+    RunSettings,
+)
 
 __all__ = [
     "BENCHMARKS", "CHECKPOINT_VERSION", "METHODS", "OPTIMIZER_MODES", "PAPER", "PENALTY_MODES",
-    "PENALTY_OUTPUTS", "CheckpointMismatchError", "SeedResult", "Task", "accuracy_summary",
-    "add_cli", "average_accuracy", "backward_transfer", "default_hyperparameters",
-    "gap_markdown", "make_tasks", "merge_runs", "penalty_gap", "penalty_weights", "report",
-    "results_markdown", "run_continual", "run_seed", "summary_outputs", "write_results",
+    "PENALTY_OUTPUTS", "CheckpointMismatchError", "Hyperparameters", "RunResults",
+    "RunSettings", "SeedResult", "Task", "accuracy_summary", "add_cli", "average_accuracy",
+    "backward_transfer", "default_hyperparameters", "gap_markdown", "make_tasks", "merge_runs",
+    "penalty_gap", "penalty_weights", "report", "results_markdown", "run", "run_continual",
+    "run_seed", "summary_outputs", "write_results",
 ]

@@ -11,17 +11,10 @@ import torch
 from fsd.metrics import METRICS
 
 from ..io import atomic_write_text
-from .report import gap_markdown, merge_runs, penalty_gap, report
+from .reporting import gap_markdown, merge_runs, penalty_gap, report
 from .results import results_markdown
-from .run import (
-    BENCHMARKS,
-    METHODS,
-    OPTIMIZER_MODES,
-    PENALTY_MODES,
-    PENALTY_OUTPUTS,
-    CheckpointMismatchError,
-    run_continual,
-)
+from .runner import BENCHMARKS, METHODS, CheckpointMismatchError, run
+from .settings import OPTIMIZER_MODES, PENALTY_MODES, PENALTY_OUTPUTS, RunSettings
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -29,17 +22,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("error: fsd cl needs --benchmark, --method and --out (or: fsd cl report DIR...)",
               file=sys.stderr)
         return 2
-    torch.set_num_threads(args.threads)
+    settings = RunSettings.from_args(args)
+    torch.set_num_threads(settings.threads)
     try:
-        results = run_continual(
-            args.benchmark, args.method, args.seeds, args.out, data_dir=args.data_dir,
-            device=args.device, progress=not args.no_progress, plots=not args.no_plots,
-            epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
-            fsd_scale=args.fsd_scale, width=args.width, momentum=args.momentum,
-            coreset_size=args.coreset_size, num_samples=args.num_samples,
-            train_subset=args.train_subset, test_subset=args.test_subset, tasks=args.tasks,
-            optimizer=args.optimizer, penalty=args.penalty, rank=args.rank,
-            metric=args.metric, penalty_outputs=args.penalty_outputs)
+        results = run(settings)
     except CheckpointMismatchError as error:  # a message, not a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -52,7 +38,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_merge(args: argparse.Namespace) -> int:
     merged = merge_runs(args.dirs, args.out, plots=not args.no_plots, partial=args.partial)
     print(results_markdown(merged))
-    print(f"wrote {Path(args.out) / 'results.json'} (seeds {merged['seeds']})")
+    print(f"wrote {Path(args.out) / 'results.json'} (seeds {merged.seeds})")
     return 0
 
 

@@ -9,12 +9,12 @@ terms, solver, conjugate gradient) is :mod:`fsd.influence`.
 
 from __future__ import annotations
 
+from ..compat import pool_corrupted
 from .cli import add_cli
 from .common import METHOD_TITLES, mean_loss, train_sgd
 from .mislabeled import (
     MISLABELED_METHODS,
     corrupt_labels,
-    pool_corrupted,
     run_mislabeled,
     write_mislabeled_outputs,
 )

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from fsd.influence import cg_scores, pbrf_scores
 
+from ..compat import pool_corrupted
 from ..data import load_mnist
 from ..devices import device_name, resolve_device
 from ..io import atomic_write_text, write_json
@@ -25,23 +26,6 @@ from ..stats import (
 from .common import METHOD_TITLES, _check_methods, train_sgd
 
 MISLABELED_METHODS: tuple[str, ...] = ("exact", "ewc", "cg", "bgln-d", "random")
-
-
-def pool_corrupted(result: dict[str, Any]) -> np.ndarray:
-    """The pool's corrupted mask of a mislabeled result (rebuilt from a curve in old files).
-
-    Results written before the mask was saved still hold each method's scores and its
-    detection curve; the curve rises exactly where the point checked next is corrupted.
-    """
-    if "is_corrupted" in result["pool"]:
-        return np.asarray(result["pool"]["is_corrupted"], dtype=float)
-    method = next(m for m, v in result["scores"].items()
-                  if v is not None and np.isfinite(np.asarray(v, dtype=float)).all())
-    scores = np.asarray(result["scores"][method], dtype=float)
-    steps = np.diff(np.asarray(result["curves"][method], dtype=float)) > 0
-    mask = np.zeros(scores.shape[0])
-    mask[np.argsort(-scores, kind="stable")[steps]] = 1.0
-    return mask
 
 
 def corrupt_labels(y: Tensor, fraction: float, classes: int, generator: torch.Generator

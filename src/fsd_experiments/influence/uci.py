@@ -15,12 +15,12 @@ from tqdm.auto import tqdm
 
 from fsd.influence import cg_scores, pbrf_scores
 
+from ..compat import uci_bootstrap
 from ..data import UCI_DATASETS, load_uci
 from ..io import atomic_write_text, write_json
 from ..models import mlp
 from ..plotting import pyplot
 from ..stats import (
-    bootstrap_intervals,
     correlations,
     kmeans_labels,
 )
@@ -182,7 +182,7 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
             if method != "exact":
                 result["correlation"][method] = correlations(
                     np.asarray(result["scores"][method]), reference)
-        result["bootstrap"] = _uci_bootstrap(result)
+        result["bootstrap"] = uci_bootstrap(result)
         if oracle_repeat:
             start = time.perf_counter()
             again = pbrf_scores(model, x_train, y_train, indices, "exact", loss="squared",
@@ -226,22 +226,12 @@ def uci_table(results: Iterable[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _uci_bootstrap(result: dict[str, Any]) -> dict[str, Any] | None:
-    """The run's bootstrap intervals (computed from its scores for runs that predate them)."""
-    if "bootstrap" in result:
-        return result["bootstrap"]
-    if "exact" not in result["scores"] or len(result["scores"]) < 2:
-        return None
-    others = {m: v for m, v in result["scores"].items() if m != "exact"}
-    return bootstrap_intervals(others, result["scores"]["exact"], seed=result.get("seed", 0))
-
-
 def interval_table(results: Iterable[dict[str, Any]]) -> str:
     """Markdown table of bootstrap intervals: each method's Pearson with the exact PBRF, and
     the paired difference BGLN-D − EWC (an interval containing 0: the data do not separate
     them)."""
     results = list(results)
-    boots = [_uci_bootstrap(r) for r in results]
+    boots = [uci_bootstrap(r) for r in results]
     methods = [m for m in ("ewc", "cg", "bgln-d")
                if any(b and m in b["pearson"] for b in boots)]
     diff = any(b and "bgln-d" in b["difference"] for b in boots)
@@ -304,7 +294,7 @@ def write_uci_outputs(result: dict[str, Any], out: Path) -> None:
              if result["pbrf"].get("point_term") else "") + ".", ""]
     if result["correlation"] or "oracle_repeat" in result:
         md += ["Correlation with the exact PBRF self-influence:", "", uci_table([result]), ""]
-    if _uci_bootstrap(result) is not None:
+    if uci_bootstrap(result) is not None:
         md += [interval_table([result]), ""]
     md += ["Wall time:", "", timing_table([result]), ""]
     atomic_write_text(out / "results.md", "\n".join(md))
@@ -342,6 +332,6 @@ def write_uci_summary(out: Path) -> str:
     write_json(out / "results.json", indent=2, nan_as_null=True, obj={
         "experiment": "uci", "datasets": [r["dataset"] for r in results],
         "correlation": {r["dataset"]: r["correlation"] for r in results},
-        "bootstrap": {r["dataset"]: _uci_bootstrap(r) for r in results},
+        "bootstrap": {r["dataset"]: uci_bootstrap(r) for r in results},
         "seconds": {r["dataset"]: r["seconds"] for r in results}})
     return text

@@ -6,6 +6,7 @@ import glob
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -16,61 +17,59 @@ from fsd.estimator import load
 from fsd.exact import ExactFSD
 
 from ..benchmarks import make_tasks
+from ..compat import is_cl_results
 from ..models import mlp
 from ..presets import default_hyperparameters
-from .results import SeedResult, _pm, _results_dict, write_results
-from .run import _with_legacy_outputs, summary_outputs
+from .results import RunResults, SeedResult, _pm, write_results
+from .runner import summary_outputs
+from .settings import Hyperparameters
 
 
 def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
-               plots: bool = True, partial: bool = False) -> dict:
+               plots: bool = True, partial: bool = False) -> RunResults:
     """Combine runs of the same benchmark, method and settings made separately (seeds run in
     parallel, on other machines) into one ``out/results.json`` with statistics over all seeds.
 
-    Raises ``ValueError`` if the runs differ in benchmark, method or hyper-parameters (a
-    setting absent from an older run's file counts as ``None``, its default), are unfinished,
-    or repeat a seed. ``partial=True`` accepts runs stopped before all their requested seeds
-    and takes the seeds they finished (a results.json only ever lists finished seeds). Each
-    run's device is kept per seed (``devices``).
+    Raises ``ValueError`` if the runs differ in benchmark, method or hyper-parameters (older
+    files are read as :mod:`fsd_experiments.compat` says: a setting absent from them is what
+    the run did then, ``None`` for most), are unfinished, or repeat a seed. ``partial=True``
+    accepts runs stopped before all their requested seeds and takes the seeds they finished
+    (a results.json only ever lists finished seeds). Each run's device is kept per seed
+    (``devices``).
     """
-    runs = []
+    runs: list[tuple[Path, RunResults]] = []
     for path in paths:
         file = Path(path) / "results.json"
         if not file.is_file():
             raise ValueError(f"{file} not found: merge takes finished run directories")
-        runs.append((file, json.loads(file.read_text())))
+        runs.append((file, RunResults.read(file)))
     if not runs:
         raise ValueError("merge needs at least one run directory")
     first_file, first = runs[0]
     done: list[SeedResult] = []
     devices: list[str] = []
-    def settings(results: dict, key: str) -> Any:
-        if key != "hyperparameters":
-            return results[key]
-        # a setting added after a run was made is absent from its file; its default is None
-        return {k: v for k, v in results[key].items() if v is not None}
-
     for file, results in runs:
         for key in ("benchmark", "method", "hyperparameters"):
-            if settings(results, key) != settings(first, key):
+            if getattr(results, key) != getattr(first, key):
                 raise ValueError(f"{file} differs from {first_file} in {key}: "
-                                 f"{results[key]!r} vs {first[key]!r}")
-        if not results.get("complete", True) and not partial:
+                                 f"{getattr(results, key)!r} vs {getattr(first, key)!r}")
+        if not results.complete and not partial:
             raise ValueError(f"{file} is unfinished (complete: false); finish it first, or "
                              "take its finished seeds with partial=True (--partial)")
-        bytes_per_task = results.get("summary_bytes_per_task", 0.0)
-        for seed, wall in zip(results["seeds"], results["wall_seconds"]["per_seed"]):
+        bytes_per_task = results.summary_bytes_per_task
+        for seed, wall in zip(results.seeds, results.wall_seconds["per_seed"]):
             if any(r.seed == seed for r in done):
                 raise ValueError(f"seed {seed} appears twice (again in {file})")
             # the per-task sizes are not stored per seed; their mean is what results keep
-            done.append(SeedResult(seed, results["accuracy_matrix"][str(seed)], float(wall),
+            done.append(SeedResult(seed, results.accuracy_matrix[str(seed)], float(wall),
                                    [int(bytes_per_task)] if bytes_per_task else []))
-            devices.append(results.get("device", "cpu"))
-    merged = _results_dict(first["benchmark"], first["method"], first["hyperparameters"],
-                           [r.seed for r in done], done, "cpu")
-    merged["device"] = " + ".join(sorted(set(devices)))
-    merged["devices"] = {str(r.seed): d for r, d in zip(done, devices)}
-    merged["merged_from"] = [str(Path(p)) for p in paths]
+            devices.append(results.device)
+    merged = replace(
+        RunResults.collect(first.benchmark, first.method, first.hyperparameters,
+                           [r.seed for r in done], done, "cpu"),
+        device=" + ".join(sorted(set(devices))),
+        devices={str(r.seed): d for r, d in zip(done, devices)},
+        merged_from=[str(Path(p)) for p in paths])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_results(merged, out, plots=plots)
@@ -115,62 +114,61 @@ def _find_results(paths: Sequence[str]) -> list[Path]:
     return found
 
 
-def _protocol(results: dict) -> str:
-    # results written before these settings existed used a fresh Adam per task and the sum
-    hp = {"optimizer": "per-task", "penalty": "sum", **_with_legacy_outputs(
-        results["hyperparameters"], results["benchmark"], results["method"])}
-    paper = default_hyperparameters(results["benchmark"], results["method"])
-    parts = [f"{hp['epochs']} ep", f"bs {hp['batch_size']}", f"λ {hp['fsd_scale']:g}",
-             f"lr {hp['lr']:g}", f"w {hp['width']}"]
+def _protocol(hp: Hyperparameters, benchmark: str, method: str, device: str = "cpu") -> str:
+    paper = default_hyperparameters(benchmark, method)
+    parts = [f"{hp.epochs} ep", f"bs {hp.batch_size}", f"λ {hp.fsd_scale:g}", f"lr {hp.lr:g}",
+             f"w {hp.width}"]
+    settings = hp.to_dict()
     changed = [k for k in ("epochs", "batch_size", "fsd_scale", "lr", "width", "train_subset",
                            "test_subset", "tasks", "optimizer", "penalty", "rank", "metric",
                            "penalty_outputs")
-               if hp.get(k) != paper.get(k)]
-    if hp["optimizer"] != paper["optimizer"]:
-        parts.append(f"{hp['optimizer']} Adam")
-    if hp["penalty"] != paper["penalty"]:
-        parts.append(f"penalty {hp['penalty']}")
-    if hp["penalty_outputs"] != paper["penalty_outputs"]:
-        parts.append(f"{hp['penalty_outputs']} logits")
-    if hp.get("rank"):
-        parts.append(f"lowrank r={hp['rank']}")
-    if hp.get("metric") != paper.get("metric"):
-        parts.append(f"metric {hp.get('metric') or 'euclidean'}")
-    if hp.get("train_subset"):
-        parts.append(f"train {hp['train_subset']}/task")
-    if hp.get("tasks"):
-        parts.append(f"{hp['tasks']} tasks")
-    if results.get("device", "cpu") != "cpu":
-        parts.append(f"on {results['device']}")
+               if settings[k] != paper[k]]
+    if hp.optimizer != paper["optimizer"]:
+        parts.append(f"{hp.optimizer} Adam")
+    if hp.penalty != paper["penalty"]:
+        parts.append(f"penalty {hp.penalty}")
+    if hp.penalty_outputs != paper["penalty_outputs"]:
+        parts.append(f"{hp.penalty_outputs} logits")
+    if hp.rank:
+        parts.append(f"lowrank r={hp.rank}")
+    if hp.metric != paper["metric"]:
+        parts.append(f"metric {hp.metric or 'euclidean'}")
+    if hp.train_subset:
+        parts.append(f"train {hp.train_subset}/task")
+    if hp.tasks:
+        parts.append(f"{hp.tasks} tasks")
+    if device != "cpu":
+        parts.append(f"on {device}")
     return ", ".join(parts) + (" (**not paper protocol**: " + ", ".join(changed) + ")"
                                if changed else "")
 
 
 def report(paths: Sequence[str]) -> str:
     """One markdown table comparing runs (method × benchmark) next to the paper's numbers."""
-    rows = []
+    rows: list[tuple[str, str, Path, RunResults]] = []
     for path in _find_results(paths):
-        results = json.loads(path.read_text())
-        if not {"benchmark", "method", "accuracy_matrix"} <= set(results):
+        raw = json.loads(path.read_text())
+        if not is_cl_results(raw):
             continue  # another tool's results.json (e.g. fsd influence) under the same folder
-        rows.append((results["benchmark"], results["method"], path, results))
+        res = RunResults.from_json(raw)
+        rows.append((res.benchmark, res.method, path, res))
     rows.sort(key=lambda r: (r[0], r[1], str(r[2])))
     lines = [
         "| benchmark | method | seeds | avg acc (%) | paper avg acc | BWT (%) | paper BWT | "
         "summary bytes/task | wall time | protocol | run |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for bench, method, path, res in rows:
-        seeds = ",".join(map(str, res["seeds"]))
-        if not res.get("complete", True):
-            seeds += f" (of {len(res['seeds_requested'])})"
-        wall = res["wall_seconds"]
+        seeds = ",".join(map(str, res.seeds))
+        if not res.complete:
+            seeds += f" (of {len(res.seeds_requested)})"
+        wall = res.wall_seconds
         per = np.mean(wall["per_seed"]) if wall["per_seed"] else 0.0
         lines.append(
-            f"| {bench} | {method} | {seeds} | {_pm(res['avg_accuracy'])} | "
+            f"| {bench} | {method} | {seeds} | {_pm(res.avg_accuracy)} | "
             f"{PAPER['avg'].get(bench, {}).get(method, '–')} | "
-            f"{_pm(res['backward_transfer'])} | {PAPER['bwt'].get(bench, {}).get(method, '–')} | "
-            f"{res['summary_bytes_per_task']:,.0f} | {per / 60:.1f} min/seed | "
-            f"{_protocol(res)} | `{path.parent}` |")
+            f"{_pm(res.backward_transfer)} | {PAPER['bwt'].get(bench, {}).get(method, '–')} | "
+            f"{res.summary_bytes_per_task:,.0f} | {per / 60:.1f} min/seed | "
+            f"{_protocol(res.hyperparameters, bench, method, res.device)} | `{path.parent}` |")
     if len(lines) == 2:
         lines.append("| (no results.json found) |||||||||||")
     notes = [
@@ -197,28 +195,25 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
     Returns one row per (seed, task): ``seed, task, true_fsd, estimate, ratio``.
     """
     run = Path(run_dir)
-    results = json.loads((run / "results.json").read_text())
-    hp, benchmark = results["hyperparameters"], results["benchmark"]
+    results = RunResults.read(run / "results.json")
+    hp, benchmark = results.hyperparameters, results.benchmark
     rows: list[dict[str, Any]] = []
-    for seed in results["seeds"]:
+    for seed in results.seeds:
         ckpt = run / "checkpoints" / f"seed{seed}"
-        tasks, n_out = make_tasks(benchmark, data_dir, int(seed),
-                                  train_subset=hp["train_subset"], test_subset=hp["test_subset"],
-                                  num_tasks=hp["tasks"])
-        final = mlp(28 * 28, hp["width"], hp["depth"], n_out)
+        tasks, n_out = make_tasks(benchmark, data_dir, int(seed), train_subset=hp.train_subset,
+                                  test_subset=hp.test_subset, num_tasks=hp.tasks)
+        final = mlp(28 * 28, hp.width, hp.depth, n_out)
         final.load_state_dict(torch.load(ckpt / "state.pt", weights_only=True)["model"])
         for t in range(len(tasks) - 1):
             path = ckpt / f"task{t}.fsd"
             if not path.exists():
                 continue
             summary = load(path)
-            reference = mlp(28 * 28, hp["width"], hp["depth"], n_out)
+            reference = mlp(28 * 28, hp.width, hp.depth, n_out)
             reference.load_state_dict(summary.reference_state_dict())
             x = tasks[t].x_train[:examples]
-            outputs = summary_outputs(tasks[t],
-                                      _with_legacy_outputs(hp, benchmark, results["method"]))
             truth = ExactFSD(metric=summary.config.get("metric", "euclidean")).fit(
-                reference, x, outputs=outputs)
+                reference, x, outputs=summary_outputs(tasks[t], hp))
             with torch.no_grad():
                 true_fsd = float(truth.distance(final))
                 estimate = float(summary.distance(final))

@@ -13,31 +13,21 @@ import torch
 from torch import Tensor, nn
 
 from fsd.estimator import Estimator, atomic_torch_save, load
-from fsd.metrics import check_metric
 from fsd.statistics import StatisticsCollector
 from fsd.summary_set import combine
 
 from ..benchmarks import CL_BENCHMARKS, Task, make_tasks
+from ..compat import cl_checkpoint_settings
 from ..data import TensorBatches
 from ..devices import resolve_device
 from ..models import mlp
-from ..presets import CL_METHODS, PRESETS, SOFTMAX_FAMILIES, Preset, default_hyperparameters
+from ..presets import CL_METHODS, PRESETS, Preset
 from ..training import LossFn, train
-from .results import SeedResult, _results_dict, write_results
+from .results import RunResults, SeedResult, write_results
+from .settings import PENALTY_MODES, Hyperparameters, RunSettings
 
 BENCHMARKS: tuple[str, ...] = CL_BENCHMARKS
-
-
 CHECKPOINT_VERSION = 2
-
-
-OPTIMIZER_MODES: tuple[str, ...] = ("shared", "per-task")
-
-
-PENALTY_MODES: tuple[str, ...] = ("mean", "sum")
-
-
-PENALTY_OUTPUTS: tuple[str, ...] = ("head", "all")
 
 
 class CheckpointMismatchError(RuntimeError):
@@ -64,20 +54,20 @@ def _accuracy(model: nn.Module, task: Task, device: torch.device) -> float:
     return 100.0 * correct / task.x_test.shape[0]
 
 
-def _fit_summary(method: str, hp: dict, model: nn.Module, task: Task,
+def _fit_summary(method: str, hp: Hyperparameters, model: nn.Module, task: Task,
                  collector: StatisticsCollector | None, seed: int) -> Estimator:
     """Fit task ``task``'s estimator at the model's current parameters."""
     spec = METHODS[method]
-    estimator = spec.continual_estimator(hp, seed)
+    estimator = spec.continual_estimator(hp.to_dict(), seed)
     gen = torch.Generator().manual_seed(seed)  # coreset / Fisher subset of this task
     data: Any = None
     if method == "exact-coreset":
         # a random coreset of the task's training inputs, stored in full by ExactFSD
-        idx = torch.randperm(task.x_train.shape[0], generator=gen)[:hp["coreset_size"]]
+        idx = torch.randperm(task.x_train.shape[0], generator=gen)[:hp.coreset_size]
         data = task.x_train[idx]
     elif method == "ewc":
         # the Fisher needs per-example gradients: a random subset keeps fit time bounded
-        idx = torch.randperm(task.x_train.shape[0], generator=gen)[:hp["fisher_samples"]]
+        idx = torch.randperm(task.x_train.shape[0], generator=gen)[:hp.fisher_samples]
         data = TensorBatches(task.x_train[idx], task.y_train[idx], 256)
     elif spec.needs_data:
         data = TensorBatches(task.x_train, task.y_train, 1024)
@@ -109,17 +99,9 @@ class _LastEpochRecorder:
         return loss
 
 
-def _with_legacy_outputs(hp: dict, benchmark: str, method: str) -> dict:
-    # settings written before ``penalty_outputs`` existed: every summary covered its task's
-    # head, which on a single-head benchmark is every logit, whatever the setting says
-    legacy = ("head" if benchmark.startswith("split")
-              else default_hyperparameters(benchmark, method)["penalty_outputs"])
-    return {"penalty_outputs": legacy, **hp}
-
-
-def summary_outputs(task: Task, hp: dict[str, Any]) -> list[int] | None:
+def summary_outputs(task: Task, hp: Hyperparameters) -> list[int] | None:
     """The output units task ``task``'s summary covers: its head, or all (``penalty_outputs``)."""
-    return None if hp["penalty_outputs"] == "all" else task.outputs
+    return None if hp.penalty_outputs == "all" else task.outputs
 
 
 def penalty_weights(num_previous: int, mode: str) -> list[float]:
@@ -133,28 +115,27 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
+def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: Path,
              data_dir: str | None = None, device: str = "cpu",
              progress: bool = True) -> SeedResult:
     """Train the task stream for one seed, resuming from ``out``'s checkpoint if any."""
     spec = METHODS[method]
     dev = resolve_device(device)
-    tasks, n_out = make_tasks(benchmark, data_dir, seed, train_subset=hp["train_subset"],
-                              test_subset=hp["test_subset"], num_tasks=hp["tasks"])
+    tasks, n_out = make_tasks(benchmark, data_dir, seed, train_subset=hp.train_subset,
+                              test_subset=hp.test_subset, num_tasks=hp.tasks)
     ckpt_dir = out / "checkpoints" / f"seed{seed}"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state_path = ckpt_dir / "state.pt"
     torch.manual_seed(seed)
-    model = mlp(28 * 28, hp["width"], hp["depth"], n_out).to(dev)
-    optimizer = torch.optim.Adam(model.parameters(), lr=hp["lr"])
+    model = mlp(28 * 28, hp.width, hp.depth, n_out).to(dev)
+    optimizer = torch.optim.Adam(model.parameters(), lr=hp.lr)
     shuffle = torch.Generator().manual_seed(seed)
     result = SeedResult(seed)
     start_task = 0
     if state_path.exists():
         # map_location: a run started on a GPU can be resumed on a CPU-only machine
         state = torch.load(state_path, map_location=dev, weights_only=True)
-        saved_hp = _with_legacy_outputs(json.loads(state["hyperparameters"]), benchmark,
-                                        method)
+        saved_hp = cl_checkpoint_settings(state["hyperparameters"], benchmark, method)
         if saved_hp != _comparable(hp, benchmark, method):
             raise CheckpointMismatchError(
                 f"{state_path} was written with other settings ({saved_hp}); use another --out "
@@ -176,20 +157,20 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
         previous = [load(ckpt_dir / f"task{i}.fsd", map_location=dev) for i in range(t)] \
             if spec.estimator is not None else []
         # one penalty object: BGLN-D summaries of all previous tasks evaluate in one pass
-        penalty = combine(previous, penalty_weights(len(previous), hp["penalty"]))
+        penalty = combine(previous, penalty_weights(len(previous), hp.penalty))
         last_task = t == len(tasks) - 1
         collector = None
         if spec.estimator is not None and not last_task and (spec.moments or spec.gates):
             collector = StatisticsCollector(model, moments=spec.moments, gates=spec.gates,
-                                            momentum=hp["momentum"],
+                                            momentum=hp.momentum,
                                             layer_moments=spec.layer_moments)
-        if hp["optimizer"] == "per-task":
-            optimizer = torch.optim.Adam(model.parameters(), lr=hp["lr"])
-        batches = TensorBatches(task.x_train, task.y_train, hp["batch_size"], shuffle=True,
+        if hp.optimizer == "per-task":
+            optimizer = torch.optim.Adam(model.parameters(), lr=hp.lr)
+        batches = TensorBatches(task.x_train, task.y_train, hp.batch_size, shuffle=True,
                                 generator=shuffle)
-        recording = _LastEpochRecorder(collector, hp["epochs"], spec.classwise)
-        train(model, batches, recording.head_loss(task), optimizer, epochs=hp["epochs"],
-              penalty=penalty.distance if previous else None, weight=hp["fsd_scale"],
+        recording = _LastEpochRecorder(collector, hp.epochs, spec.classwise)
+        train(model, batches, recording.head_loss(task), optimizer, epochs=hp.epochs,
+              penalty=penalty.distance if previous else None, weight=hp.fsd_scale,
               on_epoch=recording.start_epoch, device=dev, progress=progress,
               desc=f"{method} seed {seed} task {t + 1}/{len(tasks)}", mininterval=2.0)
         row = [_accuracy(model, other, dev) for other in tasks]
@@ -217,51 +198,40 @@ def run_seed(benchmark: str, method: str, hp: dict, seed: int, out: Path,
     return result
 
 
-def _comparable(hp: dict, benchmark: str, method: str) -> dict:
+def _comparable(hp: Hyperparameters, benchmark: str, method: str) -> dict[str, Any]:
     """The settings a checkpoint must agree with to be resumed."""
-    return json.loads(json.dumps({"benchmark": benchmark, "method": method, **hp}))
+    return json.loads(json.dumps({"benchmark": benchmark, "method": method, **hp.to_dict()}))
+
+
+def run(settings: RunSettings) -> RunResults:
+    """Run the settings' method on its benchmark for each seed; write results into ``out``.
+
+    ``out/results.json`` and ``results.md`` are rewritten after every finished seed
+    (``complete`` false until all seeds are done); the plots after the last one.
+    """
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    done: list[SeedResult] = []
+    results: RunResults | None = None
+    for seed in settings.seeds:
+        done.append(run_seed(settings.benchmark, settings.method, settings.hyperparameters, seed,
+                             out, settings.data_dir, settings.device, settings.progress))
+        results = RunResults.collect(settings.benchmark, settings.method,
+                                     settings.hyperparameters, settings.seeds, done,
+                                     settings.device)
+        write_results(results, out, plots=settings.plots and len(done) == len(settings.seeds))
+    if results is None:
+        raise ValueError("fsd cl needs at least one seed")
+    return results
 
 
 def run_continual(benchmark: str, method: str, seeds: Sequence[int], out: str | os.PathLike,
                   *, data_dir: str | None = None, device: str = "cpu", progress: bool = True,
-                  plots: bool = True, **overrides: Any) -> dict:
-    """Run ``method`` on ``benchmark`` for each seed; write results into ``out``.
+                  plots: bool = True, **overrides: Any) -> RunResults:
+    """Run ``method`` on ``benchmark`` for each seed, see :func:`run`.
 
-    Keyword overrides replace entries of :func:`default_hyperparameters` (``None`` = keep the
-    default). ``DIR/results.json`` and ``results.md`` are rewritten after every finished seed
-    (``"complete": false`` until all seeds are done). Returns the results dictionary.
+    Keyword overrides replace the paper's hyper-parameters (:class:`Hyperparameters`;
+    ``None`` keeps the paper's value).
     """
-    hp = default_hyperparameters(benchmark, method)
-    unknown = set(overrides) - set(hp)
-    if unknown:
-        raise ValueError(f"unknown hyper-parameters {sorted(unknown)}")
-    hp.update({k: v for k, v in overrides.items() if v is not None})
-    if hp["optimizer"] not in OPTIMIZER_MODES:
-        raise ValueError(f"optimizer must be one of {OPTIMIZER_MODES}, got {hp['optimizer']!r}")
-    if hp["penalty"] not in PENALTY_MODES:
-        raise ValueError(f"penalty must be one of {PENALTY_MODES}, got {hp['penalty']!r}")
-    if hp["penalty_outputs"] not in PENALTY_OUTPUTS:
-        raise ValueError(f"penalty_outputs must be one of {PENALTY_OUTPUTS}, "
-                         f"got {hp['penalty_outputs']!r}")
-    if hp["metric"] is not None and hp["metric"] != default_hyperparameters(benchmark,
-                                                                           method)["metric"]:
-        sampled = [m for m, spec in METHODS.items() if spec.family in SOFTMAX_FAMILIES]
-        if method not in sampled:
-            raise ValueError(f"metric applies to the Monte Carlo methods {sorted(sampled)}, "
-                             f"not {method!r}")
-        check_metric(hp["metric"])
-    if hp["rank"] is not None:
-        if METHODS[method].moments != "full" or METHODS[method].estimator is None:
-            raise ValueError(f"rank applies to BGLN/LAFTR methods with full input moments, "
-                             f"not {method!r}")
-        if hp["rank"] < 1:
-            raise ValueError(f"rank must be positive, got {hp['rank']}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    done: list[SeedResult] = []
-    results: dict = {}
-    for seed in seeds:
-        done.append(run_seed(benchmark, method, hp, seed, out, data_dir, device, progress))
-        results = _results_dict(benchmark, method, hp, list(seeds), done, device)
-        write_results(results, out, plots=plots and len(done) == len(seeds))
-    return results
+    return run(RunSettings.create(benchmark, method, seeds, out, data_dir=data_dir,
+                                  device=device, progress=progress, plots=plots, **overrides))
