@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsd_experiments import continual
 from fsd import load as fsd_load
+from fsd_experiments import continual
 from fsd_experiments.cli import main
 from fsd_experiments.compat import CL_RESULTS_SCHEMA, cl_hyperparameters
 from fsd_experiments.continual.reporting import _protocol
@@ -166,7 +166,7 @@ def test_killed_run_resumes_after_last_finished_task(tmp_path, capsys):
             str(DATA_DIR)]
     killed, clean = tmp_path / "killed", tmp_path / "clean"
     env = {**os.environ, "PYTHONPATH": str(Path(continual.__file__).parents[2])}
-    proc = subprocess.Popen(args + ["--out", str(killed)], env=env, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([*args, "--out", str(killed)], env=env, stderr=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, text=True)
     state = killed / "checkpoints" / "seed5" / "state.pt"
     deadline = time.monotonic() + 60
@@ -177,12 +177,12 @@ def test_killed_run_resumes_after_last_finished_task(tmp_path, capsys):
     assert state.exists(), "task 1's checkpoint never appeared"
     assert not (killed / "results.json").exists(), "the run finished before it was killed"
 
-    second = subprocess.run(args + ["--out", str(killed)], env=env, capture_output=True,
+    second = subprocess.run([*args, "--out", str(killed)], env=env, capture_output=True,
                             text=True, check=True)
     assert "resuming after task 1/3" in second.stderr
     assert "task 1/3 (0/1)" not in second.stderr  # task 1 was not trained again
     # the uninterrupted reference run, in this process (same code, one thread, same seed)
-    assert main(args[3:] + ["--out", str(clean)]) == 0
+    assert main([*args[3:], "--out", str(clean)]) == 0
     resumed = json.loads((killed / "results.json").read_text())
     reference = json.loads((clean / "results.json").read_text())
     assert resumed["accuracy_matrix"] == reference["accuracy_matrix"]
@@ -190,7 +190,7 @@ def test_killed_run_resumes_after_last_finished_task(tmp_path, capsys):
 
     # a finished run started again trains nothing and keeps its results
     capsys.readouterr()
-    assert main(args[3:] + ["--out", str(clean)]) == 0
+    assert main([*args[3:], "--out", str(clean)]) == 0
     assert "] task" not in capsys.readouterr().err
     assert json.loads((clean / "results.json").read_text())["accuracy_matrix"] == \
         reference["accuracy_matrix"]
@@ -368,6 +368,7 @@ def test_penalty_gap_compares_each_summary_with_the_true_fsd(tmp_path, capsys):
         assert r["ratio"] == pytest.approx(r["estimate"] / r["true_fsd"])
     # the true FSD by hand: ½‖Δz‖² on the task's head, averaged over its first 200 inputs
     import torch
+
     from fsd_experiments.models import mlp
     tasks, _ = continual.make_tasks("split-mnist", str(DATA_DIR), 3, train_subset=200,
                                     test_subset=100, num_tasks=3)
@@ -405,7 +406,7 @@ def test_merge_combines_seeds_run_separately(tmp_path, capsys):
         continual.merge_runs([tmp_path / "1", tmp_path / "both"], tmp_path / "x")
     assert main(["cl", "--benchmark", "split-mnist", "--method", "finetune", "--seeds", "3",
                  "--out", str(tmp_path / "other"), "--no-plots", *TINY, "--lr", "0.01"]) == 0
-    with pytest.raises(ValueError, match="differs .* in hyperparameters"):
+    with pytest.raises(ValueError, match=r"differs .* in hyperparameters"):
         continual.merge_runs([tmp_path / "1", tmp_path / "other"], tmp_path / "y")
     assert main(["cl", "merge", str(tmp_path / "missing"), "--out", str(tmp_path / "z")]) == 2
     assert "results.json not found" in capsys.readouterr().err

@@ -9,10 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsd_experiments.cli import main
 from fsd_experiments.benchmarks import Benchmark, Task, load_benchmark
-from fsd_experiments.fidelity import (FidelityConfig, fidelity_metrics, fit_suite, run_fidelity,
-                                      train_reference)
+from fsd_experiments.cli import main
+from fsd_experiments.fidelity import (
+    FidelityConfig,
+    fidelity_metrics,
+    fit_suite,
+    run_fidelity,
+    train_reference,
+)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))

@@ -7,9 +7,16 @@ import torch
 from torch import nn
 
 from fsd_experiments.cli import main
+from fsd_experiments.memory import (
+    CIFAR_CNN_P,
+    PAPER_MEMORY_GAIN,
+    count_architecture,
+    measured_counts,
+    memory_costs,
+    memory_gain_table,
+    percentage_reduction,
+)
 from fsd_experiments.models import cifar_cnn
-from fsd_experiments.memory import (CIFAR_CNN_P, PAPER_MEMORY_GAIN, count_architecture,
-                        measured_counts, memory_costs, memory_gain_table, percentage_reduction)
 
 
 def small_mlp() -> nn.Sequential:

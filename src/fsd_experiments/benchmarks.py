@@ -80,7 +80,8 @@ def make_tasks(benchmark: str, data_dir: str | None, seed: int, *,
         benchmark: one of :data:`CL_BENCHMARKS`.
         data_dir: data directory (``None``: ``$FSD_DATA_DIR`` or the default cache).
         seed: seeds the permutations (permuted-mnist) and the subsets.
-        train_subset / test_subset: keep a random N (M) examples per task (tiny runs).
+        train_subset: keep a random N training examples per task (tiny runs).
+        test_subset: keep a random M test examples per task.
         num_tasks: keep only the first tasks.
     """
     if benchmark not in CL_BENCHMARKS:
@@ -112,8 +113,10 @@ def make_tasks(benchmark: str, data_dir: str | None, seed: int, *,
 
 def load_benchmark(name: str, data_dir: str | None = None, *, max_train: int | None = None,
                    max_test: int | None = None, seed: int = 0) -> Benchmark:
-    """Tasks 1 and 2 of Split MNIST (0/1 then 2/3, 2 outputs) or Permuted MNIST
-    (identity then one fixed random permutation, 10 outputs).
+    """The first two tasks of a benchmark, inputs flattened.
+
+    Split MNIST: 0/1 then 2/3, 2 outputs. Permuted MNIST: the identity then one fixed random
+    permutation, 10 outputs.
 
     ``max_train``/``max_test`` keep a random subset of each task (quick runs and tests).
     """

@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import continual
     continual.add_cli(sub)
     from . import fidelity, memory, toy
-    fidelity.add_cli(sub); toy.add_cli(sub); memory.add_cli(sub)
+    fidelity.add_cli(sub)
+    toy.add_cli(sub)
+    memory.add_cli(sub)
     from . import influence
     influence.add_cli(sub)
     return parser

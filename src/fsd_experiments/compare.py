@@ -68,6 +68,8 @@ def time_distance(estimator: Estimator, model: nn.Module, repeats: int) -> tuple
         times.append((time.perf_counter() - start) * 1e3)
         model.zero_grad()
         value = float(d.detach()) if value is None else value
+    if value is None:
+        raise ValueError(f"repeats must be positive, got {repeats}")
     times.sort()
     return value, times[len(times) // 2]
 

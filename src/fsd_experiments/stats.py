@@ -8,10 +8,12 @@ resample rows with :func:`resample_rows` and compute a correlation for every res
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 from scipy import stats as scipy_stats
 from torch import Tensor
 
@@ -47,10 +49,15 @@ def kmeans_labels(x: Tensor, k: int, *, iters: int = 100, seed: int = 0) -> Tens
     return labels
 
 
+def statistic(result: Any) -> float:
+    """The statistic of a ``scipy.stats`` test result (its first field), as a float."""
+    return float(result[0])
+
+
 def correlations(scores: np.ndarray, reference: np.ndarray) -> dict[str, float]:
     """Pearson and Spearman correlation of ``scores`` with ``reference`` (scipy.stats)."""
-    return {"pearson": float(scipy_stats.pearsonr(scores, reference)[0]),
-            "spearman": float(scipy_stats.spearmanr(scores, reference)[0])}
+    return {"pearson": statistic(scipy_stats.pearsonr(scores, reference)),
+            "spearman": statistic(scipy_stats.spearmanr(scores, reference))}
 
 
 def rowwise_pearson(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -82,7 +89,7 @@ def _resampling(n: int, resamples: int, level: float, seed: int
     return resample_rows(n, resamples, seed), interval
 
 
-def bootstrap_intervals(scores: dict[str, Sequence[float]], reference: Sequence[float], *,
+def bootstrap_intervals(scores: Mapping[str, ArrayLike], reference: ArrayLike, *,
                         baseline: str | None = "ewc", resamples: int = 2000,
                         level: float = 0.95, seed: int = 0) -> dict[str, Any]:
     """Percentile-bootstrap intervals of each method's correlation with the reference.
@@ -99,6 +106,7 @@ def bootstrap_intervals(scores: dict[str, Sequence[float]], reference: Sequence[
             Spearman for every other method, if the baseline is among ``scores``.
         resamples: bootstrap resamples.
         level: coverage of the two-sided percentile intervals.
+        seed: seeds the resamples.
 
     Returns:
         ``{"resamples", "level", "pearson": {m: [lo, hi]}, "spearman": {m: [lo, hi]},
@@ -119,8 +127,9 @@ def bootstrap_intervals(scores: dict[str, Sequence[float]], reference: Sequence[
         if not np.isfinite(values).all():
             continue
         sample = values[rows]
-        draws[method] = {"pearson": rowwise_pearson(sample, ref),
-                         "spearman": rowwise_pearson(scipy_stats.rankdata(sample, axis=1), ref_ranks)}
+        draws[method] = {
+            "pearson": rowwise_pearson(sample, ref),
+            "spearman": rowwise_pearson(scipy_stats.rankdata(sample, axis=1), ref_ranks)}
 
     out: dict[str, Any] = {"resamples": resamples, "level": level, "pearson": {},
                            "spearman": {}, "difference": {}}
@@ -161,7 +170,7 @@ def detection_aucs(scores: np.ndarray, corrupted: np.ndarray) -> np.ndarray:
         return (hits * weights).sum(-1) / hits.sum(-1)
 
 
-def detection_intervals(scores: dict[str, Sequence[float]], corrupted: Sequence[int], *,
+def detection_intervals(scores: Mapping[str, ArrayLike], corrupted: ArrayLike, *,
                         baseline: str | None = "ewc", resamples: int = 2000,
                         level: float = 0.95, seed: int = 0) -> dict[str, Any]:
     """Percentile-bootstrap intervals of each method's detection AUC over the scored pool.
@@ -175,7 +184,9 @@ def detection_intervals(scores: dict[str, Sequence[float]], corrupted: Sequence[
             score are left out).
         corrupted: 1 where the pool point's label was corrupted, else 0.
         baseline: also give the paired difference (method − baseline) for every other method.
-        resamples, level: bootstrap resamples and the coverage of the two-sided intervals.
+        resamples: bootstrap resamples.
+        level: coverage of the two-sided percentile intervals.
+        seed: seeds the resamples.
 
     Returns:
         ``{"resamples", "level", "auc": {m: [lo, hi]},
@@ -215,8 +226,11 @@ def rowwise_spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def bootstrap_spearman_difference(pairs: list[dict[str, Any]], name: str, baseline: str,
                                   draws: int = 1000, seed: int = 0,
                                   level: float = 0.9) -> tuple[float, float, float]:
-    """Spearman(name) − Spearman(baseline) over the pairs, with a percentile bootstrap
-    interval (pairs resampled with replacement, both estimators on the same resample)."""
+    """Spearman(name) − Spearman(baseline) over the pairs, and its bootstrap interval.
+
+    A percentile interval: the pairs are resampled with replacement, both estimators on the
+    same resample.
+    """
     t = np.array([p["true"] for p in pairs], dtype=float)
     a = np.array([p["estimates"][name] for p in pairs], dtype=float)
     b = np.array([p["estimates"][baseline] for p in pairs], dtype=float)

@@ -88,7 +88,7 @@ def laftr_outputs(reference: nn.Sequential, model: nn.Sequential, x: Tensor) -> 
     Sequentials of Linear / ReLU / Flatten (the MLPs of this module).
     """
     a0, a1 = x, x
-    for m0, m1 in zip(reference, model):
+    for m0, m1 in zip(reference, model, strict=True):
         if isinstance(m0, nn.ReLU):
             gate = (a0 > 0).to(a0.dtype)
             a0, a1 = a0 * gate, a1 * gate
@@ -106,10 +106,10 @@ def ntk_outputs(reference: nn.Module, model: nn.Module, x: Tensor) -> Tensor:
     theta1 = dict(model.named_parameters())
 
     def f(*params: Tensor) -> Tensor:
-        return functional_call(reference, dict(zip(names, params)), (x,))
+        return functional_call(reference, dict(zip(names, params, strict=True)), (x,))
 
     f0, jv = jvp(f, tuple(theta0[n] for n in names),
-                 tuple(theta1[n].detach() - theta0[n] for n in names))
+                 tuple(theta1[n].detach() - theta0[n] for n in names))[:2]
     return f0 + jv
 
 
@@ -221,9 +221,12 @@ def format_toy(result: dict[str, Any]) -> str:
 
 def seed_table(config: ToyConfig, seeds: list[int],
                done: dict[int, dict[str, Any]] | None = None) -> tuple[str, dict[int, Any]]:
-    """Re-run the toy for other seeds (data and initialization): task-1 MSE after task 2
-    per regularizer and the approximations' MSE vs f2, as markdown and as a dict.
-    ``done`` maps seeds already run to their :func:`run_toy` results (not re-run)."""
+    """Re-run the toy for other seeds (data and initialization).
+
+    Tabulates the task-1 MSE after task 2 per regularizer and the approximations' MSE vs f2,
+    as markdown and as a dict. ``done`` maps seeds already run to their :func:`run_toy`
+    results (not re-run).
+    """
     per_seed: dict[int, Any] = {}
     for seed in seeds:
         result = (done or {}).get(seed) or run_toy(ToyConfig(**{**config.__dict__,

@@ -26,9 +26,9 @@ eq. 3's plain sum. The Monte Carlo methods (LAFTR, BGLN-S and their variants) me
 Euclidean distance between *softmax* outputs by default, as the authors' BGLN-S code does
 (the paper's text says logits; its λ was tuned with the code); ``metric="euclidean"`` uses
 logits. BGLN-D always uses logits. A checkpoint holds the model, the optimizer, the finished
-accuracy rows, the shuffling generator's state and the saved summaries. After every task the run writes
-``DIR/checkpoints/seed<S>/state.pt`` atomically (temporary file + ``os.replace``); the same
-command again resumes after the last finished task.
+accuracy rows, the shuffling generator's state and the saved summaries. After every task the
+run writes ``DIR/checkpoints/seed<S>/state.pt`` atomically (temporary file +
+``os.replace``); the same command again resumes after the last finished task.
 
 Metrics: ``R[i][j]`` = test accuracy (%) on task j after training task i; average final
 accuracy = mean_j R[T-1][j]; backward transfer = 1/(T-1) Σ_{i<T-1} (R[T-1][i] − R[i][i]).

@@ -27,9 +27,10 @@ from .settings import Hyperparameters
 
 def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
                plots: bool = True, partial: bool = False) -> RunResults:
-    """Combine runs of the same benchmark, method and settings made separately (seeds run in
-    parallel, on other machines) into one ``out/results.json`` with statistics over all seeds.
+    """Combine separate runs of the same benchmark, method and settings into one.
 
+    Seeds run in parallel or on other machines become one ``out/results.json`` with
+    statistics over all seeds.
     Raises ``ValueError`` if the runs differ in benchmark, method or hyper-parameters (older
     files are read as :mod:`fsd_experiments.compat` says: a setting absent from them is what
     the run did then, ``None`` for most), are unfinished, or repeat a seed. ``partial=True``
@@ -57,7 +58,8 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
             raise ValueError(f"{file} is unfinished (complete: false); finish it first, or "
                              "take its finished seeds with partial=True (--partial)")
         bytes_per_task = results.summary_bytes_per_task
-        for seed, wall in zip(results.seeds, results.wall_seconds["per_seed"]):
+        walls = results.wall_seconds["per_seed"]
+        for seed, wall in zip(results.seeds, walls, strict=True):
             if any(r.seed == seed for r in done):
                 raise ValueError(f"seed {seed} appears twice (again in {file})")
             # the per-task sizes are not stored per seed; their mean is what results keep
@@ -68,7 +70,7 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
         RunResults.collect(first.benchmark, first.method, first.hyperparameters,
                            [r.seed for r in done], done, "cpu"),
         device=" + ".join(sorted(set(devices))),
-        devices={str(r.seed): d for r, d in zip(done, devices)},
+        devices={str(r.seed): d for r, d in zip(done, devices, strict=True)},
         merged_from=[str(Path(p)) for p in paths])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

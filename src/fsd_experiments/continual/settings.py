@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -133,7 +134,8 @@ class RunSettings:
     threads: int = 1
 
     @classmethod
-    def create(cls, benchmark: str, method: str, seeds: Sequence[int], out: str | Path,
+    def create(cls, benchmark: str, method: str, seeds: Sequence[int],
+               out: str | os.PathLike,
                **options: Any) -> RunSettings:
         """Settings from the paper's hyper-parameters and keyword options.
 

@@ -35,7 +35,7 @@ def corrupt_labels(y: Tensor, fraction: float, classes: int, generator: torch.Ge
     Returns ``(new_labels, corrupted_mask)``.
     """
     n = y.shape[0]
-    chosen = torch.randperm(n, generator=generator)[:int(round(fraction * n))]
+    chosen = torch.randperm(n, generator=generator)[:round(fraction * n)]
     shift = torch.randint(1, classes, (chosen.shape[0],), generator=generator)
     y = y.clone()
     y[chosen] = (y[chosen] + shift) % classes
@@ -61,17 +61,33 @@ def run_mislabeled(methods: Sequence[str] = ("bgln-d", "ewc", "cg", "random"), *
     ones) is scored by each method; points are checked in order of decreasing score.
 
     Args:
+        methods: any of :data:`MISLABELED_METHODS`.
+        out: also write results.json, results.md and detection.png there.
+        data_dir: the data directory (``None``: ``$FSD_DATA_DIR`` or the default cache).
+        seed: seeds the subset, the corrupted labels, the initialization and the pool.
+        n_train: MNIST training images used.
+        corrupt: fraction of them relabelled.
+        width: hidden width of the MLP.
+        depth: hidden layers of the MLP.
+        epochs: training epochs.
+        lr: SGD learning rate of the training.
+        batch_size: minibatch size of the training and of the exact PBRF.
+        pool: random training points scored.
+        damping: λ, the PBRF proximity weight and CG's damping.
+        progress: show progress bars.
         pbrf_steps: SGD steps per PBRF solve (same for ``exact``, ``ewc``, ``bgln-d``).
         points_per_solve: PBRFs solved side by side (speed and memory only, see
             :func:`pbrf_scores`).
         pbrf_lr: PBRF learning rate (``None``: the training ``lr``). The default 0.003 keeps
             SGD stable on BGLN-D's Euclidean-on-logits term, whose curvature is far above the
             KL's (lr 0.1 and 0.01 diverge).
-        cg_iters, cg_data: CG iterations and the number of random training points G
-            averages over (``None`` = all).
+        cg_iters: maximum CG iterations.
+        cg_data: random training points the Gauss-Newton matrix G averages over
+            (``None`` = all).
         ewc_data: random training points EWC's exact (all-class) Fisher is fitted on.
-        bgln_covariance, bgln_rank: BGLN-D's input covariance (``"lowrank"`` rank-r + diagonal
-            keeps 784-dim inputs affordable).
+        bgln_covariance: BGLN-D's input covariance (``"lowrank"``, rank-r + diagonal, keeps
+            784-dim inputs affordable).
+        bgln_rank: the rank r of the low-rank covariance.
         device: where the network, the data and every method run (``"cuda"`` for the
             paper's width 1024). Subsets, label noise, the initialization and the minibatch
             order are drawn on the CPU, so they are the same on every device.

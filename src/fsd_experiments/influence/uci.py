@@ -1,4 +1,4 @@
-"""Self-influence on UCI regressions, each method against the exact PBRF oracle (``fsd influence uci``)."""
+"""Self-influence on UCI regressions, each method against the exact PBRF (``fsd influence uci``)."""
 
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ def split_uci(x: Tensor, y: Tensor, seed: int, test_fraction: float = 0.1,
     """
     n = x.shape[0]
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    n_test = int(round(test_fraction * n))
+    n_test = round(test_fraction * n)
     rest = perm[n_test:]
-    n_val = int(round(validation_fraction * rest.shape[0]))
+    n_val = round(validation_fraction * rest.shape[0])
     parts = {"test": perm[:n_test], "validation": rest[:n_val], "train": rest[n_val:]}
     xt, yt = x[parts["train"]], y[parts["train"]]
     x_mean, x_std = xt.mean(0), xt.std(0).clamp_min(1e-12)
@@ -85,6 +85,22 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
     PBRF solved by SGD at the chosen learning rate for ``pbrf_epochs``·⌈N/batch⌉ steps.
 
     Args:
+        dataset: a UCI data set (:data:`fsd_experiments.data.UCI_DATASETS`, or an alias).
+        methods: any of :data:`UCI_METHODS`.
+        seed: seeds the split, the initialization, the removals and the PBRF minibatches.
+        out: also write results.json, results.md and scatter.png there.
+        data_dir: the data directory (``None``: ``$FSD_DATA_DIR`` or the default cache).
+        removals: training points scored.
+        epochs: training epochs of θ0.
+        pbrf_epochs: PBRF optimization length, in epochs of ``batch_size`` steps.
+        learning_rates: searched on the validation split.
+        damping: λ, the PBRF proximity weight and CG's damping.
+        batch_size: minibatch size of the training and of the exact PBRF.
+        width: hidden width of the MLP.
+        depth: hidden layers of the MLP.
+        cg_iters: maximum CG iterations.
+        dtype: floating-point type of the data and the network.
+        progress: show progress bars.
         pbrf_lr: SGD learning rate of the PBRF solves (default: the chosen training rate).
         points_per_solve: PBRFs solved side by side (speed and memory only, see
             :func:`pbrf_scores`).
@@ -136,7 +152,7 @@ def run_uci(dataset: str, methods: Sequence[str] = UCI_METHODS, *, seed: int = 0
 
     chosen = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 2))[:removals]
     indices = chosen.tolist()
-    steps = int(math.ceil(pbrf_epochs * math.ceil(n / batch_size)))
+    steps = math.ceil(pbrf_epochs * math.ceil(n / batch_size))
     result: dict[str, Any] = {
         "experiment": "uci", "dataset": canon, "seed": seed, "n_train": n,
         "n_validation": splits["validation"][0].shape[0], "n_test": splits["test"][0].shape[0],
@@ -227,9 +243,11 @@ def uci_table(results: Iterable[dict[str, Any]]) -> str:
 
 
 def interval_table(results: Iterable[dict[str, Any]]) -> str:
-    """Markdown table of bootstrap intervals: each method's Pearson with the exact PBRF, and
-    the paired difference BGLN-D − EWC (an interval containing 0: the data do not separate
-    them)."""
+    """Markdown table of bootstrap intervals.
+
+    Each method's Pearson with the exact PBRF, and the paired difference BGLN-D − EWC (an
+    interval containing 0: the data do not separate them).
+    """
     results = list(results)
     boots = [uci_bootstrap(r) for r in results]
     methods = [m for m in ("ewc", "cg", "bgln-d")
@@ -249,7 +267,7 @@ def interval_table(results: Iterable[dict[str, Any]]) -> str:
         text = f"[{interval[0]:.2f}, {interval[1]:.2f}]"
         return text if point is None else f"{_fmt(point)} {text}"
 
-    for r, b in zip(results, boots):
+    for r, b in zip(results, boots, strict=True):
         if b is None:
             continue
         cells = [cell(r["correlation"].get(m, {}).get("pearson"), b["pearson"].get(m))
@@ -303,7 +321,7 @@ def write_uci_outputs(result: dict[str, Any], out: Path) -> None:
         others = [m for m in result["scores"] if m != "exact"]
         fig, axes = plt.subplots(1, len(others), figsize=(3.2 * len(others), 3.2), squeeze=False)
         reference = np.asarray(result["scores"]["exact"])
-        for ax, m in zip(axes[0], others):
+        for ax, m in zip(axes[0], others, strict=True):
             ax.scatter(reference, np.asarray(result["scores"][m]), s=10)
             c = result["correlation"].get(m)
             ax.set_title(f"{METHOD_TITLES[m]}" + (f" (P {_fmt(c['pearson'])})" if c else ""))
