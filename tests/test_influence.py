@@ -17,8 +17,8 @@ import fsd_experiments.data
 from fsd import influence
 from fsd.testing import one_point_at_a_time
 from fsd_experiments import influence as studies
-from fsd_experiments.cli import main
 from fsd_experiments import stats
+from fsd_experiments.cli import main
 from fsd_experiments.stats import kmeans_labels
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
