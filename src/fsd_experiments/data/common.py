@@ -8,7 +8,6 @@ from pathlib import Path
 
 PathLike = str | os.PathLike
 
-
 #: Environment variable that selects the data directory when no explicit one is given.
 ENV_VAR = "FSD_DATA_DIR"
 

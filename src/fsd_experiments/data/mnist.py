@@ -19,7 +19,6 @@ MNIST_FILES: tuple[str, ...] = (
     "t10k-labels-idx1-ubyte",
 )
 
-
 #: sha256 of the raw (uncompressed) official MNIST files.
 MNIST_SHA256: dict[str, str] = {
     "t10k-images-idx3-ubyte": "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
@@ -28,24 +27,17 @@ MNIST_SHA256: dict[str, str] = {
     "train-labels-idx1-ubyte": "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5",
 }
 
-
 _MNIST_SUBDIRS = {"mnist": "mnist", "fashion-mnist": "fashion-mnist"}
-
 
 _MNIST_TITLES = {"mnist": "MNIST", "fashion-mnist": "Fashion-MNIST"}
 
-
 _SPLIT_PREFIX = {"train": "train", "test": "t10k"}
-
 
 _SPLIT_SIZES = {"train": 60000, "test": 10000}
 
-
 _GZIP_MAGIC = b"\x1f\x8b"
 
-
 _CHUNK = 1 << 20
-
 
 # idx dtype codes; multi-byte types are stored big-endian.
 _IDX_DTYPES: dict[int, np.dtype] = {

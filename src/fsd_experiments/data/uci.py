@@ -18,7 +18,6 @@ UCI_DATASETS: tuple[str, ...] = (
     "wine-quality-red",
 )
 
-
 _UCI_ALIASES: dict[str, str] = {
     **{name.lower(): name for name in UCI_DATASETS},
     "boston": "bostonHousing",

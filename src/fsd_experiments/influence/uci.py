@@ -29,7 +29,6 @@ from .common import METHOD_TITLES, _check_methods, mean_loss, train_sgd
 #: Methods of each study: the PBRF methods, CG, and (mislabeled) a random ranking.
 UCI_METHODS: tuple[str, ...] = ("exact", "ewc", "cg", "bgln-d")
 
-
 LEARNING_RATES: tuple[float, ...] = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
 
 
