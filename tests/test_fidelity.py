@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import fsd_experiments
 from fsd_experiments.benchmarks import Benchmark, Task, load_benchmark
 from fsd_experiments.cli import main
 from fsd_experiments.fidelity import (
@@ -78,6 +79,7 @@ def test_tiny_run_writes_everything(tmp_path):
     for m in results["pairs"]["summary"].values():
         assert -1 <= m["median_grad_cosine"] <= 1
     assert [r["depth"] for r in saved["depth"]["depths"]] == [1, 2]
+    assert saved["schema_version"] == 1 and saved["fsd_version"] == fsd_experiments.__version__
     curve = saved["minimize"]["runs"][0]
     assert curve["step"] == [0, 3, 6] and curve["true_fsd"][0] == 0
 

@@ -47,6 +47,12 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
+def versioned(payload: dict[str, Any], schema: int) -> dict[str, Any]:
+    """``payload`` with the file layout's ``schema_version`` and the writing ``fsd_version``."""
+    from fsd import __version__
+    return {**payload, "schema_version": schema, "fsd_version": __version__}
+
+
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int = 1,
                nan_as_null: bool = False) -> None:
     """Write ``obj`` as JSON atomically.

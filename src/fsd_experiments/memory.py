@@ -26,7 +26,7 @@ from torch import nn
 
 from fsd.estimator import Estimator
 
-from .io import atomic_write_text, write_json
+from .io import atomic_write_text, versioned, write_json
 from .models import cifar_cnn, mlp
 from .presets import PRESETS
 
@@ -40,6 +40,8 @@ PAPER_MEMORY_GAIN: dict[tuple[int, int], tuple[tuple[float, ...], tuple[float, .
     (50, 250): ((98.57, 96.69, 93.56), (99.04, 98.88, 98.73)),
 }
 GAIN_DIMS: tuple[int, ...] = (1000, 2000, 3000)
+#: the layout of memory_<arch>.json
+MEMORY_SCHEMA = 1
 #: parameters of :func:`cifar_cnn` (6 heads of 10): the P that reproduces the paper's table
 CIFAR_CNN_P = 1_276_508
 
@@ -300,7 +302,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / f"memory_{args.arch}.md", text + "\n")
-        write_json(out / f"memory_{args.arch}.json", result, indent=1)
+        write_json(out / f"memory_{args.arch}.json", versioned(result, MEMORY_SCHEMA), indent=1)
         print(f"wrote {out / f'memory_{args.arch}.md'} and .json")
     return 0
 

@@ -31,7 +31,7 @@ from torch.func import functional_call, jvp
 
 from fsd.estimator import Estimator
 
-from .io import atomic_write_text, write_json
+from .io import atomic_write_text, versioned, write_json
 from .models import mlp
 from .plotting import pyplot
 from .presets import PRESETS
@@ -113,9 +113,9 @@ def ntk_outputs(reference: nn.Module, model: nn.Module, x: Tensor) -> Tensor:
     return f0 + jv
 
 
-@dataclass
+@dataclass(frozen=True)
 class ToyConfig:
-    """Settings of :func:`run_toy`."""
+    """Settings of :func:`run_toy` (the ``fsd toy`` options map onto it)."""
 
     width: int = 64
     depth: int = 1  # "an MLP with two fully connected layers" (paper, regression)
@@ -124,6 +124,16 @@ class ToyConfig:
     lam: float = 10.0
     n: int = 40
     seed: int = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ToyConfig:
+        """The settings the ``fsd toy`` options ask for (``lr`` and ``n`` keep the defaults)."""
+        return cls(width=args.width, depth=args.depth, steps=args.steps, lam=args.lam,
+                   seed=args.seed)
+
+
+#: the layout of toy.json (config, approximation, errors, seeds)
+TOY_SCHEMA = 1
 
 
 def run_toy(config: ToyConfig | None = None) -> dict[str, Any]:
@@ -246,8 +256,7 @@ def seed_table(config: ToyConfig, seeds: list[int],
 
 def _cmd_toy(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    cfg = ToyConfig(width=args.width, depth=args.depth, steps=args.steps, lam=args.lam,
-                    seed=args.seed)
+    cfg = ToyConfig.from_args(args)
     result = run_toy(cfg)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -259,7 +268,7 @@ def _cmd_toy(args: argparse.Namespace) -> int:
                                            done={args.seed: result})
         text += f"\n\nAcross seeds (λ = {cfg.lam:g}):\n\n" + table
     atomic_write_text(out / "toy.md", text + "\n")
-    write_json(out / "toy.json", saved, indent=1)
+    write_json(out / "toy.json", versioned(saved, TOY_SCHEMA), indent=1)
     print(text)
     print(f"wrote {out / 'toy.png'}, toy.md and toy.json")
     return 0

@@ -24,16 +24,7 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     bench = load_benchmark(args.benchmark, args.data_dir, max_train=args.max_train,
                            max_test=args.max_test, seed=args.seed)
-    defaults = FidelityConfig()
-    cfg = FidelityConfig(
-        width=args.width, depth=args.depth, epochs=args.epochs, lrs=args.lrs or defaults.lrs,
-        iters=args.iters or defaults.iters, coreset_size=args.coreset_size,
-        num_samples=args.num_samples, repeats=args.repeats, references=args.references,
-        depth_references=args.depth_references, ewc_examples=args.ewc_examples,
-        depths=args.depths or defaults.depths, lams=args.lams or defaults.lams,
-        minimize_steps=args.minimize_steps, seed=args.seed,
-        estimators=tuple(n.strip() for n in args.estimators.split(","))
-        if args.estimators else defaults.estimators)
+    cfg = FidelityConfig.from_args(args)
     studies = tuple(s.strip() for s in args.studies.split(","))
     unknown = set(studies) - set(STUDIES)
     if unknown:

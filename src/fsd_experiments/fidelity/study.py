@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..benchmarks import Benchmark
-from ..io import atomic_write_text, write_json
+from ..io import atomic_write_text, versioned, write_json
 from ..stats import bootstrap_spearman_difference
 from .depth import depth_plot, depth_study, format_depth
 from .minimize import format_minimization, minimization_plot, minimization_study
@@ -26,8 +27,11 @@ from .suite import (
     train_reference,
 )
 
+#: the layout of fidelity_<benchmark>.json
+FIDELITY_SCHEMA = 1
 
-@dataclass
+
+@dataclass(frozen=True)
 class FidelityConfig:
     """Settings of :func:`run_fidelity` (defaults: the ``fsd fidelity`` defaults)."""
 
@@ -57,6 +61,21 @@ class FidelityConfig:
     log_every: int = 20
     seed: int = 0
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FidelityConfig:
+        """The settings the ``fsd fidelity`` options ask for (unset lists: the defaults)."""
+        defaults = cls()
+        return cls(
+            width=args.width, depth=args.depth, epochs=args.epochs,
+            lrs=args.lrs or defaults.lrs, iters=args.iters or defaults.iters,
+            coreset_size=args.coreset_size, num_samples=args.num_samples,
+            repeats=args.repeats, references=args.references,
+            depth_references=args.depth_references, ewc_examples=args.ewc_examples,
+            depths=args.depths or defaults.depths, lams=args.lams or defaults.lams,
+            minimize_steps=args.minimize_steps, seed=args.seed,
+            estimators=tuple(n.strip() for n in args.estimators.split(","))
+            if args.estimators else defaults.estimators)
+
 
 def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | None = None,
                  studies: Sequence[str] = STUDIES, progress: bool = True) -> dict[str, Any]:
@@ -76,7 +95,7 @@ def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | Non
     say = print if progress else (lambda *a, **k: None)
 
     def save() -> None:
-        write_json(out / f"fidelity_{tag}.json", results, indent=1)
+        write_json(out / f"fidelity_{tag}.json", versioned(results, FIDELITY_SCHEMA), indent=1)
         atomic_write_text(out / f"fidelity_{tag}.md", "\n".join(md) + "\n")
 
     reference = suite = None
