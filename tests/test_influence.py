@@ -16,8 +16,8 @@ import fsd
 import fsd_experiments.data
 from fsd import influence
 from fsd.testing import one_point_at_a_time
+from fsd_experiments import compat, stats
 from fsd_experiments import influence as studies
-from fsd_experiments import stats
 from fsd_experiments.cli import main
 from fsd_experiments.stats import kmeans_labels
 
@@ -352,6 +352,20 @@ def test_pool_mask_is_rebuilt_from_a_saved_curve():
     old_format = {"pool": {"size": 30}, "scores": {"cg": scores.tolist()},
                   "curves": {"cg": found.tolist()}}
     assert studies.pool_corrupted(old_format).tolist() == corrupted.tolist()
+
+
+def test_older_results_read_with_the_settings_of_their_time():
+    # a UCI result from before the moments / clusters / Fisher / point-term settings
+    old = {"dataset": "energy", "pbrf": {"lr": 0.1, "steps": 5}}
+    assert compat.uci_result(old)["pbrf"] == {
+        "bgln_moments": "paper", "bgln_clusters": None, "ewc_fisher": "true",
+        "point_term": False, "lr": 0.1, "steps": 5}
+    assert compat.uci_result({"pbrf": {"bgln_moments": "exact"}})["pbrf"]["bgln_moments"] == \
+        "exact"
+    # a mislabeled result from before the device and the non-finite counts were recorded
+    assert compat.mislabeled_result({"seed": 0}) == {"seed": 0, "device": "cpu",
+                                                     "nonfinite": {}}
+    assert compat.mislabeled_result({"device": "NVIDIA H100"})["device"] == "NVIDIA H100"
 
 
 def test_bootstrap_intervals_degenerate_cases_and_pearson():

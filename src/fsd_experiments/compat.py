@@ -13,8 +13,10 @@ here, with what the older version meant.
 
 ``fsd influence``:
     mislabeled results written before the pool's corrupted mask was saved rebuild it from
-    a detection curve; UCI results from before the bootstrap intervals get them computed
-    from their scores.
+    a detection curve, and read as run on the CPU with no non-finite score where they do
+    not say; UCI results from before the bootstrap intervals get them computed from their
+    scores, and older PBRF settings (moments, clusters, EWC Fisher, point term) read as the
+    defaults those runs used.
 """
 
 from __future__ import annotations
@@ -80,6 +82,21 @@ def cl_results(raw: Mapping[str, Any]) -> dict[str, Any]:
 def is_cl_results(raw: Mapping[str, Any]) -> bool:
     """Whether a results.json was written by ``fsd cl`` (other commands write one too)."""
     return {"benchmark", "method", "accuracy_matrix"} <= set(raw)
+
+
+# PBRF settings that older UCI results lack, and what those runs used
+_UCI_PBRF_LEGACY: dict[str, Any] = {"bgln_moments": "paper", "bgln_clusters": None,
+                                    "ewc_fisher": "true", "point_term": False}
+
+
+def uci_result(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A UCI result with every PBRF setting present (older files: what those runs used)."""
+    return {**raw, "pbrf": {**_UCI_PBRF_LEGACY, **raw["pbrf"]}}
+
+
+def mislabeled_result(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A mislabeled result with ``device`` and ``nonfinite`` (older files: CPU, none)."""
+    return {"device": "cpu", "nonfinite": {}, **raw}
 
 
 def pool_corrupted(result: Mapping[str, Any]) -> np.ndarray:

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from fsd.influence import cg_scores, pbrf_scores
 
-from ..compat import pool_corrupted
+from ..compat import mislabeled_result, pool_corrupted
 from ..data import load_mnist
 from ..devices import device_name, resolve_device
 from ..io import atomic_write_text, write_json
@@ -182,6 +182,7 @@ def write_mislabeled_outputs(result: dict[str, Any], out: Path) -> None:
         result["bootstrap"] = detection_intervals(result["scores"], corrupted)
     write_json(out / "results.json", result, indent=2, nan_as_null=True)
     pool = result["pool"]
+    shown = mislabeled_result(result)
     boot = result.get("bootstrap", {"auc": {}, "difference": {}, "level": 0.95})
     lines = [f"# Mislabeled-example detection (MNIST, seed {result['seed']})", "",
              f"{result['n_train']} training images, {result['corrupted_total']} labels corrupted; "
@@ -191,7 +192,7 @@ def write_mislabeled_outputs(result: dict[str, Any], out: Path) -> None:
              f"{result['test_accuracy']:.3f}). Pool: {pool['size']} random training points "
              f"({pool['corrupted']} corrupted). PBRF: SGD lr {result['pbrf']['lr']}, "
              f"{result['pbrf']['steps']} steps, λ = {result['pbrf']['damping']}; BGLN-D: "
-             f"{result['pbrf']['bgln_d']}. Device: {result.get('device', 'cpu')}.", "",
+             f"{result['pbrf']['bgln_d']}. Device: {shown['device']}.", "",
              f"| method | AUC (fraction found vs fraction checked) | "
              f"{boot['level']:.0%} interval | AUC − EWC ({boot['level']:.0%} interval) | "
              "wall time (s) | non-finite scores |", "|---|---:|---:|---:|---:|---:|"]
@@ -205,7 +206,7 @@ def write_mislabeled_outputs(result: dict[str, Any], out: Path) -> None:
         difference = boot["difference"].get(m, {}).get("auc")
         lines.append(f"| {METHOD_TITLES[m]} | {auc:.3f} | {cell(boot['auc'].get(m))} | "
                      f"{cell(difference, '+')} | {result['seconds'][m]:.1f} | "
-                     f"{result.get('nonfinite', {}).get(m, 0)} |")
+                     f"{shown['nonfinite'].get(m, 0)} |")
     lines += ["", "Intervals: paired percentile bootstrap over the pool's points "
               f"({boot.get('resamples', 0)} resamples, the same for every method)."]
     atomic_write_text(out / "results.md", "\n".join(lines) + "\n")

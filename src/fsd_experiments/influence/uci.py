@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from fsd.influence import cg_scores, pbrf_scores
 
-from ..compat import uci_bootstrap
+from ..compat import uci_bootstrap, uci_result
 from ..data import UCI_DATASETS, load_uci
 from ..io import atomic_write_text, write_json
 from ..models import mlp
@@ -298,17 +298,18 @@ def write_uci_outputs(result: dict[str, Any], out: Path) -> None:
     """results.json, results.md and scatter.png (each method vs the exact PBRF) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", result, indent=2, nan_as_null=True)
+    pbrf = uci_result(result)["pbrf"]
     md = [f"# Influence (UCI {result['dataset']}, seed {result['seed']})", "",
           f"N = {result['n_train']} training points, {len(result['removed_indices'])} removals; "
           f"{result['model']}, SGD lr {result['lr']} (validation-chosen), {result['epochs']} "
           f"epochs; PBRF: SGD lr {result['pbrf']['lr']}, {result['pbrf']['steps']} steps, "
           f"λ = {result['pbrf']['damping']}; BGLN-D moments "
-          f"{result['pbrf'].get('bgln_moments', 'paper')}"
-          + (f", mixture over {result['pbrf']['bgln_clusters']} k-means clusters"
-             if result["pbrf"].get("bgln_clusters") else "") + "; EWC Fisher "
-          f"{result['pbrf'].get('ewc_fisher', 'true')}"
+          f"{pbrf['bgln_moments']}"
+          + (f", mixture over {pbrf['bgln_clusters']} k-means clusters"
+             if pbrf["bgln_clusters"] else "") + "; EWC Fisher "
+          f"{pbrf['ewc_fisher']}"
           + ("; approximate terms + the removed point's own exact term"
-             if result["pbrf"].get("point_term") else "") + ".", ""]
+             if pbrf["point_term"] else "") + ".", ""]
     if result["correlation"] or "oracle_repeat" in result:
         md += ["Correlation with the exact PBRF self-influence:", "", uci_table([result]), ""]
     if uci_bootstrap(result) is not None:
@@ -338,7 +339,7 @@ def write_uci_summary(out: Path) -> str:
     for name in UCI_DATASETS:
         path = out / name / "results.json"
         if path.is_file():
-            results.append(json.loads(path.read_text()))
+            results.append(uci_result(json.loads(path.read_text())))
     if not results:
         return ""
     text = "\n".join(["# Influence estimation on UCI regression (self-influence vs exact PBRF)",
