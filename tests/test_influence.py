@@ -368,6 +368,15 @@ def test_older_results_read_with_the_settings_of_their_time():
     assert compat.mislabeled_result({"device": "NVIDIA H100"})["device"] == "NVIDIA H100"
 
 
+def test_uci_names_are_those_the_loader_accepts():
+    from fsd_experiments.data.uci import canonical_uci_name
+    from fsd_experiments.influence.uci import _canonical_uci
+    for name in ("Boston", "housing", "wine_red", "KIN8NM", "boston-housing"):
+        assert _canonical_uci(name) == canonical_uci_name(name) is not None
+    with pytest.raises(ValueError, match="unknown UCI data set 'iris'"):
+        _canonical_uci("iris")
+
+
 def test_bootstrap_intervals_degenerate_cases_and_pearson():
     rng = np.random.default_rng(1)
     reference = rng.normal(size=40)

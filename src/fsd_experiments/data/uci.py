@@ -37,9 +37,14 @@ def _uci_hint(data_dir: Path) -> str:
     )
 
 
+def canonical_uci_name(name: str) -> str | None:
+    """The canonical folder name of a UCI data set name or alias (case-insensitive), or None."""
+    return _UCI_ALIASES.get(name.strip().lower().replace("_", "-"))
+
+
 def _uci_name(name: str) -> str:
     """Map a UCI data set name or alias (case-insensitive) to its canonical folder name."""
-    canon = _UCI_ALIASES.get(name.strip().lower().replace("_", "-"))
+    canon = canonical_uci_name(name)
     if canon is None:
         raise ValueError(
             f"unknown UCI data set {name!r}; valid names: {', '.join(UCI_DATASETS)} "

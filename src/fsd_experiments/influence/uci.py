@@ -17,6 +17,7 @@ from fsd.influence import cg_scores, pbrf_scores
 
 from ..compat import uci_bootstrap, uci_result
 from ..data import UCI_DATASETS, load_uci
+from ..data.uci import canonical_uci_name
 from ..io import atomic_write_text, write_json
 from ..models import mlp
 from ..plotting import pyplot
@@ -33,10 +34,7 @@ LEARNING_RATES: tuple[float, ...] = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
 
 
 def _canonical_uci(name: str) -> str:
-    lookup = {n.lower(): n for n in UCI_DATASETS}
-    lookup.update({"boston": "bostonHousing", "housing": "bostonHousing",
-                   "wine": "wine-quality-red"})
-    canon = lookup.get(name.strip().lower())
+    canon = canonical_uci_name(name)
     if canon is None:
         raise ValueError(f"unknown UCI data set {name!r}; expected one of "
                          f"{', '.join(UCI_DATASETS)} (or 'all')")
