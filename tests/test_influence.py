@@ -208,7 +208,7 @@ def test_kmeans_labels_recovers_separated_clusters():
     assert len(set.union(*mapping.values())) == 3
     assert torch.equal(kmeans_labels(x, 3, seed=1), labels)  # deterministic
     assert kmeans_labels(x, 1).unique().tolist() == [0]
-    with pytest.raises(ValueError, match="k must lie in 1..90"):
+    with pytest.raises(ValueError, match=r"k must lie in 1\.\.90"):
         kmeans_labels(x, 0)
     with pytest.raises(ValueError, match="k must lie"):
         kmeans_labels(x, 91)
