@@ -26,7 +26,8 @@ def test_help_lists_commands(capsys):
 
 
 def test_python_dash_m_fsd_experiments_runs():
-    result = subprocess.run([sys.executable, "-m", "fsd_experiments", "--help"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "fsd_experiments", "--help"],
+                            capture_output=True,
                             text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert "usage: fsd" in result.stdout

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsd_experiments import continual
 from fsd import load as fsd_load
+from fsd_experiments import continual
 from fsd_experiments.cli import main
-from fsd_experiments.compare import mlp
+from fsd_experiments.compat import CL_RESULTS_SCHEMA, cl_hyperparameters
+from fsd_experiments.continual.reporting import _protocol
+from fsd_experiments.models import mlp
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
@@ -163,8 +165,8 @@ def test_killed_run_resumes_after_last_finished_task(tmp_path, capsys):
             "--test-subset", "100", "--tasks", "3", "--no-progress", "--data-dir",
             str(DATA_DIR)]
     killed, clean = tmp_path / "killed", tmp_path / "clean"
-    env = {**os.environ, "PYTHONPATH": str(Path(continual.__file__).parents[1])}
-    proc = subprocess.Popen(args + ["--out", str(killed)], env=env, stderr=subprocess.PIPE,
+    env = {**os.environ, "PYTHONPATH": str(Path(continual.__file__).parents[2])}
+    proc = subprocess.Popen([*args, "--out", str(killed)], env=env, stderr=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, text=True)
     state = killed / "checkpoints" / "seed5" / "state.pt"
     deadline = time.monotonic() + 60
@@ -175,12 +177,12 @@ def test_killed_run_resumes_after_last_finished_task(tmp_path, capsys):
     assert state.exists(), "task 1's checkpoint never appeared"
     assert not (killed / "results.json").exists(), "the run finished before it was killed"
 
-    second = subprocess.run(args + ["--out", str(killed)], env=env, capture_output=True,
+    second = subprocess.run([*args, "--out", str(killed)], env=env, capture_output=True,
                             text=True, check=True)
     assert "resuming after task 1/3" in second.stderr
     assert "task 1/3 (0/1)" not in second.stderr  # task 1 was not trained again
     # the uninterrupted reference run, in this process (same code, one thread, same seed)
-    assert main(args[3:] + ["--out", str(clean)]) == 0
+    assert main([*args[3:], "--out", str(clean)]) == 0
     resumed = json.loads((killed / "results.json").read_text())
     reference = json.loads((clean / "results.json").read_text())
     assert resumed["accuracy_matrix"] == reference["accuracy_matrix"]
@@ -188,7 +190,7 @@ def test_killed_run_resumes_after_last_finished_task(tmp_path, capsys):
 
     # a finished run started again trains nothing and keeps its results
     capsys.readouterr()
-    assert main(args[3:] + ["--out", str(clean)]) == 0
+    assert main([*args[3:], "--out", str(clean)]) == 0
     assert "] task" not in capsys.readouterr().err
     assert json.loads((clean / "results.json").read_text())["accuracy_matrix"] == \
         reference["accuracy_matrix"]
@@ -205,6 +207,26 @@ def test_resume_with_other_settings_is_refused(tmp_path, capsys):
     assert main(["cl", "--benchmark", "split-mnist", "--method", "finetune", "--seeds", "3",
                  "--out", str(tmp_path), "--no-plots", *TINY, "--tasks", "2",
                  "--lr", "0.01"]) == 2
+    assert "written with other settings" in capsys.readouterr().err
+
+
+@needs_mnist
+def test_checkpoint_older_than_penalty_outputs_resumes(tmp_path, capsys):
+    first = _run(tmp_path, "split-mnist", "finetune", "--tasks", "2")
+    state_path = tmp_path / "checkpoints" / "seed3" / "state.pt"
+    state = torch.load(state_path, weights_only=True)
+    saved = json.loads(state["hyperparameters"])
+    del saved["penalty_outputs"]  # as written before the setting existed: each task's head
+    state["hyperparameters"] = json.dumps(saved)
+    torch.save(state, state_path)
+    capsys.readouterr()
+    again = _run(tmp_path, "split-mnist", "finetune", "--tasks", "2")
+    assert "] task" not in capsys.readouterr().err  # resumed after its last task: no training
+    assert again["accuracy_matrix"] == first["accuracy_matrix"]
+    # all logits is not what an old checkpoint did: refused
+    assert main(["cl", "--benchmark", "split-mnist", "--method", "finetune", "--seeds", "3",
+                 "--out", str(tmp_path), "--no-plots", *TINY, "--tasks", "2",
+                 "--penalty-outputs", "all"]) == 2
     assert "written with other settings" in capsys.readouterr().err
 
 
@@ -256,16 +278,49 @@ def test_penalty_outputs_all_covers_the_other_heads(tmp_path):
                                 penalty_outputs="some")
 
 
+def _file_protocol(res: dict) -> str:
+    # the report's protocol column for a results file's settings, read as the report reads them
+    hp = continual.Hyperparameters.from_dict(
+        cl_hyperparameters(res["hyperparameters"], res["benchmark"], res["method"]))
+    return _protocol(hp, res["benchmark"], res["method"])
+
+
 def test_results_older_than_penalty_outputs_read_as_head_only():
     res = {"benchmark": "split-mnist", "method": "bgln-d",
            "hyperparameters": continual.default_hyperparameters("split-mnist", "bgln-d")}
     del res["hyperparameters"]["penalty_outputs"]
-    assert "penalty_outputs" in continual._protocol(res)
+    assert "penalty_outputs" in _file_protocol(res)
     # single head: the head is every logit, so an old Permuted MNIST run is still the protocol
     res = {"benchmark": "permuted-mnist", "method": "bgln-d",
            "hyperparameters": continual.default_hyperparameters("permuted-mnist", "bgln-d")}
     del res["hyperparameters"]["penalty_outputs"]
-    assert "not paper protocol" not in continual._protocol(res)
+    assert "not paper protocol" not in _file_protocol(res)
+
+
+def test_results_json_round_trip_and_version_one_files():
+    hp = continual.Hyperparameters.paper("split-mnist", "bgln-d").with_overrides(tasks=2)
+    done = [continual.SeedResult(7, [[99.0, 50.0], [98.0, 97.0]], 12.0, [1000])]
+    results = continual.RunResults.collect("split-mnist", "bgln-d", hp, [7, 8], done)
+    written = results.to_json()
+    assert written["schema_version"] == CL_RESULTS_SCHEMA and written["fsd_version"]
+    assert list(written["hyperparameters"]) == list(
+        continual.default_hyperparameters("split-mnist", "bgln-d"))
+    assert "devices" not in written and not written["complete"]
+    assert continual.RunResults.from_json(json.loads(json.dumps(written))) == results
+    # a file written before the schema version, complete/seeds_requested/device and the
+    # optimizer, penalty and penalty_outputs settings: read as the run that wrote it was made
+    old = {k: v for k, v in written.items()
+           if k not in ("schema_version", "fsd_version", "complete", "seeds_requested",
+                        "device", "torch_threads")}
+    old["hyperparameters"] = {k: v for k, v in written["hyperparameters"].items()
+                              if k not in ("optimizer", "penalty", "penalty_outputs", "rank")}
+    read = continual.RunResults.from_json(old)
+    assert read.schema_version == 1 and read.fsd_version is None
+    assert read.complete and read.seeds_requested == [7] and read.device == "cpu"
+    assert (read.hyperparameters.optimizer, read.hyperparameters.penalty,
+            read.hyperparameters.penalty_outputs, read.hyperparameters.rank) == \
+        ("per-task", "sum", "head", None)
+    assert read.accuracy_matrix == results.accuracy_matrix
 
 
 def test_bad_optimizer_mode_is_refused(tmp_path):
@@ -288,11 +343,12 @@ def test_rank_option_stores_low_rank_moments(tmp_path):
 def test_metric_option_reaches_monte_carlo_estimators_only(tmp_path):
     # default: softmax outputs for the Monte Carlo methods, as the authors' BGLN-S code
     hp = continual.default_hyperparameters("split-mnist", "bgln-s")
-    assert continual.METHODS["bgln-s"].factory(hp, 0).config["metric"] == "softmax_euclidean"
-    assert continual.METHODS["laftr"].factory(
+    bgln_s = continual.METHODS["bgln-s"]
+    assert bgln_s.continual_estimator(hp, 0).config["metric"] == "softmax_euclidean"
+    assert continual.METHODS["laftr"].continual_estimator(
         continual.default_hyperparameters("split-mnist", "laftr"), 0).config["metric"] == \
         "softmax_euclidean"
-    assert continual.METHODS["bgln-s"].factory({**hp, "metric": "euclidean"}, 0).config[
+    assert bgln_s.continual_estimator({**hp, "metric": "euclidean"}, 0).config[
         "metric"] == "euclidean"
     assert continual.default_hyperparameters("split-mnist", "bgln-d")["metric"] is None
     with pytest.raises(ValueError, match="metric applies to"):
@@ -312,7 +368,8 @@ def test_penalty_gap_compares_each_summary_with_the_true_fsd(tmp_path, capsys):
         assert r["ratio"] == pytest.approx(r["estimate"] / r["true_fsd"])
     # the true FSD by hand: ½‖Δz‖² on the task's head, averaged over its first 200 inputs
     import torch
-    from fsd_experiments.compare import mlp
+
+    from fsd_experiments.models import mlp
     tasks, _ = continual.make_tasks("split-mnist", str(DATA_DIR), 3, train_subset=200,
                                     test_subset=100, num_tasks=3)
     final = mlp(784, 32, 2, 10)
@@ -349,7 +406,7 @@ def test_merge_combines_seeds_run_separately(tmp_path, capsys):
         continual.merge_runs([tmp_path / "1", tmp_path / "both"], tmp_path / "x")
     assert main(["cl", "--benchmark", "split-mnist", "--method", "finetune", "--seeds", "3",
                  "--out", str(tmp_path / "other"), "--no-plots", *TINY, "--lr", "0.01"]) == 0
-    with pytest.raises(ValueError, match="differs .* in hyperparameters"):
+    with pytest.raises(ValueError, match=r"differs .* in hyperparameters"):
         continual.merge_runs([tmp_path / "1", tmp_path / "other"], tmp_path / "y")
     assert main(["cl", "merge", str(tmp_path / "missing"), "--out", str(tmp_path / "z")]) == 2
     assert "results.json not found" in capsys.readouterr().err
@@ -361,7 +418,7 @@ def test_merge_combines_seeds_run_separately(tmp_path, capsys):
         del older["hyperparameters"][key]
     (tmp_path / "2" / "results.json").write_text(json.dumps(older))
     merged = continual.merge_runs([tmp_path / "1", tmp_path / "2"], tmp_path / "w", plots=False)
-    assert merged["seeds"] == [1, 2]
+    assert merged.seeds == [1, 2]
     # a run stopped before all its seeds: refused, unless its finished seeds are asked for
     stopped = json.loads((tmp_path / "1" / "results.json").read_text())
     stopped["complete"], stopped["seeds_requested"] = False, [1, 5]

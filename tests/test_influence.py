@@ -16,6 +16,7 @@ import fsd
 import fsd_experiments.data
 from fsd import influence
 from fsd.testing import one_point_at_a_time
+from fsd_experiments import compat, stats
 from fsd_experiments import influence as studies
 from fsd_experiments.cli import main
 from fsd_experiments.stats import kmeans_labels
@@ -207,7 +208,7 @@ def test_kmeans_labels_recovers_separated_clusters():
     assert len(set.union(*mapping.values())) == 3
     assert torch.equal(kmeans_labels(x, 3, seed=1), labels)  # deterministic
     assert kmeans_labels(x, 1).unique().tolist() == [0]
-    with pytest.raises(ValueError, match="k must lie in 1..90"):
+    with pytest.raises(ValueError, match=r"k must lie in 1\.\.90"):
         kmeans_labels(x, 0)
     with pytest.raises(ValueError, match="k must lie"):
         kmeans_labels(x, 91)
@@ -294,9 +295,9 @@ def test_ewc_term_is_the_gauss_newton_diagonal():
 
 def test_detection_curve_and_auc():
     corrupted = np.array([1, 0, 1, 0, 0], dtype=float)
-    checked, found = studies.detection_curve(np.array([5, 1, 4, 2, 3.0]), corrupted)
+    checked, found = stats.detection_curve(np.array([5, 1, 4, 2, 3.0]), corrupted)
     assert found.tolist() == [0, 0.5, 1, 1, 1, 1]
-    assert studies.area_under(checked, found) == pytest.approx(0.8)
+    assert stats.area_under(checked, found) == pytest.approx(0.8)
     y, mask = studies.corrupt_labels(torch.arange(10) % 10, 0.3, 10,
                                        torch.Generator().manual_seed(0))
     assert int(mask.sum()) == 3 and bool((y[mask] != (torch.arange(10) % 10)[mask]).all())
@@ -307,8 +308,8 @@ def test_detection_auc_closed_form_matches_the_curve():
     corrupted = (rng.random(50) < 0.2).astype(float)
     scores = rng.normal(size=50) + corrupted
     rows = rng.integers(0, 50, size=(20, 50))  # resampled pools repeat points
-    fast = studies._detection_aucs(scores[rows], corrupted[rows])
-    slow = [studies.area_under(*studies.detection_curve(scores[r], corrupted[r]))
+    fast = stats.detection_aucs(scores[rows], corrupted[rows])
+    slow = [stats.area_under(*stats.detection_curve(scores[r], corrupted[r]))
             for r in rows]
     assert fast == pytest.approx(slow, rel=1e-12)
 
@@ -317,7 +318,7 @@ def test_detection_intervals_pairing_and_separation():
     rng = np.random.default_rng(4)
     corrupted = (rng.random(400) < 0.1).astype(float)
     informative = corrupted + rng.normal(size=400)
-    boot = studies.detection_intervals(
+    boot = stats.detection_intervals(
         {"ewc": informative, "bgln-d": informative.copy(), "random": rng.random(400),
          "broken": np.where(np.arange(400) == 7, np.nan, informative)},
         corrupted, resamples=500)
@@ -325,10 +326,10 @@ def test_detection_intervals_pairing_and_separation():
     assert boot["difference"]["random"]["auc"][1] < 0  # clearly worse than EWC
     assert "broken" not in boot["auc"]
     lo, hi = boot["auc"]["ewc"]
-    point = studies.area_under(*studies.detection_curve(informative, corrupted))
+    point = stats.area_under(*stats.detection_curve(informative, corrupted))
     assert lo < point < hi
     with pytest.raises(ValueError, match="both corrupted and clean"):
-        studies.detection_intervals({"ewc": informative}, np.zeros(400))
+        stats.detection_intervals({"ewc": informative}, np.zeros(400))
 
 
 def test_detection_intervals_cover_a_random_rankers_auc():
@@ -337,7 +338,7 @@ def test_detection_intervals_cover_a_random_rankers_auc():
     repeats, covered = 60, 0
     for r in range(repeats):
         corrupted = (rng.random(200) < 0.15).astype(float)
-        lo, hi = studies.detection_intervals({"random": rng.random(200)}, corrupted,
+        lo, hi = stats.detection_intervals({"random": rng.random(200)}, corrupted,
                                                resamples=400, level=0.9, seed=r)["auc"]["random"]
         covered += lo <= 0.5 <= hi
     assert 0.8 <= covered / repeats <= 0.98
@@ -347,17 +348,40 @@ def test_pool_mask_is_rebuilt_from_a_saved_curve():
     rng = np.random.default_rng(6)
     corrupted = (rng.random(30) < 0.3).astype(float)
     scores = rng.normal(size=30)
-    _, found = studies.detection_curve(scores, corrupted)
+    _, found = stats.detection_curve(scores, corrupted)
     old_format = {"pool": {"size": 30}, "scores": {"cg": scores.tolist()},
                   "curves": {"cg": found.tolist()}}
     assert studies.pool_corrupted(old_format).tolist() == corrupted.tolist()
+
+
+def test_older_results_read_with_the_settings_of_their_time():
+    # a UCI result from before the moments / clusters / Fisher / point-term settings
+    old = {"dataset": "energy", "pbrf": {"lr": 0.1, "steps": 5}}
+    assert compat.uci_result(old)["pbrf"] == {
+        "bgln_moments": "paper", "bgln_clusters": None, "ewc_fisher": "true",
+        "point_term": False, "lr": 0.1, "steps": 5}
+    assert compat.uci_result({"pbrf": {"bgln_moments": "exact"}})["pbrf"]["bgln_moments"] == \
+        "exact"
+    # a mislabeled result from before the device and the non-finite counts were recorded
+    assert compat.mislabeled_result({"seed": 0}) == {"seed": 0, "device": "cpu",
+                                                     "nonfinite": {}}
+    assert compat.mislabeled_result({"device": "NVIDIA H100"})["device"] == "NVIDIA H100"
+
+
+def test_uci_names_are_those_the_loader_accepts():
+    from fsd_experiments.data.uci import canonical_uci_name
+    from fsd_experiments.influence.uci import _canonical_uci
+    for name in ("Boston", "housing", "wine_red", "KIN8NM", "boston-housing"):
+        assert _canonical_uci(name) == canonical_uci_name(name) is not None
+    with pytest.raises(ValueError, match="unknown UCI data set 'iris'"):
+        _canonical_uci("iris")
 
 
 def test_bootstrap_intervals_degenerate_cases_and_pearson():
     rng = np.random.default_rng(1)
     reference = rng.normal(size=40)
     noisy = reference + rng.normal(size=40)
-    boot = studies.bootstrap_intervals(
+    boot = stats.bootstrap_intervals(
         {"bgln-d": 3 * reference + 1, "ewc": 3 * reference + 1, "cg": noisy,
          "broken": np.where(np.arange(40) == 3, np.nan, noisy)}, reference, resamples=300)
     # an exact linear function of the reference: every resample correlates perfectly
@@ -367,17 +391,17 @@ def test_bootstrap_intervals_degenerate_cases_and_pearson():
     assert boot["difference"]["bgln-d"]["pearson"] == pytest.approx([0, 0], abs=1e-12)
     assert "broken" not in boot["pearson"]  # non-finite scores: left out
     lo, hi = boot["pearson"]["cg"]
-    point = studies.correlations(noisy, reference)["pearson"]
+    point = stats.correlations(noisy, reference)["pearson"]
     assert lo < point < hi and hi - lo > 0.05
     # the vectorized Pearson is scipy's
-    from scipy import stats
+    from scipy import stats as scipy_stats
     rows = rng.integers(0, 40, size=(5, 40))
-    assert studies._rowwise_pearson(noisy[rows], reference[rows]) == pytest.approx(
-        [stats.pearsonr(noisy[r], reference[r])[0] for r in rows], rel=1e-12)
+    assert stats.rowwise_pearson(noisy[rows], reference[rows]) == pytest.approx(
+        [scipy_stats.pearsonr(noisy[r], reference[r])[0] for r in rows], rel=1e-12)
     with pytest.raises(ValueError, match="level"):
-        studies.bootstrap_intervals({"cg": noisy}, reference, level=1.5)
+        stats.bootstrap_intervals({"cg": noisy}, reference, level=1.5)
     with pytest.raises(ValueError, match="scores for 40"):
-        studies.bootstrap_intervals({"cg": noisy[:10]}, reference)
+        stats.bootstrap_intervals({"cg": noisy[:10]}, reference)
 
 
 def test_bootstrap_intervals_cover_the_true_correlation():
@@ -388,7 +412,7 @@ def test_bootstrap_intervals_cover_the_true_correlation():
     for r in range(repeats):
         z = rng.normal(size=(n, 2))
         x, y = z[:, 0], rho * z[:, 0] + np.sqrt(1 - rho ** 2) * z[:, 1]
-        lo, hi = studies.bootstrap_intervals({"m": y}, x, resamples=400, level=0.9,
+        lo, hi = stats.bootstrap_intervals({"m": y}, x, resamples=400, level=0.9,
                                                seed=r)["pearson"]["m"]
         covered += lo <= rho <= hi
     assert 0.8 <= covered / repeats <= 0.98

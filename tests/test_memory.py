@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
+import fsd_experiments
 from fsd_experiments.cli import main
-from fsd_experiments.memory import (CIFAR_CNN_P, PAPER_MEMORY_GAIN, cifar_cnn, count_architecture,
-                        measured_counts, memory_costs, memory_gain_table, percentage_reduction)
+from fsd_experiments.memory import (
+    CIFAR_CNN_P,
+    PAPER_MEMORY_GAIN,
+    count_architecture,
+    measured_counts,
+    memory_costs,
+    memory_gain_table,
+    percentage_reduction,
+)
+from fsd_experiments.models import cifar_cnn
 
 
 def small_mlp() -> nn.Sequential:
@@ -78,3 +89,6 @@ def test_cli_memory(tmp_path, capsys):
     assert main(["memory", "--arch", "mnist-mlp", "--no-measure", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "memory_mnist-mlp.md").read_text()
     assert "P = 89,610" in text and "66.27" in text
+    saved = json.loads((tmp_path / "memory_mnist-mlp.json").read_text())
+    assert saved["architecture"]["P"] == 89_610
+    assert saved["schema_version"] == 1 and saved["fsd_version"] == fsd_experiments.__version__

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import torch
 
+import fsd_experiments
 from fsd import LAFTR, NTK
-from fsd_experiments.compare import mlp
+from fsd_experiments.cli import main
+from fsd_experiments.models import mlp
 from fsd_experiments.toy import ToyConfig, format_toy, laftr_outputs, ntk_outputs, run_toy, toy_plot
 
 
@@ -50,3 +53,12 @@ def test_small_toy_run_and_plot(tmp_path):
     toy_plot(result, tmp_path / "toy.png")
     assert (tmp_path / "toy.png").stat().st_size > 1000
     assert "LAFTR" in format_toy(result)
+
+
+def test_cli_maps_options_onto_the_settings_and_writes_versioned_json(tmp_path):
+    assert main(["toy", "--out", str(tmp_path), "--steps", "30", "--seeds", "1", "--width", "16",
+                 "--lam", "2"]) == 0
+    saved = json.loads((tmp_path / "toy.json").read_text())
+    assert saved["config"] == {**ToyConfig().__dict__, "steps": 30, "width": 16, "lam": 2.0}
+    assert saved["schema_version"] == 1 and saved["fsd_version"] == fsd_experiments.__version__
+    assert set(saved["errors"]) == {"none", "BGLN-D", "EWC", "NTK", "f1 (before task 2)"}

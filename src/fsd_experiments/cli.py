@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from fsd import __version__
+
+from .io import atomic_write_text, write_json
 
 
 def _add_data_dir(parser: argparse.ArgumentParser) -> None:
@@ -36,9 +37,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "compare_estimators.md").write_text(table + "\n")
-        (out / "compare_estimators.json").write_text(
-            json.dumps([asdict(r) for r in rows], indent=2))
+        atomic_write_text(out / "compare_estimators.md", table + "\n")
+        write_json(out / "compare_estimators.json", [asdict(r) for r in rows], indent=2)
         print(f"wrote {out / 'compare_estimators.md'} and .json")
     return 0
 
@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import continual
     continual.add_cli(sub)
     from . import fidelity, memory, toy
-    fidelity.add_cli(sub); toy.add_cli(sub); memory.add_cli(sub)
+    fidelity.add_cli(sub)
+    toy.add_cli(sub)
+    memory.add_cli(sub)
     from . import influence
     influence.add_cli(sub)
     return parser

@@ -16,55 +16,34 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .data import TensorBatches, load_mnist, split_by_classes
 from fsd.estimator import Estimator
-from fsd.ewc import EWC
 from fsd.exact import ExactFSD
-from fsd.linearized import BGLN, LAFTR
-from fsd.ntk import NTK
 
+from .data import TensorBatches, load_mnist, split_by_classes
+from .models import mlp
+from .presets import by_title
+from .training import cross_entropy, train
 
-def mlp(input_dim: int, width: int, depth: int, outputs: int) -> nn.Sequential:
-    """ReLU MLP: Flatten, ``depth`` hidden Linear+ReLU layers of ``width``, Linear head."""
-    layers: list[nn.Module] = [nn.Flatten()]
-    last = input_dim
-    for _ in range(depth):
-        layers += [nn.Linear(last, width), nn.ReLU()]
-        last = width
-    layers.append(nn.Linear(last, outputs))
-    return nn.Sequential(*layers)
-
-
-def train(model: nn.Module, batches: TensorBatches, epochs: int, lr: float,
-          desc: str = "training", progress: bool = True) -> None:
-    """Plain Adam + cross-entropy training (used to make the reference and moved networks)."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    model.train()
-    for epoch in range(epochs):
-        for x, y in tqdm(batches, desc=f"{desc} epoch {epoch + 1}/{epochs}", leave=False,
-                         disable=not progress):
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-    model.eval()
+#: the estimators compared, in table order (display names of :mod:`fsd_experiments.presets`)
+COMPARED: tuple[str, ...] = (
+    "LAFTR (coreset)", "LAFTR (gaussian)", "BGLN-S", "BGLN-S-Var", "BGLN-S-CW",
+    "BGLN-S (coreset)", "BGLN-D", "BGLN-D-Var", "BGLN-D-CW", "NTK (coreset)", "EWC")
 
 
 def default_estimators(coreset_size: int = 40, num_samples: int = 128
                        ) -> dict[str, Callable[[], Estimator]]:
-    """The estimators compared, by display name (factories, so each run is fresh)."""
-    return {
-        "LAFTR (coreset)": lambda: LAFTR(inputs="coreset", coreset_size=coreset_size),
-        "LAFTR (gaussian)": lambda: LAFTR(inputs="gaussian", num_samples=num_samples),
-        "BGLN-S": lambda: BGLN(num_samples=num_samples),
-        "BGLN-S-Var": lambda: BGLN(covariance="diag", num_samples=num_samples),
-        "BGLN-S-CW": lambda: BGLN(classwise=True, num_samples=num_samples),
-        "BGLN-S (coreset)": lambda: BGLN(inputs="coreset", coreset_size=coreset_size),
-        "BGLN-D": lambda: BGLN(deterministic=True),
-        "BGLN-D-Var": lambda: BGLN(deterministic=True, covariance="diag"),
-        "BGLN-D-CW": lambda: BGLN(deterministic=True, classwise=True),
-        "NTK (coreset)": lambda: NTK(coreset_size=coreset_size),
-        "EWC": lambda: EWC(fisher="true", metric="euclidean"),
-    }
+    """The estimators compared, by display name (factories, so each run is fresh).
+
+    Coreset methods keep ``coreset_size`` points; the ones sampling Gaussian inputs draw
+    ``num_samples`` per call; everything else keeps its preset's defaults.
+    """
+    def factory(title: str) -> Callable[[], Estimator]:
+        preset = by_title(title)
+        options: dict[str, int] = ({"coreset_size": coreset_size} if preset.coreset else
+                                   {"num_samples": num_samples} if preset.sampled else {})
+        return lambda: preset.make(**options)
+
+    return {title: factory(title) for title in COMPARED}
 
 
 @dataclass
@@ -89,6 +68,8 @@ def time_distance(estimator: Estimator, model: nn.Module, repeats: int) -> tuple
         times.append((time.perf_counter() - start) * 1e3)
         model.zero_grad()
         value = float(d.detach()) if value is None else value
+    if value is None:
+        raise ValueError(f"repeats must be positive, got {repeats}")
     times.sort()
     return value, times[len(times) // 2]
 
@@ -104,11 +85,14 @@ def compare_estimators(data_dir: str | None = None, *, width: int = 100, depth: 
     x23, y23 = split_by_classes(x, y, [2, 3])
     generator = torch.Generator().manual_seed(seed)
     model = mlp(28 * 28, width, depth, 2)
+    # plain Adam + cross-entropy makes the reference and the moved network
     train(model, TensorBatches(x01, y01, batch_size, shuffle=True, generator=generator),
-          epochs, lr, "task 0/1", progress)
+          cross_entropy, torch.optim.Adam(model.parameters(), lr=lr), epochs=epochs,
+          desc="task 0/1", progress=progress)
     moved = copy.deepcopy(model)
     train(moved, TensorBatches(x23, y23, batch_size, shuffle=True, generator=generator),
-          finetune_epochs, lr, "task 2/3", progress)
+          cross_entropy, torch.optim.Adam(moved.parameters(), lr=lr), epochs=finetune_epochs,
+          desc="task 2/3", progress=progress)
 
     reference_data = TensorBatches(x01, y01, 1024)
     exact = ExactFSD().fit(model, reference_data)

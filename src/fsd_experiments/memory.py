@@ -16,7 +16,6 @@ their ``nbytes`` (bytes, so divided by the element size) next to the formulas.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,11 +24,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .compare import mlp
 from fsd.estimator import Estimator
-from fsd.ewc import EWC
-from fsd.linearized import BGLN, LAFTR
-from fsd.ntk import NTK
+
+from .io import atomic_write_text, versioned, write_json
+from .models import cifar_cnn, mlp
+from .presets import PRESETS
 
 #: the paper's memory-gain table: (C, N) -> (LAFTR at d = 1000, 2000, 3000; LAFTR (coreset))
 PAPER_MEMORY_GAIN: dict[tuple[int, int], tuple[tuple[float, ...], tuple[float, ...]]] = {
@@ -41,6 +40,8 @@ PAPER_MEMORY_GAIN: dict[tuple[int, int], tuple[tuple[float, ...], tuple[float, .
     (50, 250): ((98.57, 96.69, 93.56), (99.04, 98.88, 98.73)),
 }
 GAIN_DIMS: tuple[int, ...] = (1000, 2000, 3000)
+#: the layout of memory_<arch>.json
+MEMORY_SCHEMA = 1
 #: parameters of :func:`cifar_cnn` (6 heads of 10): the P that reproduces the paper's table
 CIFAR_CNN_P = 1_276_508
 
@@ -142,24 +143,6 @@ def memory_gain_table(P: int = CIFAR_CNN_P, Cs: Sequence[int] = (10, 20, 50),
     return rows
 
 
-def cifar_cnn(heads: int = 6, classes_per_head: int = 10) -> nn.Sequential:
-    """The Split CIFAR100 CNN (Zenke et al. 2017, used by FROMP / S-FSVI), P = 1,276,508.
-
-    conv3×3 32 ('same'), conv3×3 32 ('valid'), maxpool 2, conv3×3 64 ('same'),
-    conv3×3 64 ('valid'), maxpool 2, dense 2304→512, and ``heads`` heads of
-    ``classes_per_head`` outputs, stored as one Linear (same parameter count). Dropout is
-    left out: it holds no parameters and no statistics.
-    """
-    return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(64, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * 6 * 6, 512), nn.ReLU(),
-        nn.Linear(512, heads * classes_per_head),
-    )
-
-
 @dataclass
 class MeasuredRow:
     """One fitted summary: the paper's formula next to what we store."""
@@ -192,32 +175,34 @@ def measured_counts(model: nn.Module, input_shape: Sequence[int], N: int, C: int
     y = torch.arange(n) % C
     data = [(x, y)]
     costs = memory_costs(P, A, d, N, C)
-    specs: list[tuple[str, str, str, Callable[[], Estimator], str]] = [
-        ("NTK (coreset)", "NTK (coreset)", "2P + Nd", lambda: NTK(coreset_size=N).fit(model, data),
+
+    def fitted(method: str) -> Callable[[], Estimator]:
+        preset = PRESETS[method]
+        if method == "ewc":  # the Fisher's size does not depend on how many examples it
+            # averages: fit on a few
+            return lambda: preset.make(chunk_size=1).fit(model, [(x[:2], y[:2])])
+        options = {"coreset_size": N} if preset.coreset else {}
+        return lambda: preset.make(**options).fit(model, data)
+
+    # (method, formula key of memory_costs, formula, note)
+    rows_wanted: list[tuple[str, str, str, str]] = [
+        ("ntk", "NTK (coreset)", "2P + Nd",
          "θ0 + coreset; J(θ−θ0) is recomputed by forward-mode AD, not stored"),
-        ("LAFTR (coreset)", "LAFTR (coreset)", "P + Nd",
-         lambda: LAFTR(inputs="coreset", coreset_size=N).fit(model, data), "θ0 + coreset"),
-        ("BGLN-S (coreset)", "BGLN-S (coreset)", "P + A + Nd",
-         lambda: BGLN(inputs="coreset", coreset_size=N).fit(model, data),
-         "+1 mixture weight"),
-        ("LAFTR (gaussian)", "LAFTR", "P + d + d²",
-         lambda: LAFTR(inputs="gaussian").fit(model, data),
+        ("laftr-coreset", "LAFTR (coreset)", "P + Nd", "θ0 + coreset"),
+        ("bgln-s-coreset", "BGLN-S (coreset)", "P + A + Nd", "+1 mixture weight"),
+        ("laftr", "LAFTR", "P + d + d²",
          "+1 mixture weight; full d×d covariance stored (not d(d+1)/2)"),
-        ("BGLN-S", "BGLN-S / BGLN-D", "P + A + d + d²", lambda: BGLN().fit(model, data),
-         "+1 mixture weight"),
-        ("BGLN-S-Var", "BGLN-S-Var / BGLN-D-Var", "P + A + 2d",
-         lambda: BGLN(covariance="diag").fit(model, data), "+1 mixture weight"),
+        ("bgln-s", "BGLN-S / BGLN-D", "P + A + d + d²", "+1 mixture weight"),
+        ("bgln-s-var", "BGLN-S-Var / BGLN-D-Var", "P + A + 2d", "+1 mixture weight"),
     ]
     if deterministic:
-        specs.append(("BGLN-D", "BGLN-S / BGLN-D", "P + A + d + d²",
-                      lambda: BGLN(deterministic=True).fit(model, data), "+1 mixture weight"))
+        rows_wanted.append(("bgln-d", "BGLN-S / BGLN-D", "P + A + d + d²", "+1 mixture weight"))
     if classwise:
-        specs.append(("BGLN-S-CW", "BGLN-S-CW / BGLN-D-CW", "P + C(A + d + d²)",
-                      lambda: BGLN(classwise=True).fit(model, data), "+C mixture weights"))
-    # the Fisher's size does not depend on how many examples it averages: fit on a few
-    specs.append(("EWC", "EWC", "2P",
-                  lambda: EWC(fisher="true", metric="euclidean", chunk_size=1)
-                  .fit(model, [(x[:2], y[:2])]), "θ0 + diagonal Fisher"))
+        rows_wanted.append(("bgln-s-cw", "BGLN-S-CW / BGLN-D-CW", "P + C(A + d + d²)",
+                            "+C mixture weights"))
+    rows_wanted.append(("ewc", "EWC", "2P", "θ0 + diagonal Fisher"))
+    specs = [(PRESETS[m].title, key, formula, fitted(m), note)
+             for m, key, formula, note in rows_wanted]
     rows = []
     for name, key, formula, make, note in specs:
         est = make()
@@ -316,8 +301,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"memory_{args.arch}.md").write_text(text + "\n")
-        (out / f"memory_{args.arch}.json").write_text(json.dumps(result, indent=1))
+        atomic_write_text(out / f"memory_{args.arch}.md", text + "\n")
+        write_json(out / f"memory_{args.arch}.json", versioned(result, MEMORY_SCHEMA), indent=1)
         print(f"wrote {out / f'memory_{args.arch}.md'} and .json")
     return 0
 

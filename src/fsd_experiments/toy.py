@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -30,16 +29,19 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp
 
-from .compare import mlp
 from fsd.estimator import Estimator
-from fsd.ewc import EWC
-from fsd.linearized import BGLN
-from fsd.ntk import NTK
 
+from .io import atomic_write_text, versioned, write_json
+from .models import mlp
+from .plotting import pyplot
+from .presets import PRESETS
+from .training import squared_error, train
+
+#: the regularizers of the right panel, by display name ("NTK": over all task-1 inputs)
 REGULARIZERS: dict[str, Callable[[], Estimator]] = {
-    "BGLN-D": lambda: BGLN(deterministic=True),
-    "EWC": lambda: EWC(fisher="true", metric="euclidean"),
-    "NTK": lambda: NTK(),
+    "BGLN-D": PRESETS["bgln-d"].make,
+    "EWC": PRESETS["ewc"].make,
+    "NTK": PRESETS["ntk"].make,
 }
 
 
@@ -73,15 +75,9 @@ def make_data(n: int = 40, noise: float = 0.05, seed: int = 0,
 def fit_regression(model: nn.Module, x: Tensor, y: Tensor, *, steps: int, lr: float,
                    penalty: Callable[[nn.Module], Tensor] | None = None,
                    lam: float = 0.0) -> None:
-    """Full-batch Adam on mean squared error (+ ``lam * penalty(model)``)."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = (model(x) - y).pow(2).mean()
-        if penalty is not None:
-            loss = loss + lam * penalty(model)
-        loss.backward()
-        optimizer.step()
+    """Full-batch Adam on mean squared error (+ ``lam * penalty(model)``), ``steps`` steps."""
+    train(model, [(x, y)], squared_error, torch.optim.Adam(model.parameters(), lr=lr),
+          epochs=steps, penalty=penalty, weight=lam, bar=None)
 
 
 def laftr_outputs(reference: nn.Sequential, model: nn.Sequential, x: Tensor) -> Tensor:
@@ -92,7 +88,7 @@ def laftr_outputs(reference: nn.Sequential, model: nn.Sequential, x: Tensor) -> 
     Sequentials of Linear / ReLU / Flatten (the MLPs of this module).
     """
     a0, a1 = x, x
-    for m0, m1 in zip(reference, model):
+    for m0, m1 in zip(reference, model, strict=True):
         if isinstance(m0, nn.ReLU):
             gate = (a0 > 0).to(a0.dtype)
             a0, a1 = a0 * gate, a1 * gate
@@ -110,16 +106,16 @@ def ntk_outputs(reference: nn.Module, model: nn.Module, x: Tensor) -> Tensor:
     theta1 = dict(model.named_parameters())
 
     def f(*params: Tensor) -> Tensor:
-        return functional_call(reference, dict(zip(names, params)), (x,))
+        return functional_call(reference, dict(zip(names, params, strict=True)), (x,))
 
     f0, jv = jvp(f, tuple(theta0[n] for n in names),
-                 tuple(theta1[n].detach() - theta0[n] for n in names))
+                 tuple(theta1[n].detach() - theta0[n] for n in names))[:2]
     return f0 + jv
 
 
-@dataclass
+@dataclass(frozen=True)
 class ToyConfig:
-    """Settings of :func:`run_toy`."""
+    """Settings of :func:`run_toy` (the ``fsd toy`` options map onto it)."""
 
     width: int = 64
     depth: int = 1  # "an MLP with two fully connected layers" (paper, regression)
@@ -128,6 +124,16 @@ class ToyConfig:
     lam: float = 10.0
     n: int = 40
     seed: int = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ToyConfig:
+        """The settings the ``fsd toy`` options ask for (``lr`` and ``n`` keep the defaults)."""
+        return cls(width=args.width, depth=args.depth, steps=args.steps, lam=args.lam,
+                   seed=args.seed)
+
+
+#: the layout of toy.json (config, approximation, errors, seeds)
+TOY_SCHEMA = 1
 
 
 def run_toy(config: ToyConfig | None = None) -> dict[str, Any]:
@@ -174,10 +180,7 @@ def run_toy(config: ToyConfig | None = None) -> dict[str, Any]:
 
 def toy_plot(result: dict[str, Any], path: Path) -> None:
     """The two-panel figure (paper Fig. 1)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     data, grid = result["data"], result["grid"].squeeze(1).numpy()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax in axes:
@@ -228,9 +231,12 @@ def format_toy(result: dict[str, Any]) -> str:
 
 def seed_table(config: ToyConfig, seeds: list[int],
                done: dict[int, dict[str, Any]] | None = None) -> tuple[str, dict[int, Any]]:
-    """Re-run the toy for other seeds (data and initialization): task-1 MSE after task 2
-    per regularizer and the approximations' MSE vs f2, as markdown and as a dict.
-    ``done`` maps seeds already run to their :func:`run_toy` results (not re-run)."""
+    """Re-run the toy for other seeds (data and initialization).
+
+    Tabulates the task-1 MSE after task 2 per regularizer and the approximations' MSE vs f2,
+    as markdown and as a dict. ``done`` maps seeds already run to their :func:`run_toy`
+    results (not re-run).
+    """
     per_seed: dict[int, Any] = {}
     for seed in seeds:
         result = (done or {}).get(seed) or run_toy(ToyConfig(**{**config.__dict__,
@@ -250,8 +256,7 @@ def seed_table(config: ToyConfig, seeds: list[int],
 
 def _cmd_toy(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    cfg = ToyConfig(width=args.width, depth=args.depth, steps=args.steps, lam=args.lam,
-                    seed=args.seed)
+    cfg = ToyConfig.from_args(args)
     result = run_toy(cfg)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -262,8 +267,8 @@ def _cmd_toy(args: argparse.Namespace) -> int:
         table, saved["seeds"] = seed_table(cfg, [args.seed + k for k in range(args.seeds)],
                                            done={args.seed: result})
         text += f"\n\nAcross seeds (λ = {cfg.lam:g}):\n\n" + table
-    (out / "toy.md").write_text(text + "\n")
-    (out / "toy.json").write_text(json.dumps(saved, indent=1))
+    atomic_write_text(out / "toy.md", text + "\n")
+    write_json(out / "toy.json", versioned(saved, TOY_SCHEMA), indent=1)
     print(text)
     print(f"wrote {out / 'toy.png'}, toy.md and toy.json")
     return 0

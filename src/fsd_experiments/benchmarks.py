@@ -1,0 +1,143 @@
+"""The benchmarks of the studies: MNIST task streams shared by ``fsd cl`` and ``fsd fidelity``.
+
+A :class:`Task` is one task's training and test tensors (and, on multi-head benchmarks, the
+output units it uses). :func:`make_tasks` builds the continual-learning streams of ``fsd cl``
+(:data:`CL_BENCHMARKS`); :func:`load_benchmark` the first two tasks of a benchmark, with
+flattened inputs, that ``fsd fidelity`` compares estimators on (:data:`FIDELITY_BENCHMARKS`).
+Both keep random subsets with :func:`subset`; their seeding is each command's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .data import load_mnist, resolve_data_dir, split_by_classes
+
+#: the continual-learning benchmarks of ``fsd cl``
+CL_BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist", "split-fashion-mnist")
+#: the benchmarks whose first two tasks ``fsd fidelity`` uses
+FIDELITY_BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist")
+#: Split MNIST's tasks: digit pairs, in order
+SPLIT_PAIRS: tuple[tuple[int, int], ...] = ((0, 1), (2, 3), (4, 5), (6, 7), (8, 9))
+
+
+@dataclass
+class Task:
+    """One task: training and test tensors, a name and the output units it uses."""
+
+    x_train: Tensor
+    y_train: Tensor
+    x_test: Tensor
+    y_test: Tensor
+    name: str = ""
+    outputs: list[int] | None = None  # head units (multi-head), None = all outputs
+
+
+@dataclass
+class Benchmark:
+    """The first two tasks of a continual-learning benchmark sharing one output head."""
+
+    name: str
+    outputs: int
+    task1: Task
+    task2: Task
+
+    @property
+    def input_dim(self) -> int:
+        """Flattened input dimension d."""
+        return int(self.task1.x_train[0].numel())
+
+
+def subset(x: Tensor, y: Tensor, limit: int | None, generator: torch.Generator
+           ) -> tuple[Tensor, Tensor]:
+    """A random ``limit`` rows of ``(x, y)``, kept in their order (all if ``limit`` is None)."""
+    if limit is None or limit >= x.shape[0]:
+        return x, y
+    index = torch.randperm(x.shape[0], generator=generator)[:limit].sort().values
+    return x[index], y[index]
+
+
+_LOADED: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+
+def _load_cached(data_dir: str | None, split: str, kind: str) -> tuple[Tensor, Tensor]:
+    # several seeds (or runs in one process) reuse the decoded files; tasks never modify them
+    key = (str(resolve_data_dir(data_dir)), split, kind)
+    if key not in _LOADED:
+        _LOADED[key] = load_mnist(data_dir, split, kind=kind)
+    return _LOADED[key]
+
+
+def make_tasks(benchmark: str, data_dir: str | None, seed: int, *,
+               train_subset: int | None = None, test_subset: int | None = None,
+               num_tasks: int | None = None) -> tuple[list[Task], int]:
+    """Build the task stream of ``benchmark``; returns (tasks, number of model outputs).
+
+    Args:
+        benchmark: one of :data:`CL_BENCHMARKS`.
+        data_dir: data directory (``None``: ``$FSD_DATA_DIR`` or the default cache).
+        seed: seeds the permutations (permuted-mnist) and the subsets.
+        train_subset: keep a random N training examples per task (tiny runs).
+        test_subset: keep a random M test examples per task.
+        num_tasks: keep only the first tasks.
+    """
+    if benchmark not in CL_BENCHMARKS:
+        raise ValueError(f"unknown benchmark {benchmark!r}; expected one of {CL_BENCHMARKS}")
+    kind = "fashion-mnist" if benchmark == "split-fashion-mnist" else "mnist"
+    x_tr, y_tr = _load_cached(data_dir, "train", kind)
+    x_te, y_te = _load_cached(data_dir, "test", kind)
+    # separate generators so subsets do not depend on how many permutations were drawn
+    sub_gen = torch.Generator().manual_seed(10_000 + seed)
+    tasks: list[Task] = []
+    if benchmark.startswith("split"):
+        count = len(SPLIT_PAIRS) if num_tasks is None else min(num_tasks, len(SPLIT_PAIRS))
+        for i, pair in enumerate(SPLIT_PAIRS[:count]):
+            xa, ya = subset(*split_by_classes(x_tr, y_tr, pair), train_subset, sub_gen)
+            xb, yb = subset(*split_by_classes(x_te, y_te, pair), test_subset, sub_gen)
+            tasks.append(Task(xa, ya, xb, yb, f"{pair[0]}/{pair[1]}", [2 * i, 2 * i + 1]))
+        return tasks, 2 * len(SPLIT_PAIRS)
+    perm_gen = torch.Generator().manual_seed(seed)
+    count = 10 if num_tasks is None else min(num_tasks, 10)
+    xa_all, ya_all = subset(x_tr, y_tr, train_subset, sub_gen)
+    xb_all, yb_all = subset(x_te, y_te, test_subset, sub_gen)
+    for i in range(count):
+        perm = torch.arange(784) if i == 0 else torch.randperm(784, generator=perm_gen)
+        xa = xa_all.reshape(-1, 784)[:, perm].reshape(-1, 1, 28, 28)
+        xb = xb_all.reshape(-1, 784)[:, perm].reshape(-1, 1, 28, 28)
+        tasks.append(Task(xa, ya_all, xb, yb_all, f"perm {i + 1}"))
+    return tasks, 10
+
+
+def load_benchmark(name: str, data_dir: str | None = None, *, max_train: int | None = None,
+                   max_test: int | None = None, seed: int = 0) -> Benchmark:
+    """The first two tasks of a benchmark, inputs flattened.
+
+    Split MNIST: 0/1 then 2/3, 2 outputs. Permuted MNIST: the identity then one fixed random
+    permutation, 10 outputs.
+
+    ``max_train``/``max_test`` keep a random subset of each task (quick runs and tests).
+    """
+    if name not in FIDELITY_BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; expected one of "
+                         f"{', '.join(FIDELITY_BENCHMARKS)}")
+    generator = torch.Generator().manual_seed(seed)
+    x, y = load_mnist(data_dir, "train")
+    xt, yt = load_mnist(data_dir, "test")
+    x, xt = x.flatten(1), xt.flatten(1)
+    if name == "split-mnist":
+        parts = []
+        for classes in ([0, 1], [2, 3]):
+            a, b = split_by_classes(x, y, classes)
+            c, d = split_by_classes(xt, yt, classes)
+            a, b = subset(a, b, max_train, generator)
+            c, d = subset(c, d, max_test, generator)
+            parts.append(Task(a, b, c, d))
+        return Benchmark(name, 2, parts[0], parts[1])
+    x, y = subset(x, y, max_train, generator)
+    xt, yt = subset(xt, yt, max_test, generator)
+    perm = torch.randperm(x.shape[1], generator=generator)
+    return Benchmark(name, 10, Task(x, y, xt, yt),
+                     Task(x[:, perm], y, xt[:, perm], yt))

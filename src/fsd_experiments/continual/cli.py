@@ -1,0 +1,133 @@
+"""The ``fsd cl`` command and its ``report``, ``gap`` and ``merge`` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from fsd.metrics import METRICS
+
+from ..io import atomic_write_text
+from .reporting import gap_markdown, merge_runs, penalty_gap, report
+from .results import results_markdown
+from .runner import BENCHMARKS, METHODS, CheckpointMismatchError, run
+from .settings import OPTIMIZER_MODES, PENALTY_MODES, PENALTY_OUTPUTS, RunSettings
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    if not args.benchmark or not args.method or not args.out:
+        print("error: fsd cl needs --benchmark, --method and --out (or: fsd cl report DIR...)",
+              file=sys.stderr)
+        return 2
+    settings = RunSettings.from_args(args)
+    torch.set_num_threads(settings.threads)
+    try:
+        results = run(settings)
+    except CheckpointMismatchError as error:  # a message, not a traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(results_markdown(results))
+    print(f"wrote {Path(args.out) / 'results.json'}, results.md"
+          + ("" if args.no_plots else ", accuracy_matrix.png, task_accuracy.png"))
+    return 0
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    merged = merge_runs(args.dirs, args.out, plots=not args.no_plots, partial=args.partial)
+    print(results_markdown(merged))
+    print(f"wrote {Path(args.out) / 'results.json'} (seeds {merged.seeds})")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    table = report(args.dirs)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        header = ("# Continual learning results\n\nProduced by `fsd cl report "
+                  + " ".join(args.dirs) + "`.\n\n")
+        atomic_write_text(out, header + table)
+        print(f"wrote {out}")
+    return 0
+
+
+def _cmd_gap(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    print(gap_markdown(penalty_gap(args.dir, args.data_dir, args.examples)))
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``fsd cl`` (run a benchmark) and ``fsd cl report`` to the ``fsd`` command."""
+    cl = subparsers.add_parser(
+        "cl", help="continual learning benchmarks (Split/Permuted MNIST) with FSD penalties",
+        description="Run a continual-learning benchmark, or `fsd cl report DIR...`. "
+                    "Hyper-parameters default to the paper's for the (benchmark, method).")
+    cl.add_argument("--benchmark", choices=BENCHMARKS)
+    cl.add_argument("--method", choices=list(METHODS))
+    cl.add_argument("--seeds", type=int, nargs="+", default=[20, 21, 22])
+    cl.add_argument("--out", help="output directory (results, plots, checkpoints)")
+    cl.add_argument("--data-dir", default=None,
+                    help="data directory (default: $FSD_DATA_DIR, else ~/.cache/fsd/data)")
+    paper = "(default: the paper's for the benchmark and method)"
+    for name, kind, what in [
+            ("--epochs", int, f"epochs per task {paper}"),
+            ("--lr", float, f"Adam learning rate {paper}"),
+            ("--batch-size", int, f"batch size {paper}"),
+            ("--fsd-scale", float, f"penalty weight λ {paper}"),
+            ("--width", int, "hidden width (default: split 256, permuted 512)"),
+            ("--momentum", float, "EMA momentum of the gate frequencies, the weight kept on "
+             "the past (default: running mean, which is the paper's 1/batch_size)"),
+            ("--coreset-size", int, "coreset points per task (default 40)"),
+            ("--num-samples", int, "Monte Carlo samples per BGLN-S/LAFTR distance call "
+             "(default 32)"),
+            ("--train-subset", int, "random training examples kept per task (tiny runs)"),
+            ("--test-subset", int, "random test examples kept per task (tiny runs)"),
+            ("--tasks", int, "use only the first N tasks"),
+            ("--rank", int, "store each task's input covariance as its top-r eigenpairs plus "
+             "a diagonal (BGLN methods with full moments; default: full covariance)")]:
+        cl.add_argument(name, type=kind, default=None, help=what)
+    cl.add_argument("--optimizer", choices=OPTIMIZER_MODES, default=None,
+                    help="shared: one Adam for the whole stream (default, the authors' code); "
+                         "per-task: a fresh Adam at every task")
+    cl.add_argument("--penalty", choices=PENALTY_MODES, default=None,
+                    help="mean: λ times the mean of the previous tasks' distances (default, "
+                         "the authors' code, what the paper's λ was tuned for); sum: eq. 3")
+    cl.add_argument("--penalty-outputs", choices=PENALTY_OUTPUTS, default=None,
+                    help="multi-head benchmarks: each summary covers its task's head, or all "
+                         "logits (default: all for BGLN-D and its variants, as the authors' "
+                         "code; head for the others)")
+    cl.add_argument("--metric", default=None, choices=list(METRICS),
+                    help="output metric of the Monte Carlo penalties (laftr, bgln-s...; "
+                         "default: softmax_euclidean, as the authors' BGLN-S code)")
+    cl.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1, so runs can go in parallel)")
+    cl.add_argument("--device", default="cpu")
+    cl.add_argument("--no-progress", action="store_true", help="no progress bars")
+    cl.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    cl.set_defaults(func=_cmd_run)
+    cl_sub = cl.add_subparsers(dest="cl_command", metavar="{report,gap,merge}")
+    rep = cl_sub.add_parser("report", help="compare finished runs in one markdown table")
+    rep.add_argument("dirs", nargs="+", help="run directories (or parents of them)")
+    rep.add_argument("--out", default=None, help="write the table here (e.g. docs/results.md)")
+    rep.set_defaults(func=_cmd_report)
+    gap = cl_sub.add_parser("gap", help="true FSD vs each stored summary's estimate at the "
+                                        "end of a finished run")
+    gap.add_argument("dir", help="a run directory (with results.json and checkpoints/)")
+    gap.add_argument("--data-dir", default=None)
+    gap.add_argument("--examples", type=int, default=10_000,
+                     help="training inputs per task for the true FSD (10000)")
+    gap.add_argument("--threads", type=int, default=1)
+    gap.set_defaults(func=_cmd_gap)
+    merge = cl_sub.add_parser("merge", help="combine finished runs of the same settings "
+                                            "(e.g. seeds run in parallel) into one directory")
+    merge.add_argument("dirs", nargs="+", help="finished run directories")
+    merge.add_argument("--out", required=True, help="directory for the merged results")
+    merge.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    merge.add_argument("--partial", action="store_true",
+                       help="accept runs stopped before all their seeds; take the finished ones")
+    merge.set_defaults(func=_cmd_merge)

@@ -1,0 +1,234 @@
+"""Across ``fsd cl`` runs: the report table, merging seeds run apart, the penalty gap."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from fsd.estimator import load
+from fsd.exact import ExactFSD
+
+from ..benchmarks import make_tasks
+from ..compat import is_cl_results
+from ..models import mlp
+from ..presets import default_hyperparameters
+from .results import RunResults, SeedResult, _pm, write_results
+from .runner import summary_outputs
+from .settings import Hyperparameters
+
+
+def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
+               plots: bool = True, partial: bool = False) -> RunResults:
+    """Combine separate runs of the same benchmark, method and settings into one.
+
+    Seeds run in parallel or on other machines become one ``out/results.json`` with
+    statistics over all seeds.
+    Raises ``ValueError`` if the runs differ in benchmark, method or hyper-parameters (older
+    files are read as :mod:`fsd_experiments.compat` says: a setting absent from them is what
+    the run did then, ``None`` for most), are unfinished, or repeat a seed. ``partial=True``
+    accepts runs stopped before all their requested seeds and takes the seeds they finished
+    (a results.json only ever lists finished seeds). Each run's device is kept per seed
+    (``devices``).
+    """
+    runs: list[tuple[Path, RunResults]] = []
+    for path in paths:
+        file = Path(path) / "results.json"
+        if not file.is_file():
+            raise ValueError(f"{file} not found: merge takes finished run directories")
+        runs.append((file, RunResults.read(file)))
+    if not runs:
+        raise ValueError("merge needs at least one run directory")
+    first_file, first = runs[0]
+    done: list[SeedResult] = []
+    devices: list[str] = []
+    for file, results in runs:
+        for key in ("benchmark", "method", "hyperparameters"):
+            if getattr(results, key) != getattr(first, key):
+                raise ValueError(f"{file} differs from {first_file} in {key}: "
+                                 f"{getattr(results, key)!r} vs {getattr(first, key)!r}")
+        if not results.complete and not partial:
+            raise ValueError(f"{file} is unfinished (complete: false); finish it first, or "
+                             "take its finished seeds with partial=True (--partial)")
+        bytes_per_task = results.summary_bytes_per_task
+        walls = results.wall_seconds["per_seed"]
+        for seed, wall in zip(results.seeds, walls, strict=True):
+            if any(r.seed == seed for r in done):
+                raise ValueError(f"seed {seed} appears twice (again in {file})")
+            # the per-task sizes are not stored per seed; their mean is what results keep
+            done.append(SeedResult(seed, results.accuracy_matrix[str(seed)], float(wall),
+                                   [int(bytes_per_task)] if bytes_per_task else []))
+            devices.append(results.device)
+    merged = replace(
+        RunResults.collect(first.benchmark, first.method, first.hyperparameters,
+                           [r.seed for r in done], done, "cpu"),
+        device=" + ".join(sorted(set(devices))),
+        devices={str(r.seed): d for r, d in zip(done, devices, strict=True)},
+        merged_from=[str(Path(p)) for p in paths])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_results(merged, out, plots=plots)
+    return merged
+
+
+# The paper's numbers (tables "avg_mnist" and "bwt_mnist"), verbatim; methods/benchmarks the
+# tables do not give are absent.
+PAPER: dict[str, dict[str, dict[str, str]]] = {
+    "avg": {
+        "split-mnist": {
+            "ntk": "99.50 ± 0.09", "bgln-s-coreset": "99.50 ± 0.03", "ewc": "63.10",
+            "bgln-d": "99.72 ± 0.03", "bgln-d-cw": "99.78 ± 0.02", "bgln-s": "99.64 ± 0.04",
+            "bgln-s-cw": "99.77 ± 0.05", "bgln-d-var": "99.64 ± 0.04",
+            "bgln-s-var": "99.50 ± 0.03"},
+        "permuted-mnist": {
+            "ntk": "96.46 ± 0.11", "bgln-s-coreset": "96.36 ± 0.13", "ewc": "84.00",
+            "bgln-d": "96.03 ± 0.20", "bgln-d-cw": "96.85 ± 0.02", "bgln-s": "96.36 ± 0.12",
+            "bgln-s-cw": "96.99 ± 0.07", "bgln-d-var": "94.98 ± 0.18",
+            "bgln-s-var": "96.36 ± 0.13"},
+    },
+    "bwt": {
+        "split-mnist": {"bgln-s": "-0.04 ± 0.03", "bgln-d": "-0.09 ± 0.04",
+                        "bgln-s-cw": "-0.18 ± 0.06", "bgln-d-cw": "-0.07 ± 0.07"},
+        "permuted-mnist": {"bgln-s": "-0.41 ± 0.08", "bgln-d": "-0.56 ± 0.04",
+                           "bgln-s-cw": "-0.37 ± 0.14", "bgln-d-cw": "-1.17 ± 0.07"},
+    },
+}
+
+
+def _find_results(paths: Sequence[str]) -> list[Path]:
+    found: list[Path] = []
+    for p in paths:
+        path = Path(p)
+        if path.is_file():
+            found.append(path)
+        elif (path / "results.json").is_file():
+            found.append(path / "results.json")
+        else:
+            found += sorted(Path(f) for f in glob.glob(str(path / "**" / "results.json"),
+                                                       recursive=True))
+    return found
+
+
+def _protocol(hp: Hyperparameters, benchmark: str, method: str, device: str = "cpu") -> str:
+    paper = default_hyperparameters(benchmark, method)
+    parts = [f"{hp.epochs} ep", f"bs {hp.batch_size}", f"λ {hp.fsd_scale:g}", f"lr {hp.lr:g}",
+             f"w {hp.width}"]
+    settings = hp.to_dict()
+    changed = [k for k in ("epochs", "batch_size", "fsd_scale", "lr", "width", "train_subset",
+                           "test_subset", "tasks", "optimizer", "penalty", "rank", "metric",
+                           "penalty_outputs")
+               if settings[k] != paper[k]]
+    if hp.optimizer != paper["optimizer"]:
+        parts.append(f"{hp.optimizer} Adam")
+    if hp.penalty != paper["penalty"]:
+        parts.append(f"penalty {hp.penalty}")
+    if hp.penalty_outputs != paper["penalty_outputs"]:
+        parts.append(f"{hp.penalty_outputs} logits")
+    if hp.rank:
+        parts.append(f"lowrank r={hp.rank}")
+    if hp.metric != paper["metric"]:
+        parts.append(f"metric {hp.metric or 'euclidean'}")
+    if hp.train_subset:
+        parts.append(f"train {hp.train_subset}/task")
+    if hp.tasks:
+        parts.append(f"{hp.tasks} tasks")
+    if device != "cpu":
+        parts.append(f"on {device}")
+    return ", ".join(parts) + (" (**not paper protocol**: " + ", ".join(changed) + ")"
+                               if changed else "")
+
+
+def report(paths: Sequence[str]) -> str:
+    """One markdown table comparing runs (method × benchmark) next to the paper's numbers."""
+    rows: list[tuple[str, str, Path, RunResults]] = []
+    for path in _find_results(paths):
+        raw = json.loads(path.read_text())
+        if not is_cl_results(raw):
+            continue  # another tool's results.json (e.g. fsd influence) under the same folder
+        res = RunResults.from_json(raw)
+        rows.append((res.benchmark, res.method, path, res))
+    rows.sort(key=lambda r: (r[0], r[1], str(r[2])))
+    lines = [
+        "| benchmark | method | seeds | avg acc (%) | paper avg acc | BWT (%) | paper BWT | "
+        "summary bytes/task | wall time | protocol | run |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for bench, method, path, res in rows:
+        seeds = ",".join(map(str, res.seeds))
+        if not res.complete:
+            seeds += f" (of {len(res.seeds_requested)})"
+        wall = res.wall_seconds
+        per = np.mean(wall["per_seed"]) if wall["per_seed"] else 0.0
+        lines.append(
+            f"| {bench} | {method} | {seeds} | {_pm(res.avg_accuracy)} | "
+            f"{PAPER['avg'].get(bench, {}).get(method, '–')} | "
+            f"{_pm(res.backward_transfer)} | {PAPER['bwt'].get(bench, {}).get(method, '–')} | "
+            f"{res.summary_bytes_per_task:,.0f} | {per / 60:.1f} min/seed | "
+            f"{_protocol(res.hyperparameters, bench, method, res.device)} | `{path.parent}` |")
+    if len(lines) == 2:
+        lines.append("| (no results.json found) |||||||||||")
+    notes = [
+        "", "avg acc: mean test accuracy over all tasks after the last task; BWT: "
+        "(1/(T−1)) Σ_{i<T} (R[T,i] − R[i,i]), in accuracy points. ± is the standard deviation "
+        "over seeds (numpy.std). Wall time: training + evaluation + summary fitting per seed, "
+        "1 CPU thread, or the GPU named in the protocol column (\"on …\"). summary "
+        "bytes/task: `Estimator.nbytes` (θ copy + statistics or coreset) per finished task. "
+        "Paper numbers: tables `avg_mnist` and `bwt_mnist` of the paper (– = not reported "
+        "there)."]
+    return "\n".join(lines + notes) + "\n"
+
+
+def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
+                examples: int = 10_000) -> list[dict[str, Any]]:
+    """How well each stored summary tracks the FSD it was meant to bound, at the end of a run.
+
+    For every seed's final model (``checkpoints/seed<S>/state.pt``) and every previous task t,
+    compares the summary's estimate D_t(θ_final) with the true FSD between θ_t (the summary's
+    reference) and θ_final over task t's first ``examples`` training inputs, in the summary's
+    own metric and outputs. An estimate far below the truth means training found directions
+    the penalty does not see (e.g. ReLU gates that flip, which a linearization cannot show).
+
+    Returns one row per (seed, task): ``seed, task, true_fsd, estimate, ratio``.
+    """
+    run = Path(run_dir)
+    results = RunResults.read(run / "results.json")
+    hp, benchmark = results.hyperparameters, results.benchmark
+    rows: list[dict[str, Any]] = []
+    for seed in results.seeds:
+        ckpt = run / "checkpoints" / f"seed{seed}"
+        tasks, n_out = make_tasks(benchmark, data_dir, int(seed), train_subset=hp.train_subset,
+                                  test_subset=hp.test_subset, num_tasks=hp.tasks)
+        final = mlp(28 * 28, hp.width, hp.depth, n_out)
+        final.load_state_dict(torch.load(ckpt / "state.pt", weights_only=True)["model"])
+        for t in range(len(tasks) - 1):
+            path = ckpt / f"task{t}.fsd"
+            if not path.exists():
+                continue
+            summary = load(path)
+            reference = mlp(28 * 28, hp.width, hp.depth, n_out)
+            reference.load_state_dict(summary.reference_state_dict())
+            x = tasks[t].x_train[:examples]
+            truth = ExactFSD(metric=summary.config.get("metric", "euclidean")).fit(
+                reference, x, outputs=summary_outputs(tasks[t], hp))
+            with torch.no_grad():
+                true_fsd = float(truth.distance(final))
+                estimate = float(summary.distance(final))
+            rows.append({"seed": int(seed), "task": t + 1, "true_fsd": true_fsd,
+                         "estimate": estimate,
+                         "ratio": estimate / true_fsd if true_fsd > 0 else math.nan})
+    return rows
+
+
+def gap_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown table of :func:`penalty_gap` rows."""
+    lines = ["| seed | task | true FSD | summary's estimate | estimate / true |",
+             "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['seed']} | {r['task']} | {r['true_fsd']:.3g} | {r['estimate']:.3g} | "
+              f"{r['ratio']:.3f} |" for r in rows]
+    return "\n".join(lines) + "\n"

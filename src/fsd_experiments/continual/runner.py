@@ -1,0 +1,237 @@
+"""Training a continual-learning task stream (``fsd cl``): one seed, resumable, and a whole run."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from fsd.estimator import Estimator, atomic_torch_save, load
+from fsd.statistics import StatisticsCollector
+from fsd.summary_set import combine
+
+from ..benchmarks import CL_BENCHMARKS, Task, make_tasks
+from ..compat import cl_checkpoint_settings
+from ..data import TensorBatches
+from ..devices import resolve_device
+from ..models import mlp
+from ..presets import CL_METHODS, PRESETS, Preset
+from ..training import LossFn, train
+from .results import RunResults, SeedResult, write_results
+from .settings import PENALTY_MODES, Hyperparameters, RunSettings
+
+BENCHMARKS: tuple[str, ...] = CL_BENCHMARKS
+CHECKPOINT_VERSION = 2
+
+
+class CheckpointMismatchError(RuntimeError):
+    """A run directory holds a checkpoint written with other settings than those asked for."""
+
+
+#: the methods of ``fsd cl``, by name (see :mod:`fsd_experiments.presets`)
+METHODS: dict[str, Preset] = {name: PRESETS[name] for name in CL_METHODS}
+
+
+def _head(logits: Tensor, task: Task) -> Tensor:
+    return logits if task.outputs is None else logits[:, task.outputs]
+
+
+@torch.no_grad()
+def _accuracy(model: nn.Module, task: Task, device: torch.device) -> float:
+    model.eval()
+    correct = 0
+    for i in range(0, task.x_test.shape[0], 2048):
+        x = task.x_test[i:i + 2048].to(device)
+        y = task.y_test[i:i + 2048].to(device)
+        correct += int((_head(model(x), task).argmax(-1) == y).sum())
+    model.train()
+    return 100.0 * correct / task.x_test.shape[0]
+
+
+def _fit_summary(method: str, hp: Hyperparameters, model: nn.Module, task: Task,
+                 collector: StatisticsCollector | None, seed: int) -> Estimator:
+    """Fit task ``task``'s estimator at the model's current parameters."""
+    spec = METHODS[method]
+    estimator = spec.continual_estimator(hp.to_dict(), seed)
+    gen = torch.Generator().manual_seed(seed)  # coreset / Fisher subset of this task
+    data: Any = None
+    if method == "exact-coreset":
+        # a random coreset of the task's training inputs, stored in full by ExactFSD
+        idx = torch.randperm(task.x_train.shape[0], generator=gen)[:hp.coreset_size]
+        data = task.x_train[idx]
+    elif method == "ewc":
+        # the Fisher needs per-example gradients: a random subset keeps fit time bounded
+        idx = torch.randperm(task.x_train.shape[0], generator=gen)[:hp.fisher_samples]
+        data = TensorBatches(task.x_train[idx], task.y_train[idx], 256)
+    elif spec.needs_data:
+        data = TensorBatches(task.x_train, task.y_train, 1024)
+    return estimator.fit(model, data, outputs=summary_outputs(task, hp),
+                         statistics=collector)
+
+
+class _LastEpochRecorder:
+    """The data loss of one task, recording the summary's statistics in the last epoch."""
+
+    def __init__(self, collector: StatisticsCollector | None, epochs: int,
+                 classwise: bool) -> None:
+        self.collector, self.epochs, self.classwise = collector, epochs, classwise
+        self.recording = False
+
+    def start_epoch(self, epoch: int) -> None:
+        """Record during the last epoch only (when there is a collector)."""
+        self.recording = self.collector is not None and epoch == self.epochs - 1
+
+    def head_loss(self, task: Task) -> LossFn:
+        """Cross-entropy on ``task``'s head; the forward pass is recorded when asked."""
+        def loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+            if self.recording and self.collector is not None:
+                with self.collector.record(labels=y if self.classwise else None):
+                    logits = model(x)
+            else:
+                logits = model(x)
+            return nn.functional.cross_entropy(_head(logits, task), y)
+        return loss
+
+
+def summary_outputs(task: Task, hp: Hyperparameters) -> list[int] | None:
+    """The output units task ``task``'s summary covers: its head, or all (``penalty_outputs``)."""
+    return None if hp.penalty_outputs == "all" else task.outputs
+
+
+def penalty_weights(num_previous: int, mode: str) -> list[float]:
+    """Weights of the previous tasks' distances: ``"mean"`` 1/t each, ``"sum"`` 1 each."""
+    if mode not in PENALTY_MODES:
+        raise ValueError(f"penalty must be one of {PENALTY_MODES}, got {mode!r}")
+    return [1.0 / max(num_previous, 1) if mode == "mean" else 1.0] * num_previous
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: Path,
+             data_dir: str | None = None, device: str = "cpu",
+             progress: bool = True) -> SeedResult:
+    """Train the task stream for one seed, resuming from ``out``'s checkpoint if any."""
+    spec = METHODS[method]
+    dev = resolve_device(device)
+    tasks, n_out = make_tasks(benchmark, data_dir, seed, train_subset=hp.train_subset,
+                              test_subset=hp.test_subset, num_tasks=hp.tasks)
+    ckpt_dir = out / "checkpoints" / f"seed{seed}"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    state_path = ckpt_dir / "state.pt"
+    torch.manual_seed(seed)
+    model = mlp(28 * 28, hp.width, hp.depth, n_out).to(dev)
+    optimizer = torch.optim.Adam(model.parameters(), lr=hp.lr)
+    shuffle = torch.Generator().manual_seed(seed)
+    result = SeedResult(seed)
+    start_task = 0
+    if state_path.exists():
+        # map_location: a run started on a GPU can be resumed on a CPU-only machine
+        state = torch.load(state_path, map_location=dev, weights_only=True)
+        saved_hp = cl_checkpoint_settings(state["hyperparameters"], benchmark, method)
+        if saved_hp != _comparable(hp, benchmark, method):
+            raise CheckpointMismatchError(
+                f"{state_path} was written with other settings ({saved_hp}); use another --out "
+                f"or delete {ckpt_dir} to start over")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        shuffle.set_state(state["shuffle_state"].cpu())
+        result.matrix = [list(map(float, row)) for row in state["matrix"].tolist()]
+        result.wall_seconds = float(state["wall_seconds"])
+        result.summary_bytes = [int(b) for b in state["summary_bytes"].tolist()]
+        start_task = len(result.matrix)
+        if start_task < len(tasks):
+            _log(f"[{method} seed {seed}] resuming after task {start_task}/{len(tasks)}")
+    for t in range(start_task, len(tasks)):
+        task = tasks[t]
+        began = time.perf_counter()
+        # summaries are always read back from disk, also in an uninterrupted run, so that a
+        # resumed run sees estimators in exactly the same state (their sampling RNG included)
+        previous = [load(ckpt_dir / f"task{i}.fsd", map_location=dev) for i in range(t)] \
+            if spec.estimator is not None else []
+        # one penalty object: BGLN-D summaries of all previous tasks evaluate in one pass
+        penalty = combine(previous, penalty_weights(len(previous), hp.penalty))
+        last_task = t == len(tasks) - 1
+        collector = None
+        if spec.estimator is not None and not last_task and (spec.moments or spec.gates):
+            collector = StatisticsCollector(model, moments=spec.moments, gates=spec.gates,
+                                            momentum=hp.momentum,
+                                            layer_moments=spec.layer_moments)
+        if hp.optimizer == "per-task":
+            optimizer = torch.optim.Adam(model.parameters(), lr=hp.lr)
+        batches = TensorBatches(task.x_train, task.y_train, hp.batch_size, shuffle=True,
+                                generator=shuffle)
+        recording = _LastEpochRecorder(collector, hp.epochs, spec.classwise)
+        train(model, batches, recording.head_loss(task), optimizer, epochs=hp.epochs,
+              penalty=penalty.distance if previous else None, weight=hp.fsd_scale,
+              on_epoch=recording.start_epoch, device=dev, progress=progress,
+              desc=f"{method} seed {seed} task {t + 1}/{len(tasks)}", mininterval=2.0)
+        row = [_accuracy(model, other, dev) for other in tasks]
+        if spec.estimator is not None and not last_task:
+            estimator = _fit_summary(method, hp, model, task, collector, seed * 100 + t)
+            estimator.save(ckpt_dir / f"task{t}.fsd")
+            result.summary_bytes.append(int(estimator.nbytes))
+        if collector is not None:
+            collector.remove()
+        result.matrix.append(row)
+        result.wall_seconds += time.perf_counter() - began
+        atomic_torch_save({
+            "version": CHECKPOINT_VERSION,
+            "hyperparameters": json.dumps(_comparable(hp, benchmark, method)),
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "shuffle_state": shuffle.get_state(),
+            "matrix": torch.tensor(result.matrix, dtype=torch.float64),
+            "wall_seconds": torch.tensor(result.wall_seconds, dtype=torch.float64),
+            "summary_bytes": torch.tensor(result.summary_bytes, dtype=torch.int64),
+        }, state_path)
+        _log(f"[{method} seed {seed}] task {t + 1}/{len(tasks)} ({task.name}) "
+             f"{time.perf_counter() - began:.0f}s: acc " + " ".join(
+                 f"{a:.2f}" for a in row[:t + 1]))
+    return result
+
+
+def _comparable(hp: Hyperparameters, benchmark: str, method: str) -> dict[str, Any]:
+    """The settings a checkpoint must agree with to be resumed."""
+    return json.loads(json.dumps({"benchmark": benchmark, "method": method, **hp.to_dict()}))
+
+
+def run(settings: RunSettings) -> RunResults:
+    """Run the settings' method on its benchmark for each seed; write results into ``out``.
+
+    ``out/results.json`` and ``results.md`` are rewritten after every finished seed
+    (``complete`` false until all seeds are done); the plots after the last one.
+    """
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    done: list[SeedResult] = []
+    results: RunResults | None = None
+    for seed in settings.seeds:
+        done.append(run_seed(settings.benchmark, settings.method, settings.hyperparameters, seed,
+                             out, settings.data_dir, settings.device, settings.progress))
+        results = RunResults.collect(settings.benchmark, settings.method,
+                                     settings.hyperparameters, settings.seeds, done,
+                                     settings.device)
+        write_results(results, out, plots=settings.plots and len(done) == len(settings.seeds))
+    if results is None:
+        raise ValueError("fsd cl needs at least one seed")
+    return results
+
+
+def run_continual(benchmark: str, method: str, seeds: Sequence[int], out: str | os.PathLike,
+                  *, data_dir: str | None = None, device: str = "cpu", progress: bool = True,
+                  plots: bool = True, **overrides: Any) -> RunResults:
+    """Run ``method`` on ``benchmark`` for each seed, see :func:`run`.
+
+    Keyword overrides replace the paper's hyper-parameters (:class:`Hyperparameters`;
+    ``None`` keeps the paper's value).
+    """
+    return run(RunSettings.create(benchmark, method, seeds, out, data_dir=data_dir,
+                                  device=device, progress=progress, plots=plots, **overrides))

