@@ -40,7 +40,7 @@ def test_a_linear_network_calibrates_laftr_to_one_on_the_fit_data():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(4, 3)).to(DTYPE)
     x = torch.randn(50, 4, dtype=DTYPE)
-    cal = fsd.calibrate(fsd.LAFTR(inputs="coreset").fit(model, x), model, x)
+    cal = fsd.calibrate(fsd.LAFTR(inputs="coreset", coreset_size=None).fit(model, x), model, x)
     assert cal.median_ratio == pytest.approx(1.0, rel=1e-10)
 
 

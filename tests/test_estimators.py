@@ -484,7 +484,7 @@ def test_bgln_d_exact_moments_equal_gate_enumeration(covariance, classwise):
 
 def test_bgln_s_classwise_converges_to_mixture_expectation():
     model, data, other = _tiny_setup(seed=30, classes=3, n=90)
-    est = fsd.BGLN(num_samples=900, classwise=True, seed=2).fit(model, data)
+    est = fsd.BGLN(num_samples=900, classwise=True, covariance="full", seed=2).fit(model, data)
     st = est._state
     truth = 0.0
     for g in range(st["weights"].shape[0]):

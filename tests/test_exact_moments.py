@@ -54,7 +54,7 @@ def test_exact_moments_low_rank_of_full_rank_and_diag_match_dense_references():
     # diagonal covariance must equal the full path fed the same covariance as a dense matrix
     model, data = _mlp(), _data()
     moved = _moved(model)
-    full = fsd.BGLN(deterministic=True, moments="exact").fit(model, data)
+    full = fsd.BGLN(deterministic=True, moments="exact", covariance="full").fit(model, data)
     low = fsd.BGLN(deterministic=True, moments="exact", covariance="lowrank", rank=5).fit(
         model, data)
     torch.testing.assert_close(low.distance(moved), full.distance(moved), rtol=1e-9, atol=0)
@@ -63,7 +63,7 @@ def test_exact_moments_low_rank_of_full_rank_and_diag_match_dense_references():
     x = torch.randn(5000, 5, generator=g, dtype=torch.float64) * torch.arange(1, 6) + 0.2
     diag_data = [(x, torch.zeros(5000, dtype=torch.long))]
     diag = fsd.BGLN(deterministic=True, moments="exact", covariance="diag").fit(model, diag_data)
-    dense = fsd.BGLN(deterministic=True, moments="exact").fit(model, diag_data)
+    dense = fsd.BGLN(deterministic=True, moments="exact", covariance="full").fit(model, diag_data)
     dense._state["input.cov"] = torch.diag_embed(
         torch.diagonal(dense._state["input.cov"], dim1=-2, dim2=-1))
     dense._cache.clear()

@@ -197,7 +197,7 @@ def _fitted_summaries():
         "ntk": lambda: fsd.NTK(coreset_size=20),
         "ewc": lambda: fsd.EWC(fisher="true", metric="euclidean"),
         "laftr-coreset": lambda: fsd.LAFTR(inputs="coreset", coreset_size=20),
-        "bgln-d": lambda: fsd.BGLN(deterministic=True),
+        "bgln-d": lambda: fsd.BGLN(deterministic=True, covariance="full"),
         "bgln-d-diag-cw": lambda: fsd.BGLN(deterministic=True, covariance="diag", classwise=True),
         "bgln-d-lowrank": lambda: fsd.BGLN(deterministic=True, covariance="lowrank", rank=2),
         "bgln-s-coreset-cw": lambda: fsd.BGLN(inputs="coreset", coreset_size=20, classwise=True),

@@ -244,7 +244,7 @@ def test_classwise_k_clusters_pool_their_classes():
     model = mlp([4, 5, 3], seed=10)
     data = labelled_batches(50, (4,), classes=5, batch=9, seed=11)
     xs, ys = stack(data)
-    est = fsd.BGLN(deterministic=True, classwise=2).fit(model, data)
+    est = fsd.BGLN(deterministic=True, classwise=2, covariance="full").fit(model, data)
     assert est._meta["groups"] == [[0, 1, 2], [3, 4]]
     with torch.no_grad():
         pre = model[0](xs)

@@ -31,14 +31,15 @@ class EWC(Estimator):
             label drawn from the model per example (Monte Carlo); ``"empirical"`` — the
             gradients at the data's own labels/targets (the empirical Fisher, which is *not*
             the Fisher; Kunstner et al. 2019). Labels must index the selected outputs.
-        metric: output metric that F is the Hessian of: ``"kl"`` (categorical likelihood),
+        metric: output metric that F is the Hessian of (default ``"euclidean"``, the default
+            of every estimator): ``"kl"`` (categorical likelihood),
             ``"euclidean"`` (Gaussian likelihood, unit variance) or ``"softmax_euclidean"``
             (``fisher="true"`` only).
         chunk_size: examples per vectorized per-example-gradient pass (memory only).
         seed: seed for ``fisher="sampled"``.
     """
 
-    def __init__(self, fisher: str = "true", metric: str = "kl", chunk_size: int = 16,
+    def __init__(self, fisher: str = "true", metric: str = "euclidean", chunk_size: int = 16,
                  seed: int = 0) -> None:
         if fisher not in FISHERS:
             raise ValueError(f"unknown fisher {fisher!r}; expected one of {', '.join(FISHERS)}")

@@ -22,12 +22,13 @@ class NTK(Estimator):
     stays differentiable w.r.t. θ. Works with any ``nn.Module``.
 
     Args:
-        coreset_size: number of stored inputs (uniform random subset); ``None`` keeps all.
+        coreset_size: number of stored inputs (uniform random subset; default 40,
+            the paper's coreset for MNIST-sized tasks); ``None`` keeps all the data.
         metric: ``"euclidean"``, ``"softmax_euclidean"`` or ``"kl"``.
         seed: seed of the coreset selection.
     """
 
-    def __init__(self, coreset_size: int | None = None, metric: str = "euclidean",
+    def __init__(self, coreset_size: int | None = 40, metric: str = "euclidean",
                  seed: int = 0) -> None:
         positive_int("coreset_size", coreset_size, allow_none=True)
         super().__init__(coreset_size=coreset_size, metric=check_metric(metric), seed=seed)

@@ -74,11 +74,16 @@ def time_distance(estimator: Estimator, model: nn.Module, repeats: int) -> tuple
     return value, times[len(times) // 2]
 
 
-def compare_estimators(data_dir: str | None = None, *, width: int = 100, depth: int = 2,
-                       epochs: int = 1, finetune_epochs: int = 1, lr: float = 1e-3,
-                       batch_size: int = 64, seed: int = 0, repeats: int = 5,
-                       progress: bool = True) -> list[Row]:
-    """Run the comparison; returns one :class:`Row` per estimator (first row: ExactFSD)."""
+def mnist_pair(data_dir: str | None = None, *, width: int = 100, depth: int = 2,
+               epochs: int = 1, finetune_epochs: int = 1, lr: float = 1e-3,
+               batch_size: int = 64, seed: int = 0, progress: bool = True
+               ) -> tuple[nn.Module, nn.Module, tuple[torch.Tensor, torch.Tensor],
+                          tuple[torch.Tensor, torch.Tensor]]:
+    """The compared pair: an MLP trained on MNIST 0/1 (θ0) and a copy fine-tuned on 2/3.
+
+    Returns ``(reference, moved, (x01, y01), (x23, y23))`` with the training images of each
+    pair of digits.
+    """
     torch.manual_seed(seed)
     x, y = load_mnist(data_dir, "train")
     x01, y01 = split_by_classes(x, y, [0, 1])
@@ -93,6 +98,17 @@ def compare_estimators(data_dir: str | None = None, *, width: int = 100, depth: 
     train(moved, TensorBatches(x23, y23, batch_size, shuffle=True, generator=generator),
           cross_entropy, torch.optim.Adam(moved.parameters(), lr=lr), epochs=finetune_epochs,
           desc="task 2/3", progress=progress)
+    return model, moved, (x01, y01), (x23, y23)
+
+
+def compare_estimators(data_dir: str | None = None, *, width: int = 100, depth: int = 2,
+                       epochs: int = 1, finetune_epochs: int = 1, lr: float = 1e-3,
+                       batch_size: int = 64, seed: int = 0, repeats: int = 5,
+                       progress: bool = True) -> list[Row]:
+    """Run the comparison; returns one :class:`Row` per estimator (first row: ExactFSD)."""
+    model, moved, (x01, y01), _ = mnist_pair(
+        data_dir, width=width, depth=depth, epochs=epochs, finetune_epochs=finetune_epochs,
+        lr=lr, batch_size=batch_size, seed=seed, progress=progress)
 
     reference_data = TensorBatches(x01, y01, 1024)
     exact = ExactFSD().fit(model, reference_data)

@@ -105,33 +105,42 @@ _ROWS: tuple[Preset, ...] = (
     # estimator averages over its coreset, so λ lives on the same scale as the FSD methods.
     Preset("ewc", "EWC", EWC, {"fisher": "true", "metric": "euclidean"}, family="ewc",
            needs_data=True),
-    Preset("ntk", "NTK (coreset)", NTK, family="ntk", needs_data=True),
+    # coresets keep all the data unless a caller gives a size (the studies' settings predate
+    # the library's default of 40)
+    Preset("ntk", "NTK (coreset)", NTK, {"coreset_size": None}, family="ntk", needs_data=True),
     # ExactFSD over a random coreset (the subset is drawn by the caller)
     Preset("exact-coreset", "ExactFSD (coreset)", ExactFSD, family="ntk", needs_data=True),
     Preset("laftr", "LAFTR (gaussian)", LAFTR, {"inputs": "gaussian"}, moments="full"),
-    Preset("laftr-coreset", "LAFTR (coreset)", LAFTR, {"inputs": "coreset"}, needs_data=True),
-    Preset("bgln-s", "BGLN-S", BGLN, family="bgln-s", **_FULL),
-    Preset("bgln-d", "BGLN-D", BGLN, {"deterministic": True}, family="bgln-d", **_FULL),
+    Preset("laftr-coreset", "LAFTR (coreset)", LAFTR, {"inputs": "coreset", "coreset_size": None},
+           needs_data=True),
+    Preset("bgln-s", "BGLN-S", BGLN, {"covariance": "full"}, family="bgln-s", **_FULL),
+    Preset("bgln-d", "BGLN-D", BGLN, {"deterministic": True, "covariance": "full"},
+           family="bgln-d", **_FULL),
     # beyond the paper: exact joint-moment propagation (= E[BGLN-S]) and the reference
     # network's real layer-wise moments; λ and learning rate default to BGLN-D's
-    Preset("bgln-d-exact", "BGLN-D (exact)", BGLN, {"deterministic": True, "moments": "exact"},
+    Preset("bgln-d-exact", "BGLN-D (exact)", BGLN, {"deterministic": True, "moments": "exact",
+                                                   "covariance": "full"},
            family="bgln-d", **_FULL),
     Preset("bgln-d-layerwise", "BGLN-D (layerwise)", BGLN,
-           {"deterministic": True, "reference": "layerwise"}, family="bgln-d",
+           {"deterministic": True, "reference": "layerwise", "covariance": "full"},
+           family="bgln-d",
            layer_moments=True, **_FULL),
-    Preset("bgln-s-cw", "BGLN-S-CW", BGLN, {"classwise": True}, family="bgln-s-cw",
+    Preset("bgln-s-cw", "BGLN-S-CW", BGLN, {"classwise": True, "covariance": "full"},
+           family="bgln-s-cw",
            classwise=True, **_FULL),
-    Preset("bgln-d-cw", "BGLN-D-CW", BGLN, {"deterministic": True, "classwise": True},
+    Preset("bgln-d-cw", "BGLN-D-CW", BGLN,
+           {"deterministic": True, "classwise": True, "covariance": "full"},
            family="bgln-d-cw", classwise=True, **_FULL),
     Preset("bgln-s-var", "BGLN-S-Var", BGLN, {"covariance": "diag"}, moments="diag",
            gates=True),
     Preset("bgln-d-var", "BGLN-D-Var", BGLN, {"deterministic": True, "covariance": "diag"},
            family="bgln-d", moments="diag", gates=True),
-    Preset("bgln-s-coreset", "BGLN-S (coreset)", BGLN, {"inputs": "coreset"}, gates=True,
-           needs_data=True),
+    Preset("bgln-s-coreset", "BGLN-S (coreset)", BGLN, {"inputs": "coreset", "coreset_size": None},
+           gates=True, needs_data=True),
     # fidelity only: both of the BGLN-D extensions above at once
     Preset("bgln-d-exact-layerwise", "BGLN-D (exact+layerwise)", BGLN,
-           {"deterministic": True, "moments": "exact", "reference": "layerwise"},
+           {"deterministic": True, "moments": "exact", "reference": "layerwise",
+            "covariance": "full"},
            family="bgln-d", layer_moments=True, **_FULL),
 )
 
