@@ -212,3 +212,188 @@ def delta_second_moment(
     assert final is not None  # the model has an affine layer
     rows = output_rows.to(final.dtype)
     return ((rows @ final) * rows).sum((-1, -2))
+
+
+# ----- the same quantity by the adjoint recursion ------------------------------------------
+#
+# delta_second_moment pushes the θ-dependent blocks R0Δ, RΔΔ forward through every layer
+# (dense (o + 1) × o products at each). The map from them to the output is linear, so the
+# value can be accumulated backwards instead: with (Bx, Cy) the adjoints of
+# X = E[s̃0 Δsᵀ] (s̃0 = [s0; 1]) and Y = E[Δs Δsᵀ] at an affine layer's output,
+#
+#     ⟨Bx, X⟩ + ⟨Cy, Y⟩ = source + ⟨B_in, R0Δ⟩ + ⟨C_in, RΔΔ⟩,
+#     source = ⟨Bx, W̃0ext R00 ΔW̃ᵀ⟩ + ⟨Cy, ΔW̃ R00 ΔW̃ᵀ⟩       (W̃0ext = [W̃0; e_lastᵀ])
+#     B_in = W̃0extᵀ Bx W1 + 2 ΔW̃ᵀ Cy W1,   C_in = W1ᵀ Cy W1,
+#
+# and a gate maps the adjoints by the same Hadamard products as the moments (self-adjoint):
+# Cy ← Q ⊙ C_in, Bx ← [Q; μᵀ] ⊙ B_in. Starting from Cy = PᵀP, Bx = 0 at the output, the
+# value tr(P E[ΔzΔzᵀ] Pᵀ) is the sum of the sources; R00 (θ-independent) is the cached
+# reference block. Near the output the adjoints are low rank plus diagonal — Cy = U Uᵀ +
+# diag(c), Bx = V Uᵀ + [diag(β); 0] with U = Pᵀ at first — and kept in that form until an
+# affine layer turns the diagonals dense, so the last hidden layer costs O(o²·k + o³), and
+# the first layer needs only products of ΔW̃ with the cached input factor.
+
+
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    """Frobenius inner product per component: Σ over the last two dims."""
+    return (a * b).sum((-1, -2))
+
+
+class _Adjoint:
+    """(Bx, Cy) at an affine layer's output, structured (U, V, c, β) or dense (bx, cy)."""
+
+    def __init__(self, u: Tensor | None = None, v: Tensor | None = None,
+                 c: Tensor | None = None, beta: Tensor | None = None,
+                 bx: Tensor | None = None, cy: Tensor | None = None) -> None:
+        self.u, self.v, self.c, self.beta, self.bx, self.cy = u, v, c, beta, bx, cy
+
+    @property
+    def dense(self) -> bool:
+        return self.cy is not None
+
+    def gated(self, mu: Tensor) -> "_Adjoint":
+        """Hadamard by Q = μμᵀ + diag(μ(1 − μ)) (Cy, Bx's top block) and by μᵀ (Bx's last row)."""
+        if self.dense:
+            q = gate_second_moment(mu)
+            bx = torch.cat([q * self.bx[..., :-1, :], mu.unsqueeze(-2) * self.bx[..., -1:, :]],
+                           dim=-2)
+            return _Adjoint(bx=bx, cy=q * self.cy)
+        variance = mu * (1 - mu)
+        scale = mu.unsqueeze(-1)
+        # Q ⊙ UUᵀ = (μU)(μU)ᵀ + diag(μ(1 − μ) ‖U_i‖²);  Q ⊙ diag(c) = diag(μ c)
+        c = variance * self.u.pow(2).sum(-1)
+        if self.c is not None:
+            c = c + mu * self.c
+        beta = None if self.beta is None else mu * self.beta
+        v = None
+        if self.v is not None:
+            top = self.v[..., :-1, :]
+            beta = variance * (top * self.u).sum(-1) + (0 if beta is None else beta)
+            v = torch.cat([scale * top, self.v[..., -1:, :]], dim=-2)
+        return _Adjoint(u=scale * self.u, v=v, c=c, beta=beta)
+
+    def source(self, block: dict[str, Tensor], dwh: Tensor) -> Tensor:
+        """⟨Bx, W̃0ext R00 ΔW̃ᵀ⟩ + ⟨Cy, ΔW̃ R00 ΔW̃ᵀ⟩ per component, from the cached block."""
+        factor = "factor" in block
+        mean = block["mean"]
+        residual = block.get("residual")
+        if factor:
+            n = dwh @ block["factor"]  # ΔW̃ Φ; its last column is ΔW̃ E[ã0]
+            shift = n[..., -1]
+        else:
+            shift = torch.einsum("...oi,...i->...o", dwh, mean)  # ΔW̃ E[ã0]
+        if self.dense:
+            bs, be = self.bx[..., :-1, :], self.bx[..., -1, :]
+            total = (be * shift).sum(-1)
+            if factor:
+                total = total + _dot(bs.mT @ block["p0"] + self.cy @ n, n)
+                if residual is not None:
+                    total = total + _dot(bs.mT @ block["w0d"] + self.cy @ (dwh * residual.unsqueeze(-2)),
+                                         dwh)
+            else:
+                total = total + _dot(bs.mT @ block["w0r00"] + (self.cy @ dwh) @ block["r00"], dwh)
+            return total
+        z = self.u.mT @ dwh  # Uᵀ ΔW̃ (G, k, in + 1)
+        if factor:
+            zf = z @ block["factor"]
+            total = zf.pow(2).sum((-1, -2))
+            if residual is not None:
+                total = total + _dot(z.pow(2), residual.unsqueeze(-2))
+        else:
+            total = _dot(z @ block["r00"], z)
+        if self.v is not None:  # ⟨V Uᵀ, W̃0ext R00 ΔW̃ᵀ⟩ = ⟨V_topᵀ W̃0 R00 + v_lastᵀ E[ã0]ᵀ, Z⟩
+            top, last = self.v[..., :-1, :], self.v[..., -1, :]
+            if factor:
+                total = total + _dot(top.mT @ block["p0"], zf)
+                if residual is not None:
+                    total = total + _dot(top.mT @ block["w0d"], z)
+            else:
+                total = total + _dot(top.mT @ block["w0r00"], z)
+            total = total + (last * torch.einsum("...ki,...i->...k", z, mean)).sum(-1)
+        if self.beta is not None or self.c is not None:
+            # diag(β): Σ_i β_i (W̃0 R00 ΔW̃ᵀ)_ii;  diag(c): Σ_i c_i (ΔW̃ R00 ΔW̃ᵀ)_ii
+            if factor:
+                cross = (block["p0"] * n).sum(-1)
+                quad = n.pow(2).sum(-1)
+                if residual is not None:
+                    cross = cross + (block["w0d"] * dwh).sum(-1)
+                    quad = quad + (dwh.pow(2) * residual.unsqueeze(-2)).sum(-1)
+                if self.beta is not None:
+                    total = total + (self.beta * cross).sum(-1)
+                if self.c is not None:
+                    total = total + (self.c * quad).sum(-1)
+            else:
+                if self.beta is not None:
+                    total = total + (self.beta * (block["w0r00"] * dwh).sum(-1)).sum(-1)
+                if self.c is not None:
+                    total = total + _dot((self.c.unsqueeze(-1) * dwh) @ block["r00"], dwh)
+        return total
+
+    def through(self, w0h: Tensor, dwh: Tensor, w1: Tensor) -> "_Adjoint":
+        """The adjoints at the layer's input: B_in = W̃0extᵀ Bx W1 + 2ΔW̃ᵀ Cy W1, C_in = W1ᵀ Cy W1."""
+        if self.dense:
+            cw = self.cy @ w1
+            bw = self.bx @ w1
+            cy = w1.mT @ cw
+            bx = w0h.mT @ bw[..., :-1, :] + 2 * (dwh.mT @ cw)
+            bx = torch.cat([bx[..., :-1, :], bx[..., -1:, :] + bw[..., -1:, :]], dim=-2)
+            return _Adjoint(bx=bx, cy=cy)
+        u = w1.mT @ self.u
+        v = 2 * (dwh.mT @ self.u)
+        if self.v is not None:
+            top, last = self.v[..., :-1, :], self.v[..., -1:, :]
+            v = w0h.mT @ top + v
+            v = torch.cat([v[..., :-1, :], v[..., -1:, :] + last], dim=-2)
+        if self.c is None and self.beta is None:
+            return _Adjoint(u=u, v=v)
+        # W1ᵀ diag(c) W1 and (W̃0ᵀ diag(β) + 2ΔW̃ᵀ diag(c)) W1 are dense: fold everything in
+        cy = u @ u.mT
+        bx = v @ u.mT
+        left = None
+        if self.c is not None:
+            cy = cy + w1.mT @ (self.c.unsqueeze(-1) * w1)
+            left = 2 * self.c.unsqueeze(-1) * dwh
+        if self.beta is not None:
+            scaled = self.beta.unsqueeze(-1) * w0h
+            left = scaled if left is None else left + scaled
+        bx = bx + left.mT @ w1
+        return _Adjoint(bx=bx, cy=cy)
+
+
+def delta_second_moment_adjoint(
+    layers: list[TracedLayer],
+    params0: Mapping[str, Tensor],
+    params1: Mapping[str, Tensor],
+    reference: list[dict[str, Tensor]],
+    gate_means: Mapping[str, Tensor],
+    output_rows: Tensor,
+) -> Tensor:
+    """:func:`delta_second_moment` by the adjoint recursion (same arguments, same value).
+
+    Cost per hidden layer O(o³) at most (O(o²·k) for the last one, k selected outputs) and,
+    for the first layer, products of ΔW̃ with the cached input factor — instead of dense
+    (o + 1)² moments pushed forward through every layer.
+    """
+    affine = [i for i, layer in enumerate(layers) if layer.rule.kind == "affine"]
+    if not affine:
+        raise UnsupportedModuleError("the model has no parameterized layer")
+    mean = reference[0]["mean"]
+    groups = mean.shape[0]
+    rows = output_rows.to(mean.dtype)
+    adjoint = _Adjoint(u=rows.expand(groups, *rows.shape[-2:]).mT)
+    total = mean.new_zeros(groups)
+    index = len(reference)
+    for position in range(len(layers) - 1, affine[0] - 1, -1):
+        layer = layers[position]
+        kind = layer.rule.kind
+        if kind == "gate":
+            adjoint = adjoint.gated(gate_means[layer.path])
+        elif kind == "affine":
+            index -= 1
+            w0, b0 = weight_bias(params0, layer.path)
+            w1, b1 = weight_bias(params1, layer.path)
+            dwh = _homogeneous(w1 - w0, None if b1 is None else b1 - b0)
+            total = total + adjoint.source(reference[index], dwh)
+            if index > 0:
+                adjoint = adjoint.through(_homogeneous(w0, b0), dwh, w1)
+    return total
