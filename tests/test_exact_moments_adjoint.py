@@ -146,3 +146,26 @@ def test_batched_summaries_equal_the_forward_reference(covariance):
     torch.testing.assert_close(batched, truth, rtol=RTOL, atol=0)
     for a, b in zip(grads, truth_grads):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=RTOL * float(b.abs().max()))
+
+
+def test_adjoint_under_torch_func_and_double_backward():
+    # the batched PBRF solver takes vmap(grad(·)) of BGLN-D terms (fsd.influence), and the
+    # first layer's source is a custom autograd function: both must see the same function
+    from conftest import distance_fn
+
+    model, data = _net("two hidden"), _data()
+    for covariance in ("full", "lowrank"):
+        estimator = fsd.BGLN(deterministic=True, moments="exact", covariance=covariance,
+                             rank=3, classwise=True).fit(model, data)
+        names, f = distance_fn(estimator, model)
+        g = torch.Generator().manual_seed(2)
+        stacks = [torch.stack([p.detach() + 0.1 * torch.randn(p.shape, generator=g,
+                                                              dtype=p.dtype)
+                               for _ in range(3)]) for p in model.parameters()]
+        batched = torch.func.vmap(torch.func.grad(f, argnums=tuple(range(len(names)))))(*stacks)
+        for b in range(3):
+            point = [s[b].clone().requires_grad_() for s in stacks]
+            for a, r in zip(batched, torch.autograd.grad(f(*point), point)):
+                torch.testing.assert_close(a[b], r, rtol=1e-12, atol=1e-15)
+        point = [s[0].clone().requires_grad_() for s in stacks]
+        assert torch.autograd.gradgradcheck(f, point)

@@ -20,7 +20,7 @@ input moments at every affine layer, collected at ``fit``.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor
@@ -239,6 +239,67 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
     return (a * b).sum((-1, -2))
 
 
+def _factor_source_parts(bx: Tensor, cy: Tensor, dwh: Tensor, factor: Tensor, p0: Tensor,
+                         w0d: Tensor, residual: Tensor) -> tuple[Tensor, ...]:
+    """The source of a first layer (R00 = ΦΦᵀ + diag(D)) with dense adjoints, and the
+    products its gradient reuses: N = ΔW̃Φ, Bsᵀ p0, Cy N, Bsᵀ W̃0 diag(D), Cy ΔW̃ diag(D)."""
+    bs, be = bx[..., :-1, :], bx[..., -1, :]
+    n = dwh @ factor
+    a1, a2 = bs.mT @ p0, cy @ n
+    value = (be * n[..., -1]).sum(-1) + _dot(a1 + a2, n)
+    if residual.dim() == 0:  # no diagonal part
+        return value, n, a1, a2, *(n.new_zeros(()) for _ in range(3))
+    scaled = dwh * residual.unsqueeze(-2)
+    b1, b2 = bs.mT @ w0d, cy @ scaled
+    return value + _dot(b1 + b2, dwh), n, a1, a2, b1, b2, scaled
+
+
+class _FactorSource(torch.autograd.Function):
+    """⟨Bx, W̃0ext R00 ΔW̃ᵀ⟩ + ⟨Cy, ΔW̃ R00 ΔW̃ᵀ⟩ at the first layer, R00 = ΦΦᵀ + diag(D).
+
+    The value is ⟨A, N⟩ + ⟨B, ΔW̃⟩ with A = Bsᵀp0 + Cy N, B = Bsᵀ W̃0 D + Cy ΔW̃ D: the
+    gradient in ΔW̃ reuses A and B (Cy symmetric), so it costs one product with Φᵀ, and the
+    gradients in Bx and Cy are W̃0 R00 ΔW̃ᵀ and ΔW̃ R00 ΔW̃ᵀ: four o × o × (d + 1) products
+    for value and gradient where autograd takes five. ``w0d`` and ``residual`` are 0-dim
+    when there is no diagonal part.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(bx: Tensor, cy: Tensor, dwh: Tensor, factor: Tensor, p0: Tensor, w0d: Tensor,
+                residual: Tensor) -> tuple[Tensor, ...]:
+        return _factor_source_parts(bx, cy, dwh, factor, p0, w0d, residual)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, ...], output: tuple[Tensor, ...]) -> None:
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(*inputs, *output[1:])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, *unused: Tensor) -> tuple[Tensor | None, ...]:
+        bx, cy, dwh, factor, p0, w0d, residual, *parts = ctx.saved_tensors
+        if torch.is_grad_enabled():  # double backward: rebuild the products with a graph
+            parts = _factor_source_parts(bx, cy, dwh, factor, p0, w0d, residual)[1:]
+        n, a1, a2, b1, b2, scaled = parts
+        diagonal = residual.dim() > 0
+        g = grad[..., None, None]
+        grad_n = a1 + 2 * a2
+        grad_n = torch.cat([grad_n[..., :-1], grad_n[..., -1:] + bx[..., -1, :].unsqueeze(-1)],
+                           dim=-1)
+        grad_dwh = (g * grad_n) @ factor.mT
+        grad_bs = p0 @ n.mT
+        grad_cy = n @ n.mT
+        if diagonal:
+            grad_dwh = grad_dwh + g * (b1 + 2 * b2)
+            grad_bs = grad_bs + w0d @ dwh.mT
+            grad_cy = grad_cy + dwh @ scaled.mT
+        grad_bx = g * torch.cat([grad_bs, n[..., -1].unsqueeze(-2)], dim=-2)
+        if grad_dwh.dim() > dwh.dim():  # ΔW̃ shared by the components
+            grad_dwh = grad_dwh.sum(0)
+        return grad_bx, g * grad_cy, grad_dwh, None, None, None, None
+
+
 class _Adjoint:
     """(Bx, Cy) at an affine layer's output, structured (U, V, c, β) or dense (bx, cy)."""
 
@@ -277,22 +338,17 @@ class _Adjoint:
         factor = "factor" in block
         mean = block["mean"]
         residual = block.get("residual")
-        if factor:
-            n = dwh @ block["factor"]  # ΔW̃ Φ; its last column is ΔW̃ E[ã0]
-            shift = n[..., -1]
-        else:
-            shift = torch.einsum("...oi,...i->...o", dwh, mean)  # ΔW̃ E[ã0]
-        if self.dense:
+        if self.dense and factor:
+            empty = dwh.new_zeros(())
+            return _FactorSource.apply(
+                self.bx, self.cy, dwh, block["factor"], block["p0"],
+                empty if residual is None else block["w0d"],
+                empty if residual is None else residual)[0]
+        if self.dense:  # W̃0 R00 = "w0r00", dense R00
             bs, be = self.bx[..., :-1, :], self.bx[..., -1, :]
-            total = (be * shift).sum(-1)
-            if factor:
-                total = total + _dot(bs.mT @ block["p0"] + self.cy @ n, n)
-                if residual is not None:
-                    total = total + _dot(bs.mT @ block["w0d"] + self.cy @ (dwh * residual.unsqueeze(-2)),
-                                         dwh)
-            else:
-                total = total + _dot(bs.mT @ block["w0r00"] + (self.cy @ dwh) @ block["r00"], dwh)
-            return total
+            shift = torch.einsum("...oi,...i->...o", dwh, mean)  # ΔW̃ E[ã0]
+            return (be * shift).sum(-1) + _dot(
+                bs.mT @ block["w0r00"] + (self.cy @ dwh) @ block["r00"], dwh)
         z = self.u.mT @ dwh  # Uᵀ ΔW̃ (G, k, in + 1)
         if factor:
             zf = z @ block["factor"]
@@ -313,6 +369,7 @@ class _Adjoint:
         if self.beta is not None or self.c is not None:
             # diag(β): Σ_i β_i (W̃0 R00 ΔW̃ᵀ)_ii;  diag(c): Σ_i c_i (ΔW̃ R00 ΔW̃ᵀ)_ii
             if factor:
+                n = dwh @ block["factor"]  # ΔW̃ Φ
                 cross = (block["p0"] * n).sum(-1)
                 quad = n.pow(2).sum(-1)
                 if residual is not None:
