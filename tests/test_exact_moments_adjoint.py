@@ -169,3 +169,17 @@ def test_adjoint_under_torch_func_and_double_backward():
                 torch.testing.assert_close(a[b], r, rtol=1e-12, atol=1e-15)
         point = [s[0].clone().requires_grad_() for s in stacks]
         assert torch.autograd.gradgradcheck(f, point)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("kind", ["two hidden", "one hidden"])
+def test_full_covariance_first_layer_by_factor_and_by_dense_moments(monkeypatch, kind, dense):
+    # a full covariance's first layer has both Φ and R00 = ΦΦᵀ; the adjoint picks the cheaper
+    import fsd.exact_moments as exact_moments
+
+    monkeypatch.setattr(exact_moments, "_dense_is_cheaper", lambda block, outputs: dense)
+    model = _net(kind)
+    for classwise in (False, True):
+        estimator = fsd.BGLN(deterministic=True, moments="exact", classwise=classwise).fit(
+            model, _data())
+        _assert_equal(estimator, _moved(model))
