@@ -289,10 +289,13 @@ class _FactorSource(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Tensor, ...], output: tuple[Tensor, ...]) -> None:
         ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # no zero gradients for the non-differentiable parts
         ctx.save_for_backward(*inputs, *output[1:])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, *unused: Tensor) -> tuple[Tensor | None, ...]:
+        if grad is None:
+            return (None,) * 7
         bx, cy, dwh, factor, p0, w0d, residual, *parts = ctx.saved_tensors
         if torch.is_grad_enabled():  # double backward: rebuild the products with a graph
             parts = _factor_source_parts(bx, cy, dwh, factor, p0, w0d, residual)[1:]
@@ -342,10 +345,13 @@ class _DenseSource(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Tensor, ...], output: tuple[Tensor, ...]) -> None:
         ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # no zero gradients for the non-differentiable parts
         ctx.save_for_backward(*inputs, *output[1:])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, *unused: Tensor) -> tuple[Tensor | None, ...]:
+        if grad is None:
+            return (None,) * 5
         bx, cy, dwh, r00, w0r00, *parts = ctx.saved_tensors
         if torch.is_grad_enabled():  # double backward: rebuild the products with a graph
             parts = _dense_source_parts(bx, cy, dwh, r00, w0r00)[1:]
