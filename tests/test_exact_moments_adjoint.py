@@ -83,7 +83,7 @@ def _assert_equal(estimator, moved):
     (value, grads), (fast, fast_grads) = _both(estimator, moved)
     assert float(value.min()) > 0
     torch.testing.assert_close(fast, value, rtol=RTOL, atol=0)
-    for a, b in zip(fast_grads, grads):
+    for a, b in zip(fast_grads, grads, strict=True):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=RTOL * float(b.abs().max()))
 
 
@@ -136,15 +136,15 @@ def test_batched_summaries_equal_the_forward_reference(covariance):
     grads = torch.autograd.grad(batched, list(moved.parameters()))
     layers = trace(moved)
     truth = 0
-    for w, e in zip(weights, estimators):
+    for w, e in zip(weights, estimators, strict=True):
         parts = e.moment_parts(layers, e.reference_parameters())
-        value = delta_second_moment(layers, e.reference_parameters(), dict(moved.named_parameters()),
-                                    parts["reference"], parts["gate_means"],
-                                    parts["output_rows"])
+        value = delta_second_moment(layers, e.reference_parameters(),
+                                    dict(moved.named_parameters()), parts["reference"],
+                                    parts["gate_means"], parts["output_rows"])
         truth = truth + w * 0.5 * (parts["weights"] * value).sum()
     truth_grads = torch.autograd.grad(truth, list(moved.parameters()))
     torch.testing.assert_close(batched, truth, rtol=RTOL, atol=0)
-    for a, b in zip(grads, truth_grads):
+    for a, b in zip(grads, truth_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=RTOL * float(b.abs().max()))
 
 
@@ -165,7 +165,7 @@ def test_adjoint_under_torch_func_and_double_backward():
         batched = torch.func.vmap(torch.func.grad(f, argnums=tuple(range(len(names)))))(*stacks)
         for b in range(3):
             point = [s[b].clone().requires_grad_() for s in stacks]
-            for a, r in zip(batched, torch.autograd.grad(f(*point), point)):
+            for a, r in zip(batched, torch.autograd.grad(f(*point), point), strict=True):
                 torch.testing.assert_close(a[b], r, rtol=1e-12, atol=1e-15)
         point = [s[0].clone().requires_grad_() for s in stacks]
         assert torch.autograd.gradgradcheck(f, point)

@@ -75,14 +75,14 @@ def test_float32_matches_float64_near_the_reference(name):
     value32, grads32 = _value_and_grads(estimator, moved32)
     assert value32.dtype == torch.float32 and value64.item() > 0
     assert abs(float(value32) - float(value64)) <= TOLERANCE * float(value64)
-    for g32, g64 in zip(grads32, grads64):
+    for g32, g64 in zip(grads32, grads64, strict=True):
         error = float((g32.double() - g64).norm())
         assert error <= TOLERANCE * float(g64.norm())
 
 
 def test_summary_sets_in_float32_match_float64_near_the_reference():
     # the batched passes of fsd.combine (paper and exact moments), several references
-    model32, moved32 = _float32_pair()
+    _, moved32 = _float32_pair()
     estimators = []
     for moments in ("paper", "exact"):
         for seed in (3, 4):
@@ -98,5 +98,5 @@ def test_summary_sets_in_float32_match_float64_near_the_reference():
     value64, grads64 = _value_and_grads(summary_set, moved64)
     value32, grads32 = _value_and_grads(summary_set, moved32)
     assert abs(float(value32) - float(value64)) <= TOLERANCE * float(value64)
-    for g32, g64 in zip(grads32, grads64):
+    for g32, g64 in zip(grads32, grads64, strict=True):
         assert float((g32.double() - g64).norm()) <= TOLERANCE * float(g64.norm())

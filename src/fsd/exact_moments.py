@@ -243,9 +243,11 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _dense_is_cheaper(block: dict[str, Tensor], outputs: int) -> bool:
-    """Whether a first layer that also has its dense R00 (full covariances) is cheaper with it:
-    value and gradient cost (d + 1)² + 4·o·(d + 1) per output unit dense against
-    2·(d + 1)·q + 4·o·q (+ 4·o·(d + 1) for a diagonal part) with the width-q factor."""
+    """Whether a first layer that also has its dense R00 (full covariances) is cheaper with it.
+
+    Value and gradient cost (d + 1)² + 4·o·(d + 1) per output unit dense against
+    2·(d + 1)·q + 4·o·q (+ 4·o·(d + 1) for a diagonal part) with the width-q factor.
+    """
     if "r00" not in block:
         return False
     width, q = block["factor"].shape[-2:]
@@ -256,8 +258,11 @@ def _dense_is_cheaper(block: dict[str, Tensor], outputs: int) -> bool:
 
 def _factor_source_parts(bx: Tensor, cy: Tensor, dwh: Tensor, factor: Tensor, p0: Tensor,
                          w0d: Tensor, residual: Tensor) -> tuple[Tensor, ...]:
-    """The source of a first layer (R00 = ΦΦᵀ + diag(D)) with dense adjoints, and the
-    products its gradient reuses: N = ΔW̃Φ, Bsᵀ p0, Cy N, Bsᵀ W̃0 diag(D), Cy ΔW̃ diag(D)."""
+    """The source of a first layer (R00 = ΦΦᵀ + diag(D)) with dense adjoints.
+
+    Also returns the products its gradient reuses: N = ΔW̃Φ, Bsᵀ p0, Cy N, Bsᵀ W̃0 diag(D),
+    Cy ΔW̃ diag(D) and ΔW̃ diag(D).
+    """
     bs, be = bx[..., :-1, :], bx[..., -1, :]
     n = dwh @ factor
     a1, a2 = bs.mT @ p0, cy @ n
@@ -320,8 +325,11 @@ class _FactorSource(torch.autograd.Function):
 
 def _dense_source_parts(bx: Tensor, cy: Tensor, dwh: Tensor, r00: Tensor, w0r00: Tensor
                         ) -> tuple[Tensor, ...]:
-    """The source for a dense R00 with dense adjoints: ⟨Bsᵀ W̃0 R00 + Cy ΔW̃ R00, ΔW̃⟩ +
-    be · ΔW̃ E[ã0], and the products its gradient reuses (ΔW̃ R00, Bsᵀ W̃0 R00, Cy ΔW̃ R00)."""
+    """The source for a dense R00 with dense adjoints.
+
+    ⟨Bsᵀ W̃0 R00 + Cy ΔW̃ R00, ΔW̃⟩ + be · ΔW̃ E[ã0], and the products its gradient reuses
+    (ΔW̃ R00, Bsᵀ W̃0 R00, Cy ΔW̃ R00).
+    """
     bs, be = bx[..., :-1, :], bx[..., -1, :]
     m = dwh @ r00  # its last column is ΔW̃ E[ã0] (the last row of R00 is E[ã0]ᵀ)
     a1 = bs.mT @ w0r00
@@ -330,10 +338,12 @@ def _dense_source_parts(bx: Tensor, cy: Tensor, dwh: Tensor, r00: Tensor, w0r00:
 
 
 class _DenseSource(torch.autograd.Function):
-    """The source with a dense R00 (hidden layers; a first layer with a wide factor): the
-    gradient in ΔW̃ is Bsᵀ W̃0 R00 + 2 Cy ΔW̃ R00 (+ the mean term), reusing the value's
+    """The source with a dense R00 (hidden layers; a first layer with a wide factor).
+
+    The gradient in ΔW̃ is Bsᵀ W̃0 R00 + 2 Cy ΔW̃ R00 (+ the mean term), reusing the value's
     products, and those in Bs, Cy are W̃0 R00 ΔW̃ᵀ, ΔW̃ R00 ΔW̃ᵀ: one (d + 1)² product fewer
-    than autograd."""
+    than autograd.
+    """
 
     generate_vmap_rule = True
 
@@ -373,37 +383,39 @@ class _Adjoint:
                  bx: Tensor | None = None, cy: Tensor | None = None) -> None:
         self.u, self.v, self.c, self.beta, self.bx, self.cy = u, v, c, beta, bx, cy
 
-    @property
-    def dense(self) -> bool:
-        return self.cy is not None
+    def _structured(self) -> Tensor:
+        """U of a structured adjoint (every adjoint is dense or has U)."""
+        assert self.u is not None
+        return self.u
 
     def gated(self, mu: Tensor) -> "_Adjoint":
         """Hadamard by Q = μμᵀ + diag(μ(1 − μ)) (Cy, Bx's top block) and by μᵀ (Bx's last row)."""
-        if self.dense:
+        if self.bx is not None and self.cy is not None:
             q = gate_second_moment(mu)
             bx = torch.cat([q * self.bx[..., :-1, :], mu.unsqueeze(-2) * self.bx[..., -1:, :]],
                            dim=-2)
             return _Adjoint(bx=bx, cy=q * self.cy)
+        u = self._structured()
         variance = mu * (1 - mu)
         scale = mu.unsqueeze(-1)
         # Q ⊙ UUᵀ = (μU)(μU)ᵀ + diag(μ(1 − μ) ‖U_i‖²);  Q ⊙ diag(c) = diag(μ c)
-        c = variance * self.u.pow(2).sum(-1)
+        c = variance * u.pow(2).sum(-1)
         if self.c is not None:
             c = c + mu * self.c
         beta = None if self.beta is None else mu * self.beta
         v = None
         if self.v is not None:
             top = self.v[..., :-1, :]
-            beta = variance * (top * self.u).sum(-1) + (0 if beta is None else beta)
+            beta = variance * (top * u).sum(-1) + (0 if beta is None else beta)
             v = torch.cat([scale * top, self.v[..., -1:, :]], dim=-2)
-        return _Adjoint(u=scale * self.u, v=v, c=c, beta=beta)
+        return _Adjoint(u=scale * u, v=v, c=c, beta=beta)
 
     def source(self, block: dict[str, Tensor], dwh: Tensor) -> Tensor:
         """⟨Bx, W̃0ext R00 ΔW̃ᵀ⟩ + ⟨Cy, ΔW̃ R00 ΔW̃ᵀ⟩ per component, from the cached block."""
         factor = "factor" in block
         mean = block["mean"]
         residual = block.get("residual")
-        if self.dense:
+        if self.bx is not None and self.cy is not None:
             if factor and not _dense_is_cheaper(block, dwh.shape[-2]):
                 empty = dwh.new_zeros(())
                 return _FactorSource.apply(
@@ -411,7 +423,7 @@ class _Adjoint:
                     empty if residual is None else block["w0d"],
                     empty if residual is None else residual)[0]
             return _DenseSource.apply(self.bx, self.cy, dwh, block["r00"], block["w0r00"])[0]
-        z = self.u.mT @ dwh  # Uᵀ ΔW̃ (G, k, in + 1)
+        z = self._structured().mT @ dwh  # Uᵀ ΔW̃ (G, k, in + 1)
         if factor:
             zf = z @ block["factor"]
             total = zf.pow(2).sum((-1, -2))
@@ -450,15 +462,15 @@ class _Adjoint:
 
     def through(self, w0h: Tensor, dwh: Tensor, w1: Tensor) -> "_Adjoint":
         """The adjoints at the layer's input: B_in = W̃0extᵀ Bx W1 + 2ΔW̃ᵀ Cy W1, C_in = W1ᵀ Cy W1."""
-        if self.dense:
+        if self.bx is not None and self.cy is not None:
             cw = self.cy @ w1
             bw = self.bx @ w1
             cy = w1.mT @ cw
             bx = w0h.mT @ bw[..., :-1, :] + 2 * (dwh.mT @ cw)
             bx = torch.cat([bx[..., :-1, :], bx[..., -1:, :] + bw[..., -1:, :]], dim=-2)
             return _Adjoint(bx=bx, cy=cy)
-        u = w1.mT @ self.u
-        v = 2 * (dwh.mT @ self.u)
+        u = w1.mT @ self._structured()
+        v = 2 * (dwh.mT @ self._structured())
         if self.v is not None:
             top, last = self.v[..., :-1, :], self.v[..., -1:, :]
             v = w0h.mT @ top + v
@@ -467,15 +479,13 @@ class _Adjoint:
             return _Adjoint(u=u, v=v)
         # W1ᵀ diag(c) W1 and (W̃0ᵀ diag(β) + 2ΔW̃ᵀ diag(c)) W1 are dense: fold everything in
         cy = u @ u.mT
-        bx = v @ u.mT
-        left = None
+        left = []  # W̃0ᵀ diag(β) + 2ΔW̃ᵀ diag(c), transposed
         if self.c is not None:
             cy = cy + w1.mT @ (self.c.unsqueeze(-1) * w1)
-            left = 2 * self.c.unsqueeze(-1) * dwh
+            left.append(2 * self.c.unsqueeze(-1) * dwh)
         if self.beta is not None:
-            scaled = self.beta.unsqueeze(-1) * w0h
-            left = scaled if left is None else left + scaled
-        bx = bx + left.mT @ w1
+            left.append(self.beta.unsqueeze(-1) * w0h)
+        bx = v @ u.mT + sum(left[1:], left[0]).mT @ w1
         return _Adjoint(bx=bx, cy=cy)
 
 
@@ -511,7 +521,7 @@ def delta_second_moment_adjoint(
             index -= 1
             w0, b0 = weight_bias(params0, layer.path)
             w1, b1 = weight_bias(params1, layer.path)
-            dwh = _homogeneous(w1 - w0, None if b1 is None else b1 - b0)
+            dwh = _homogeneous(w1 - w0, None if b1 is None or b0 is None else b1 - b0)
             total = total + adjoint.source(reference[index], dwh)
             if index > 0:
                 adjoint = adjoint.through(_homogeneous(w0, b0), dwh, w1)
