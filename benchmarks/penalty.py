@@ -14,7 +14,9 @@ Prints, in one process, medians of repeated timings:
  (d) the library's BGLN-D vs a dense float64 transcription of paper Algorithm 2 (value, speed);
  (e) low-rank (r = 16, 64, 128) vs full-covariance BGLN-D on MNIST-trained networks;
  (f) K exact-moment summaries (moments="exact", low-rank r = 64): fsd.combine's one batched
-     pass vs the sum of K separate distance calls (distance + backward).
+     pass vs the sum of K separate distance calls (distance + backward);
+ (g) exact moments by the adjoint recursion (what BGLN uses) vs the forward recursion it
+     replaced (fsd.exact_moments.delta_second_moment), one summary, distance + backward.
 Model: MLP 784-256-256-10 (and 784-512-512-10 where said), Adam. `--sections a,c` runs only
 those sections. Moments are real MNIST moments when the data is found
 (--data-dir / $FSD_DATA_DIR), else random inputs (said in the output).
@@ -86,7 +88,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--fit-examples", type=int, default=10_000,
                         help="examples used to fit the summaries in (a)")
-    parser.add_argument("--sections", default="abcdef",
+    parser.add_argument("--sections", default="abcdefg",
                         help="which sections to run, e.g. 'ac' (default: all)")
     args = parser.parse_args()
     global DEVICE
@@ -117,6 +119,8 @@ def main() -> None:
         section_e(args, x, y)
     if "f" in args.sections:
         section_f(args, model, moved, fit_data)
+    if "g" in args.sections:
+        section_g(args, x, y, fit_data)
     print(f"\n# load average at the end {os.getloadavg()[0]:.1f}")
 
 
@@ -353,6 +357,50 @@ def section_f(args, model, moved, fit_data) -> None:
             batched.append(median_ms(lambda s=summary_set: penalty(s), args.repeats // 3 or 1))
         a, b = statistics.median(one), statistics.median(batched)
         print(f"| {k} | {a:.2f} | {b:.2f} | {a / b:.2f} | {abs(value - single) / single:.1e} |")
+
+
+
+def section_g(args, x, y, fit_data) -> None:
+    # (g) the adjoint recursion against the forward one on the same cached blocks
+    from fsd.exact_moments import delta_second_moment
+
+    print("\n## (g) exact moments: adjoint recursion vs the forward recursion it replaced "
+          "(one summary, 10 outputs, distance + backward)")
+    print("| width | summaries | forward: ms | adjoint: ms | speed-up | relative difference |")
+    print("|---:|---|---:|---:|---:|---:|")
+    rounds = 3
+    for width in (256, 512):
+        torch.manual_seed(0)
+        model = mlp(784, width, 2, 10).to(DEVICE)
+        moved = perturbed(model, 0.01, 1)
+        layers = fsd.trace(moved)
+        for label, kwargs in (("full", {}),
+                              ("lowrank r=64", {"covariance": "lowrank", "rank": 64})):
+            est = fsd.BGLN(deterministic=True, moments="exact", **kwargs).fit(
+                perturbed(model, 0.02, 10), fit_data)
+            theta0 = est.reference_parameters()
+            parts = est.moment_parts(layers, theta0)
+
+            def forward(theta0=theta0, parts=parts, moved=moved, layers=layers):
+                value = delta_second_moment(layers, theta0, dict(moved.named_parameters()),
+                                            parts["reference"], parts["gate_means"],
+                                            parts["output_rows"])
+                return 0.5 * (parts["weights"] * value).sum()
+
+            def run(fn, moved=moved):
+                moved.zero_grad()
+                fn().backward()
+
+            with torch.no_grad():
+                a, b = float(forward()), float(est.distance(moved))
+            old, new = [], []
+            repeats = max(1, args.repeats // rounds)
+            for _ in range(rounds):
+                old.append(median_ms(lambda f=forward: run(f), repeats))
+                new.append(median_ms(lambda e=est, m=moved: run(lambda: e.distance(m)), repeats))
+            t_old, t_new = statistics.median(old), statistics.median(new)
+            print(f"| {width} | {label} | {t_old:.2f} | {t_new:.2f} | {t_old / t_new:.1f} | "
+                  f"{abs(a - b) / abs(a):.1e} |")
 
 
 if __name__ == "__main__":
