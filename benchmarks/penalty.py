@@ -4,15 +4,21 @@ Run:  .venv/bin/python benchmarks/penalty.py [--data-dir D] [--threads 1] [--rep
       [--device cuda]
 
 Prints, in one process, medians of repeated timings:
- (a) step-with-penalty / plain-step at batch 32 and 128 for each estimator;
+ (a) step-with-penalty / plain-step at batch 32 and 128 for each estimator (width 256), and
+     for BGLN-D with Algorithm 2 (moments="paper") and exact moments at width 512;
  (b) one BGLN-D distance vs one ExactFSD over the 60k MNIST training inputs;
- (c) K = 1, 3, 9 previous tasks' BGLN-D summaries (full and low-rank) in one fsd.combine
-     call: the penalty alone and a whole penalized step at batch 128;
+ (c) K = 1, 3, 9 previous tasks' BGLN-D summaries (full and low-rank r = 64; Algorithm 2
+     and exact moments; widths 256 and 512) in one fsd.combine call: the penalty alone
+     (distance + backward), its ratio to Algorithm 2's, and a whole penalized step at
+     batch 128 against a plain step;
  (d) the library's BGLN-D vs a dense float64 transcription of paper Algorithm 2 (value, speed);
  (e) low-rank (r = 16, 64, 128) vs full-covariance BGLN-D on MNIST-trained networks;
  (f) K exact-moment summaries (moments="exact", low-rank r = 64): fsd.combine's one batched
-     pass vs the sum of K separate distance calls (distance + backward).
-Model: MLP 784-256-256-10, Adam. Moments are real MNIST moments when the data is found
+     pass vs the sum of K separate distance calls (distance + backward);
+ (g) exact moments by the adjoint recursion (what BGLN uses) vs the forward recursion it
+     replaced (fsd.exact_moments.delta_second_moment), one summary, distance + backward.
+Model: MLP 784-256-256-10 (and 784-512-512-10 where said), Adam. `--sections a,c` runs only
+those sections. Moments are real MNIST moments when the data is found
 (--data-dir / $FSD_DATA_DIR), else random inputs (said in the output).
 """
 
@@ -82,6 +88,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--fit-examples", type=int, default=10_000,
                         help="examples used to fit the summaries in (a)")
+    parser.add_argument("--sections", default="abcdefg",
+                        help="which sections to run, e.g. 'ac' (default: all)")
     args = parser.parse_args()
     global DEVICE
     DEVICE = torch.device(args.device)
@@ -93,27 +101,69 @@ def main() -> None:
     x, y = x.to(DEVICE), y.to(DEVICE)
     where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "CPU"
     print(f"# machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} thread(s), device {where}; inputs: {source}")
+          f"{torch.get_num_threads()} thread(s), device {where}; inputs: {source}; "
+          f"load average at start {os.getloadavg()[0]:.1f} (other processes share the CPU: "
+          f"compare ratios measured side by side, not absolute times)")
     model = mlp(784, 256, 2, 10).to(DEVICE)
-
-    # (a) penalty cost relative to a plain Adam step
     fit_data = TensorBatches(x[: args.fit_examples], y[: args.fit_examples], 1000)
-    estimators = {
-        "BGLN-D full": fsd.BGLN(deterministic=True),
+    moved = perturbed(model, 0.01, 1)
+    if "a" in args.sections:
+        section_a(args, model, moved, x, y, fit_data)
+    if "b" in args.sections:
+        section_b(args, model, moved, x, y)
+    if "c" in args.sections:
+        section_c(args, x, y, fit_data)
+    if "d" in args.sections:
+        section_d(args, model, moved, x, y)
+    if "e" in args.sections:
+        section_e(args, x, y)
+    if "f" in args.sections:
+        section_f(args, model, moved, fit_data)
+    if "g" in args.sections:
+        section_g(args, x, y, fit_data)
+    print(f"\n# load average at the end {os.getloadavg()[0]:.1f}")
+
+
+def _estimators_a(width: int) -> dict[str, fsd.Estimator]:
+    bgln_d = {
+        "BGLN-D full (Algorithm 2)": fsd.BGLN(deterministic=True),
+        "BGLN-D full (exact moments)": fsd.BGLN(deterministic=True, moments="exact"),
+        "BGLN-D lowrank r=64 (Algorithm 2)": fsd.BGLN(deterministic=True, covariance="lowrank",
+                                                      rank=64),
+        "BGLN-D lowrank r=64 (exact moments)": fsd.BGLN(deterministic=True, moments="exact",
+                                                        covariance="lowrank", rank=64),
+    }
+    if width != 256:
+        return bgln_d
+    return {
+        **bgln_d,
         "BGLN-D diag": fsd.BGLN(deterministic=True, covariance="diag"),
-        "BGLN-D lowrank r=64": fsd.BGLN(deterministic=True, covariance="lowrank", rank=64),
         "BGLN-S (128 samples)": fsd.BGLN(num_samples=128),
         "LAFTR gaussian (128)": fsd.LAFTR(inputs="gaussian", num_samples=128),
         "NTK (coreset 40)": fsd.NTK(coreset_size=40),
         "EWC": fsd.EWC(),
     }
+
+
+def section_a(args, model, moved, x, y, fit_data) -> None:
+
+    # (a) penalty cost relative to a plain Adam step
+    print("\n## (a) step with penalty / plain step (MLP 784-w-w-10, Adam)")
+    print("| width | penalty | batch 32: ms | ratio | batch 128: ms | ratio |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for width in (256, 512):
+        if width != 256:
+            torch.manual_seed(0)
+            model = mlp(784, width, 2, 10).to(DEVICE)
+            moved = perturbed(model, 0.01, 1)
+        _section_a_width(args, width, model, moved, x, y, fit_data)
+
+
+def _section_a_width(args, width, model, moved, x, y, fit_data) -> None:
+    estimators = _estimators_a(width)
     for est in estimators.values():
         est.fit(model, fit_data)
-    moved = perturbed(model, 0.01, 1)
     optimizer = torch.optim.Adam(moved.parameters(), lr=1e-4)
-    print("\n## (a) step with penalty / plain step (MLP 784-256-256-10, Adam)")
-    print("| penalty | batch 32: ms | ratio | batch 128: ms | ratio |")
-    print("|---|---:|---:|---:|---:|")
     results = {}
     for batch in (32, 128):
         xb, yb = x[:batch], y[:batch]
@@ -134,12 +184,15 @@ def main() -> None:
                 penal[name].append(median_ms(lambda e=est: step(e), args.repeats // 3 or 1))
         results[batch] = (statistics.median(plain),
                           {k: statistics.median(v) for k, v in penal.items()})
-    print(f"| none (plain step) | {results[32][0]:.2f} | 1.00 | {results[128][0]:.2f} | 1.00 |")
+    print(f"| {width} | none (plain step) | {results[32][0]:.2f} | 1.00 | "
+          f"{results[128][0]:.2f} | 1.00 |")
     for name in estimators:
         a, b = results[32][1][name], results[128][1][name]
-        print(f"| {name} | {a:.2f} | {a / results[32][0]:.2f} | {b:.2f} | "
+        print(f"| {width} | {name} | {a:.2f} | {a / results[32][0]:.2f} | {b:.2f} | "
               f"{b / results[128][0]:.2f} |")
 
+
+def section_b(args, model, moved, x, y) -> None:
     # (b) one BGLN-D evaluation vs ExactFSD over all 60k training inputs
     all_data = TensorBatches(x, y, 2000)
     bgln_d = fsd.BGLN(deterministic=True).fit(model, all_data)
@@ -151,37 +204,74 @@ def main() -> None:
     print("\n## (b) one distance call (no backward), 60k MNIST training inputs")
     print(f"ExactFSD: {t_exact:.1f} ms, BGLN-D: {t_bgln:.3f} ms, ratio {t_exact / t_bgln:.0f}x")
 
-    # (c) K previous tasks in one call: the penalty alone (distance + backward), and a whole
-    # Adam step at batch 128 with that penalty (what a continual learner pays per step)
-    print("\n## (c) K previous tasks' BGLN-D summaries in one fsd.combine call")
-    print("| summaries | K | penalty (distance+backward): ms | ratio to K=1 | "
-          "step at batch 128 with penalty: ms | ratio to K=1 |")
-    print("|---|---:|---:|---:|---:|---:|")
-    xb, yb = x[:128], y[:128]
+def _timed_steps(moved, xb, yb):
+    """(penalty(s): distance + backward, step(s=None): an Adam step with penalty s)."""
+    optimizer = torch.optim.Adam(moved.parameters(), lr=1e-4)
 
     def penalty(summary_set):
         moved.zero_grad()
         summary_set.distance(moved).backward()
 
-    def penalized_step(summary_set):
+    def step(summary_set=None):
         optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(moved(xb), yb) + summary_set.distance(moved)
+        loss = nn.functional.cross_entropy(moved(xb), yb)
+        if summary_set is not None:
+            loss = loss + summary_set.distance(moved)
         loss.backward()
         optimizer.step()
 
-    for label, kwargs in (("full, 10 outputs", {}),
-                          ("lowrank r=64, 10 outputs", {"covariance": "lowrank", "rank": 64})):
-        summaries = [fsd.BGLN(deterministic=True, **kwargs).fit(
-            perturbed(model, 0.02, 10 + k), fit_data) for k in range(9)]
-        times, steps = {}, {}
-        for k in (1, 3, 9):
-            summary_set = fsd.combine(summaries[:k])
-            times[k] = median_ms(lambda s=summary_set: penalty(s), args.repeats)
-            steps[k] = median_ms(lambda s=summary_set: penalized_step(s), args.repeats)
-        for k in (1, 3, 9):
-            print(f"| {label} | {k} | {times[k]:.2f} | {times[k] / times[1]:.2f} | "
-                  f"{steps[k]:.2f} | {steps[k] / steps[1]:.2f} |")
+    return penalty, step
 
+
+def section_c(args, x, y, fit_data) -> None:
+    # (c) K previous tasks in one call: the penalty alone (distance + backward), and a whole
+    # Adam step at batch 128 with that penalty (what a continual learner pays per step).
+    # Algorithm 2 and exact moments are timed interleaved, three rounds, so drifting load
+    # from other processes hits both alike.
+    print("\n## (c) K previous tasks' BGLN-D summaries in one fsd.combine call "
+          "(10 outputs each)")
+    print("| width | summaries | moments | K | penalty (distance+backward): ms | "
+          "ratio to K=1 | ratio to Algorithm 2 | step at batch 128 with penalty: ms | "
+          "ratio to plain step |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|")
+    xb, yb = x[:128], y[:128]
+    rounds = 3
+    for width in (256, 512):
+        torch.manual_seed(0)
+        model = mlp(784, width, 2, 10).to(DEVICE)
+        moved = perturbed(model, 0.01, 1)
+        penalty, step = _timed_steps(moved, xb, yb)
+        for label, kwargs in (("full", {}),
+                              ("lowrank r=64", {"covariance": "lowrank", "rank": 64})):
+            summaries = {moments: [fsd.BGLN(deterministic=True, moments=moments, **kwargs).fit(
+                perturbed(model, 0.02, 10 + k), fit_data) for k in range(9)]
+                for moments in ("paper", "exact")}
+            times = {(m, k): [] for m in summaries for k in (1, 3, 9)}
+            steps = {(m, k): [] for m in summaries for k in (1, 3, 9)}
+            plain = []
+            repeats = max(1, args.repeats // rounds)
+            for _ in range(rounds):
+                plain.append(median_ms(step, repeats))
+                for m in summaries:
+                    for k in (1, 3, 9):
+                        summary_set = fsd.combine(summaries[m][:k])
+                        times[m, k].append(median_ms(
+                            lambda s=summary_set, f=penalty: f(s), repeats))
+                        steps[m, k].append(median_ms(lambda s=summary_set, f=step: f(s), repeats))
+            plain_ms = statistics.median(plain)
+            times = {key: statistics.median(v) for key, v in times.items()}
+            steps = {key: statistics.median(v) for key, v in steps.items()}
+            for m in summaries:
+                name = "Algorithm 2" if m == "paper" else "exact"
+                for k in (1, 3, 9):
+                    t = times[m, k]
+                    print(f"| {width} | {label} | {name} | {k} | {t:.2f} | "
+                          f"{t / times[m, 1]:.2f} | {t / times['paper', k]:.2f} | "
+                          f"{steps[m, k]:.2f} | {steps[m, k] / plain_ms:.2f} |")
+        print(f"| {width} | plain step, no penalty | | | | | | {plain_ms:.2f} | 1.00 |")
+
+
+def section_d(args, model, moved, x, y) -> None:
     # (d) the library vs a dense float64 transcription of Algorithm 2
     model64, moved64 = copy.deepcopy(model).double(), copy.deepcopy(moved).double()
     est64 = fsd.BGLN(deterministic=True).fit(model64, TensorBatches(
@@ -201,6 +291,8 @@ def main() -> None:
           f"difference {rel:.1e}; dense {t_dense:.2f} ms, library {t_lib:.2f} ms, "
           f"speed-up {t_dense / t_lib:.1f}x")
 
+
+def section_e(args, x, y) -> None:
     # (e) low rank vs full on MNIST-trained networks
     print("\n## (e) low-rank vs full-covariance BGLN-D on networks trained on MNIST 0/1 -> 2/3")
     x01, y01 = split_by_classes(x, y, [0, 1])
@@ -237,6 +329,8 @@ def main() -> None:
     print(f"\nbytes: full {full.nbytes:,}, " + ", ".join(
         f"r={r} {lowrank[r].nbytes:,}" for r in (16, 64, 128)))
 
+
+def section_f(args, model, moved, fit_data) -> None:
     # (f) exact-moment summaries: batched pass vs one call per summary, interleaved
     print("\n## (f) K exact-moment summaries (lowrank r=64, 10 outputs): batched vs one by one")
     print("| K | one by one: ms | fsd.combine: ms | speed-up | relative difference |")
@@ -244,6 +338,8 @@ def main() -> None:
     exact_summaries = [fsd.BGLN(deterministic=True, moments="exact", covariance="lowrank",
                                 rank=64).fit(perturbed(model, 0.02, 10 + k), fit_data)
                        for k in range(9)]
+
+    penalty, _ = _timed_steps(moved, None, None)
 
     def separately(summaries):
         moved.zero_grad()
@@ -261,6 +357,50 @@ def main() -> None:
             batched.append(median_ms(lambda s=summary_set: penalty(s), args.repeats // 3 or 1))
         a, b = statistics.median(one), statistics.median(batched)
         print(f"| {k} | {a:.2f} | {b:.2f} | {a / b:.2f} | {abs(value - single) / single:.1e} |")
+
+
+
+def section_g(args, x, y, fit_data) -> None:
+    # (g) the adjoint recursion against the forward one on the same cached blocks
+    from fsd.exact_moments import delta_second_moment
+
+    print("\n## (g) exact moments: adjoint recursion vs the forward recursion it replaced "
+          "(one summary, 10 outputs, distance + backward)")
+    print("| width | summaries | forward: ms | adjoint: ms | speed-up | relative difference |")
+    print("|---:|---|---:|---:|---:|---:|")
+    rounds = 3
+    for width in (256, 512):
+        torch.manual_seed(0)
+        model = mlp(784, width, 2, 10).to(DEVICE)
+        moved = perturbed(model, 0.01, 1)
+        layers = fsd.trace(moved)
+        for label, kwargs in (("full", {}),
+                              ("lowrank r=64", {"covariance": "lowrank", "rank": 64})):
+            est = fsd.BGLN(deterministic=True, moments="exact", **kwargs).fit(
+                perturbed(model, 0.02, 10), fit_data)
+            theta0 = est.reference_parameters()
+            parts = est.moment_parts(layers, theta0)
+
+            def forward(theta0=theta0, parts=parts, moved=moved, layers=layers):
+                value = delta_second_moment(layers, theta0, dict(moved.named_parameters()),
+                                            parts["reference"], parts["gate_means"],
+                                            parts["output_rows"])
+                return 0.5 * (parts["weights"] * value).sum()
+
+            def run(fn, moved=moved):
+                moved.zero_grad()
+                fn().backward()
+
+            with torch.no_grad():
+                a, b = float(forward()), float(est.distance(moved))
+            old, new = [], []
+            repeats = max(1, args.repeats // rounds)
+            for _ in range(rounds):
+                old.append(median_ms(lambda f=forward: run(f), repeats))
+                new.append(median_ms(lambda e=est, m=moved: run(lambda: e.distance(m)), repeats))
+            t_old, t_new = statistics.median(old), statistics.median(new)
+            print(f"| {width} | {label} | {t_old:.2f} | {t_new:.2f} | {t_old / t_new:.1f} | "
+                  f"{abs(a - b) / abs(a):.1e} |")
 
 
 if __name__ == "__main__":

@@ -84,13 +84,13 @@ def test_summary_set_checks_architecture():
 def test_exact_moment_summaries_are_batched_and_equal_the_sum(monkeypatch):
     import fsd.summary_set as summary_set
     calls = []
-    real = summary_set.delta_second_moment
+    real = summary_set.delta_second_moment_adjoint
 
     def counting(*args, **kwargs):
         calls.append(args[1])  # the stacked params0
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(summary_set, "delta_second_moment", counting)
+    monkeypatch.setattr(summary_set, "delta_second_moment_adjoint", counting)
     model, data = _mlp(), _data()
     estimators = []
     for t in range(3):  # full covariance: classwise or not, heads of different width

@@ -20,7 +20,7 @@ input moments at every affine layer, collected at ``fit``.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor
@@ -125,6 +125,9 @@ def reference_blocks(
                 p0 = w0 @ phi
                 # Φ = [[L, m], [0, 1]]: its last column is E[ã0] = [m; 1]
                 block = {"factor": phi, "p0": p0, "mean": phi[..., :, -1]}
+                if residual is None:  # full covariance: also R00 itself, for wide factors
+                    block["r00"] = phi @ phi.transpose(-1, -2)
+                    block["w0r00"] = p0 @ phi.transpose(-1, -2)
                 second = p0 @ p0.transpose(-1, -2)
                 if residual is not None:  # + W̃0 diag(D) W̃0ᵀ
                     block["residual"] = residual
@@ -212,3 +215,314 @@ def delta_second_moment(
     assert final is not None  # the model has an affine layer
     rows = output_rows.to(final.dtype)
     return ((rows @ final) * rows).sum((-1, -2))
+
+
+# ----- the same quantity by the adjoint recursion ------------------------------------------
+#
+# delta_second_moment pushes the θ-dependent blocks R0Δ, RΔΔ forward through every layer
+# (dense (o + 1) × o products at each). The map from them to the output is linear, so the
+# value can be accumulated backwards instead: with (Bx, Cy) the adjoints of
+# X = E[s̃0 Δsᵀ] (s̃0 = [s0; 1]) and Y = E[Δs Δsᵀ] at an affine layer's output,
+#
+#     ⟨Bx, X⟩ + ⟨Cy, Y⟩ = source + ⟨B_in, R0Δ⟩ + ⟨C_in, RΔΔ⟩,
+#     source = ⟨Bx, W̃0ext R00 ΔW̃ᵀ⟩ + ⟨Cy, ΔW̃ R00 ΔW̃ᵀ⟩       (W̃0ext = [W̃0; e_lastᵀ])
+#     B_in = W̃0extᵀ Bx W1 + 2 ΔW̃ᵀ Cy W1,   C_in = W1ᵀ Cy W1,
+#
+# and a gate maps the adjoints by the same Hadamard products as the moments (self-adjoint):
+# Cy ← Q ⊙ C_in, Bx ← [Q; μᵀ] ⊙ B_in. Starting from Cy = PᵀP, Bx = 0 at the output, the
+# value tr(P E[ΔzΔzᵀ] Pᵀ) is the sum of the sources; R00 (θ-independent) is the cached
+# reference block. Near the output the adjoints are low rank plus diagonal — Cy = U Uᵀ +
+# diag(c), Bx = V Uᵀ + [diag(β); 0] with U = Pᵀ at first — and kept in that form until an
+# affine layer turns the diagonals dense, so the last hidden layer costs O(o²·k + o³), and
+# the first layer needs only products of ΔW̃ with the cached input factor.
+
+
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    """Frobenius inner product per component: Σ over the last two dims."""
+    return (a * b).sum((-1, -2))
+
+
+def _dense_is_cheaper(block: dict[str, Tensor], outputs: int) -> bool:
+    """Whether a first layer that also has its dense R00 (full covariances) is cheaper with it.
+
+    Value and gradient cost (d + 1)² + 4·o·(d + 1) per output unit dense against
+    2·(d + 1)·q + 4·o·q (+ 4·o·(d + 1) for a diagonal part) with the width-q factor.
+    """
+    if "r00" not in block:
+        return False
+    width, q = block["factor"].shape[-2:]
+    factor_cost = 2 * width * q + 4 * outputs * q + (4 * outputs * width if "residual" in block
+                                                     else 0)
+    return width * width + 4 * outputs * width < factor_cost
+
+
+def _factor_source_parts(bx: Tensor, cy: Tensor, dwh: Tensor, factor: Tensor, p0: Tensor,
+                         w0d: Tensor, residual: Tensor) -> tuple[Tensor, ...]:
+    """The source of a first layer (R00 = ΦΦᵀ + diag(D)) with dense adjoints.
+
+    Also returns the products its gradient reuses: N = ΔW̃Φ, Bsᵀ p0, Cy N, Bsᵀ W̃0 diag(D),
+    Cy ΔW̃ diag(D) and ΔW̃ diag(D).
+    """
+    bs, be = bx[..., :-1, :], bx[..., -1, :]
+    n = dwh @ factor
+    a1, a2 = bs.mT @ p0, cy @ n
+    value = (be * n[..., -1]).sum(-1) + _dot(a1 + a2, n)
+    if residual.dim() == 0:  # no diagonal part
+        return value, n, a1, a2, *(n.new_zeros(()) for _ in range(3))
+    scaled = dwh * residual.unsqueeze(-2)
+    b1, b2 = bs.mT @ w0d, cy @ scaled
+    return value + _dot(b1 + b2, dwh), n, a1, a2, b1, b2, scaled
+
+
+class _FactorSource(torch.autograd.Function):
+    """⟨Bx, W̃0ext R00 ΔW̃ᵀ⟩ + ⟨Cy, ΔW̃ R00 ΔW̃ᵀ⟩ at the first layer, R00 = ΦΦᵀ + diag(D).
+
+    The value is ⟨A, N⟩ + ⟨B, ΔW̃⟩ with A = Bsᵀp0 + Cy N, B = Bsᵀ W̃0 D + Cy ΔW̃ D: the
+    gradient in ΔW̃ reuses A and B (Cy symmetric), so it costs one product with Φᵀ, and the
+    gradients in Bx and Cy are W̃0 R00 ΔW̃ᵀ and ΔW̃ R00 ΔW̃ᵀ: four o × o × (d + 1) products
+    for value and gradient where autograd takes five. ``w0d`` and ``residual`` are 0-dim
+    when there is no diagonal part.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(bx: Tensor, cy: Tensor, dwh: Tensor, factor: Tensor, p0: Tensor, w0d: Tensor,
+                residual: Tensor) -> tuple[Tensor, ...]:
+        return _factor_source_parts(bx, cy, dwh, factor, p0, w0d, residual)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, ...], output: tuple[Tensor, ...]) -> None:
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # no zero gradients for the non-differentiable parts
+        ctx.save_for_backward(*inputs, *output[1:])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, *unused: Tensor) -> tuple[Tensor | None, ...]:
+        if grad is None:
+            return (None,) * 7
+        bx, cy, dwh, factor, p0, w0d, residual, *parts = ctx.saved_tensors
+        if torch.is_grad_enabled():  # double backward: rebuild the products with a graph
+            parts = _factor_source_parts(bx, cy, dwh, factor, p0, w0d, residual)[1:]
+        n, a1, a2, b1, b2, scaled = parts
+        diagonal = residual.dim() > 0
+        g = grad[..., None, None]
+        grad_n = a1 + 2 * a2
+        grad_n = torch.cat([grad_n[..., :-1], grad_n[..., -1:] + bx[..., -1, :].unsqueeze(-1)],
+                           dim=-1)
+        grad_dwh = (g * grad_n) @ factor.mT
+        grad_bs = p0 @ n.mT
+        grad_cy = n @ n.mT
+        if diagonal:
+            grad_dwh = grad_dwh + g * (b1 + 2 * b2)
+            grad_bs = grad_bs + w0d @ dwh.mT
+            grad_cy = grad_cy + dwh @ scaled.mT
+        grad_bx = g * torch.cat([grad_bs, n[..., -1].unsqueeze(-2)], dim=-2)
+        if grad_dwh.dim() > dwh.dim():  # ΔW̃ shared by the components
+            grad_dwh = grad_dwh.sum(0)
+        return grad_bx, g * grad_cy, grad_dwh, None, None, None, None
+
+
+def _dense_source_parts(bx: Tensor, cy: Tensor, dwh: Tensor, r00: Tensor, w0r00: Tensor
+                        ) -> tuple[Tensor, ...]:
+    """The source for a dense R00 with dense adjoints.
+
+    ⟨Bsᵀ W̃0 R00 + Cy ΔW̃ R00, ΔW̃⟩ + be · ΔW̃ E[ã0], and the products its gradient reuses
+    (ΔW̃ R00, Bsᵀ W̃0 R00, Cy ΔW̃ R00).
+    """
+    bs, be = bx[..., :-1, :], bx[..., -1, :]
+    m = dwh @ r00  # its last column is ΔW̃ E[ã0] (the last row of R00 is E[ã0]ᵀ)
+    a1 = bs.mT @ w0r00
+    a2 = cy @ m
+    return (be * m[..., -1]).sum(-1) + _dot(a1 + a2, dwh), m, a1, a2
+
+
+class _DenseSource(torch.autograd.Function):
+    """The source with a dense R00 (hidden layers; a first layer with a wide factor).
+
+    The gradient in ΔW̃ is Bsᵀ W̃0 R00 + 2 Cy ΔW̃ R00 (+ the mean term), reusing the value's
+    products, and those in Bs, Cy are W̃0 R00 ΔW̃ᵀ, ΔW̃ R00 ΔW̃ᵀ: one (d + 1)² product fewer
+    than autograd.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(bx: Tensor, cy: Tensor, dwh: Tensor, r00: Tensor, w0r00: Tensor
+                ) -> tuple[Tensor, ...]:
+        return _dense_source_parts(bx, cy, dwh, r00, w0r00)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, ...], output: tuple[Tensor, ...]) -> None:
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # no zero gradients for the non-differentiable parts
+        ctx.save_for_backward(*inputs, *output[1:])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, *unused: Tensor) -> tuple[Tensor | None, ...]:
+        if grad is None:
+            return (None,) * 5
+        bx, cy, dwh, r00, w0r00, *parts = ctx.saved_tensors
+        if torch.is_grad_enabled():  # double backward: rebuild the products with a graph
+            parts = _dense_source_parts(bx, cy, dwh, r00, w0r00)[1:]
+        m, a1, a2 = parts
+        g = grad[..., None, None]
+        be = bx[..., -1, :]
+        grad_dwh = g * (a1 + 2 * a2 + be.unsqueeze(-1) * r00[..., -1, :].unsqueeze(-2))
+        grad_bx = g * torch.cat([w0r00 @ dwh.mT, m[..., -1].unsqueeze(-2)], dim=-2)
+        if grad_dwh.dim() > dwh.dim():  # ΔW̃ shared by the components
+            grad_dwh = grad_dwh.sum(0)
+        return grad_bx, g * (m @ dwh.mT), grad_dwh, None, None
+
+
+class _Adjoint:
+    """(Bx, Cy) at an affine layer's output, structured (U, V, c, β) or dense (bx, cy)."""
+
+    def __init__(self, u: Tensor | None = None, v: Tensor | None = None,
+                 c: Tensor | None = None, beta: Tensor | None = None,
+                 bx: Tensor | None = None, cy: Tensor | None = None) -> None:
+        self.u, self.v, self.c, self.beta, self.bx, self.cy = u, v, c, beta, bx, cy
+
+    def _structured(self) -> Tensor:
+        """U of a structured adjoint (every adjoint is dense or has U)."""
+        assert self.u is not None
+        return self.u
+
+    def gated(self, mu: Tensor) -> "_Adjoint":
+        """Hadamard by Q = μμᵀ + diag(μ(1 − μ)) (Cy, Bx's top block) and by μᵀ (Bx's last row)."""
+        if self.bx is not None and self.cy is not None:
+            q = gate_second_moment(mu)
+            bx = torch.cat([q * self.bx[..., :-1, :], mu.unsqueeze(-2) * self.bx[..., -1:, :]],
+                           dim=-2)
+            return _Adjoint(bx=bx, cy=q * self.cy)
+        u = self._structured()
+        variance = mu * (1 - mu)
+        scale = mu.unsqueeze(-1)
+        # Q ⊙ UUᵀ = (μU)(μU)ᵀ + diag(μ(1 − μ) ‖U_i‖²);  Q ⊙ diag(c) = diag(μ c)
+        c = variance * u.pow(2).sum(-1)
+        if self.c is not None:
+            c = c + mu * self.c
+        beta = None if self.beta is None else mu * self.beta
+        v = None
+        if self.v is not None:
+            top = self.v[..., :-1, :]
+            beta = variance * (top * u).sum(-1) + (0 if beta is None else beta)
+            v = torch.cat([scale * top, self.v[..., -1:, :]], dim=-2)
+        return _Adjoint(u=scale * u, v=v, c=c, beta=beta)
+
+    def source(self, block: dict[str, Tensor], dwh: Tensor) -> Tensor:
+        """⟨Bx, W̃0ext R00 ΔW̃ᵀ⟩ + ⟨Cy, ΔW̃ R00 ΔW̃ᵀ⟩ per component, from the cached block."""
+        factor = "factor" in block
+        mean = block["mean"]
+        residual = block.get("residual")
+        if self.bx is not None and self.cy is not None:
+            if factor and not _dense_is_cheaper(block, dwh.shape[-2]):
+                empty = dwh.new_zeros(())
+                return _FactorSource.apply(
+                    self.bx, self.cy, dwh, block["factor"], block["p0"],
+                    empty if residual is None else block["w0d"],
+                    empty if residual is None else residual)[0]
+            return _DenseSource.apply(self.bx, self.cy, dwh, block["r00"], block["w0r00"])[0]
+        z = self._structured().mT @ dwh  # Uᵀ ΔW̃ (G, k, in + 1)
+        if factor:
+            zf = z @ block["factor"]
+            total = zf.pow(2).sum((-1, -2))
+            if residual is not None:
+                total = total + _dot(z.pow(2), residual.unsqueeze(-2))
+        else:
+            total = _dot(z @ block["r00"], z)
+        if self.v is not None:  # ⟨V Uᵀ, W̃0ext R00 ΔW̃ᵀ⟩ = ⟨V_topᵀ W̃0 R00 + v_lastᵀ E[ã0]ᵀ, Z⟩
+            top, last = self.v[..., :-1, :], self.v[..., -1, :]
+            if factor:
+                total = total + _dot(top.mT @ block["p0"], zf)
+                if residual is not None:
+                    total = total + _dot(top.mT @ block["w0d"], z)
+            else:
+                total = total + _dot(top.mT @ block["w0r00"], z)
+            total = total + (last * torch.einsum("...ki,...i->...k", z, mean)).sum(-1)
+        if self.beta is not None or self.c is not None:
+            # diag(β): Σ_i β_i (W̃0 R00 ΔW̃ᵀ)_ii;  diag(c): Σ_i c_i (ΔW̃ R00 ΔW̃ᵀ)_ii
+            if factor:
+                n = dwh @ block["factor"]  # ΔW̃ Φ
+                cross = (block["p0"] * n).sum(-1)
+                quad = n.pow(2).sum(-1)
+                if residual is not None:
+                    cross = cross + (block["w0d"] * dwh).sum(-1)
+                    quad = quad + (dwh.pow(2) * residual.unsqueeze(-2)).sum(-1)
+                if self.beta is not None:
+                    total = total + (self.beta * cross).sum(-1)
+                if self.c is not None:
+                    total = total + (self.c * quad).sum(-1)
+            else:
+                if self.beta is not None:
+                    total = total + (self.beta * (block["w0r00"] * dwh).sum(-1)).sum(-1)
+                if self.c is not None:
+                    total = total + _dot((self.c.unsqueeze(-1) * dwh) @ block["r00"], dwh)
+        return total
+
+    def through(self, w0h: Tensor, dwh: Tensor, w1: Tensor) -> "_Adjoint":
+        """The adjoints at the layer's input: B_in = W̃0extᵀ Bx W1 + 2ΔW̃ᵀ Cy W1, C_in = W1ᵀ Cy W1."""
+        if self.bx is not None and self.cy is not None:
+            cw = self.cy @ w1
+            bw = self.bx @ w1
+            cy = w1.mT @ cw
+            bx = w0h.mT @ bw[..., :-1, :] + 2 * (dwh.mT @ cw)
+            bx = torch.cat([bx[..., :-1, :], bx[..., -1:, :] + bw[..., -1:, :]], dim=-2)
+            return _Adjoint(bx=bx, cy=cy)
+        u = w1.mT @ self._structured()
+        v = 2 * (dwh.mT @ self._structured())
+        if self.v is not None:
+            top, last = self.v[..., :-1, :], self.v[..., -1:, :]
+            v = w0h.mT @ top + v
+            v = torch.cat([v[..., :-1, :], v[..., -1:, :] + last], dim=-2)
+        if self.c is None and self.beta is None:
+            return _Adjoint(u=u, v=v)
+        # W1ᵀ diag(c) W1 and (W̃0ᵀ diag(β) + 2ΔW̃ᵀ diag(c)) W1 are dense: fold everything in
+        cy = u @ u.mT
+        left = []  # W̃0ᵀ diag(β) + 2ΔW̃ᵀ diag(c), transposed
+        if self.c is not None:
+            cy = cy + w1.mT @ (self.c.unsqueeze(-1) * w1)
+            left.append(2 * self.c.unsqueeze(-1) * dwh)
+        if self.beta is not None:
+            left.append(self.beta.unsqueeze(-1) * w0h)
+        bx = v @ u.mT + sum(left[1:], left[0]).mT @ w1
+        return _Adjoint(bx=bx, cy=cy)
+
+
+def delta_second_moment_adjoint(
+    layers: list[TracedLayer],
+    params0: Mapping[str, Tensor],
+    params1: Mapping[str, Tensor],
+    reference: list[dict[str, Tensor]],
+    gate_means: Mapping[str, Tensor],
+    output_rows: Tensor,
+) -> Tensor:
+    """:func:`delta_second_moment` by the adjoint recursion (same arguments, same value).
+
+    Cost per hidden layer O(o³) at most (O(o²·k) for the last one, k selected outputs) and,
+    for the first layer, products of ΔW̃ with the cached input factor — instead of dense
+    (o + 1)² moments pushed forward through every layer.
+    """
+    affine = [i for i, layer in enumerate(layers) if layer.rule.kind == "affine"]
+    if not affine:
+        raise UnsupportedModuleError("the model has no parameterized layer")
+    mean = reference[0]["mean"]
+    groups = mean.shape[0]
+    rows = output_rows.to(mean.dtype)
+    adjoint = _Adjoint(u=rows.expand(groups, *rows.shape[-2:]).mT)
+    total = mean.new_zeros(groups)
+    index = len(reference)
+    for position in range(len(layers) - 1, affine[0] - 1, -1):
+        layer = layers[position]
+        kind = layer.rule.kind
+        if kind == "gate":
+            adjoint = adjoint.gated(gate_means[layer.path])
+        elif kind == "affine":
+            index -= 1
+            w0, b0 = weight_bias(params0, layer.path)
+            w1, b1 = weight_bias(params1, layer.path)
+            dwh = _homogeneous(w1 - w0, None if b1 is None or b0 is None else b1 - b0)
+            total = total + adjoint.source(reference[index], dwh)
+            if index > 0:
+                adjoint = adjoint.through(_homogeneous(w0, b0), dwh, w1)
+    return total

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .covariance import Covariance, low_rank_plus_diagonal, sample, sampling_factor
 from .estimator import Data, Estimator, Reservoir, iter_batches
-from .exact_moments import delta_second_moment, reference_blocks
+from .exact_moments import delta_second_moment_adjoint, reference_blocks
 from .graph import runnable
 from .hooks import forward_hooks
 from .interpreter import (
@@ -373,7 +373,7 @@ class _LinearizedEstimator(Estimator):
     def _moment_distance(self, layers, params0, params1) -> Tensor:
         parts = self.moment_parts(layers, params0)
         if self.config.get("moments") == "exact":
-            per_group = 0.5 * delta_second_moment(
+            per_group = 0.5 * delta_second_moment_adjoint(
                 layers, params0, params1, parts["reference"], parts["gate_means"],
                 parts["output_rows"])
         else:

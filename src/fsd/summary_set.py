@@ -5,7 +5,7 @@ Continual learning sums D(θ, θ_i, p_i) over all previous tasks i at every step
 and covariance form are evaluated in one batched pass — their reference networks and
 mixture components are stacked along the component dimension of
 :func:`fsd.interpreter.delta_moments` (``moments="paper"``) or
-:func:`fsd.exact_moments.delta_second_moment` (``moments="exact"``) — so the number of
+:func:`fsd.exact_moments.delta_second_moment_adjoint` (``moments="exact"``) — so the number of
 operations per call does not grow with the number of tasks. Other estimators are evaluated
 one by one.
 """
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .estimator import Estimator, evaluation_mode, model_dtype_device
-from .exact_moments import delta_second_moment
+from .exact_moments import delta_second_moment_adjoint
 from .graph import unwrap
 from .interpreter import delta_moments, trace
 from .linearized import BGLN
@@ -121,7 +121,7 @@ class SummarySet:
         with evaluation_mode(model):
             params1 = dict(model.named_parameters())
             if stacked["exact"]:
-                per_group = 0.5 * delta_second_moment(
+                per_group = 0.5 * delta_second_moment_adjoint(
                     layers, stacked["params0"], params1, stacked["reference"],
                     stacked["gate_means"], stacked["output_rows"])
             else:
