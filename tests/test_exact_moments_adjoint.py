@@ -104,8 +104,9 @@ def test_adjoint_equals_forward_moments(kind, covariance):
 def test_adjoint_equals_forward_with_mixtures_outputs_and_layerwise_statistics(kind):
     model, data = _net(kind), _data()
     moved = _moved(model)
-    for options in ({"classwise": True}, {"classwise": 2, "covariance": "lowrank", "rank": 2},
-                    {"reference": "layerwise"},
+    for options in ({"classwise": True, "covariance": "full"},
+                    {"classwise": 2, "covariance": "lowrank", "rank": 2},
+                    {"reference": "layerwise", "covariance": "full"},
                     {"reference": "layerwise", "classwise": True, "covariance": "diag"}):
         estimator = fsd.BGLN(deterministic=True, moments="exact", **options)
         for outputs in (None, [1, 3], slice(2, 4)):
@@ -180,6 +181,6 @@ def test_full_covariance_first_layer_by_factor_and_by_dense_moments(monkeypatch,
     monkeypatch.setattr(exact_moments, "_dense_is_cheaper", lambda block, outputs: dense)
     model = _net(kind)
     for classwise in (False, True):
-        estimator = fsd.BGLN(deterministic=True, moments="exact", classwise=classwise).fit(
-            model, _data())
+        estimator = fsd.BGLN(deterministic=True, moments="exact", classwise=classwise,
+                             covariance="full").fit(model, _data())
         _assert_equal(estimator, _moved(model))

@@ -40,18 +40,21 @@ def _data(n=600, d=20, classes=3, seed=0):
 
 
 ESTIMATORS = {
-    "bgln-d full": lambda: fsd.BGLN(deterministic=True),
+    "bgln-d full": lambda: fsd.BGLN(deterministic=True, covariance="full"),
     "bgln-d diag": lambda: fsd.BGLN(deterministic=True, covariance="diag"),
     "bgln-d lowrank": lambda: fsd.BGLN(deterministic=True, covariance="lowrank", rank=4),
-    "bgln-d classwise": lambda: fsd.BGLN(deterministic=True, classwise=True),
-    "bgln-d layerwise": lambda: fsd.BGLN(deterministic=True, reference="layerwise"),
-    "bgln-d exact full": lambda: fsd.BGLN(deterministic=True, moments="exact"),
+    "bgln-d classwise": lambda: fsd.BGLN(deterministic=True, classwise=True,
+                                         covariance="full"),
+    "bgln-d layerwise": lambda: fsd.BGLN(deterministic=True, reference="layerwise",
+                                         covariance="full"),
+    "bgln-d exact full": lambda: fsd.BGLN(deterministic=True, moments="exact",
+                                          covariance="full"),
     "bgln-d exact diag": lambda: fsd.BGLN(deterministic=True, moments="exact",
                                           covariance="diag"),
     "bgln-d exact lowrank": lambda: fsd.BGLN(deterministic=True, moments="exact",
                                              covariance="lowrank", rank=4),
     "bgln-d exact classwise": lambda: fsd.BGLN(deterministic=True, moments="exact",
-                                               classwise=True),
+                                               classwise=True, covariance="full"),
     "laftr coreset": lambda: fsd.LAFTR(inputs="coreset", coreset_size=100),
     "ntk": lambda: fsd.NTK(coreset_size=50),
     "ewc": lambda: fsd.EWC(metric="euclidean"),
@@ -91,8 +94,8 @@ def test_summary_sets_in_float32_match_float64_near_the_reference():
                 g = torch.Generator().manual_seed(seed)
                 for p in reference.parameters():
                     p.add_(EPS * p.abs() * torch.randn(p.shape, generator=g))
-            estimators.append(fsd.BGLN(deterministic=True, moments=moments, classwise=True)
-                              .fit(reference.double(), _data()))
+            estimators.append(fsd.BGLN(deterministic=True, moments=moments, classwise=True,
+                                       covariance="full").fit(reference.double(), _data()))
     summary_set = fsd.combine(estimators)
     moved64 = copy.deepcopy(moved32).double()
     value64, grads64 = _value_and_grads(summary_set, moved64)
