@@ -330,14 +330,24 @@ def test_bad_optimizer_mode_is_refused(tmp_path):
 
 @needs_mnist
 def test_rank_option_stores_low_rank_moments(tmp_path):
-    full = _run(tmp_path / "full", "split-mnist", "bgln-d-exact", "--tasks", "2", "--width", "32")
-    low = _run(tmp_path / "low", "split-mnist", "bgln-d-exact", "--tasks", "2", "--width", "32",
+    full = _run(tmp_path / "full", "split-mnist", "bgln-d", "--tasks", "2", "--width", "32")
+    low = _run(tmp_path / "low", "split-mnist", "bgln-d", "--tasks", "2", "--width", "32",
                "--rank", "8")
     # 784² covariance floats replaced by 784·(8+1): far fewer bytes per task
     assert low["summary_bytes_per_task"] < full["summary_bytes_per_task"] - 2_000_000
     assert "lowrank r=8" in continual.report([str(tmp_path / "low")])
     with pytest.raises(ValueError, match="rank applies to"):
         continual.run_continual("split-mnist", "bgln-d-var", [0], tmp_path / "x", rank=4)
+
+
+def test_bgln_d_exact_defaults_to_the_measured_setting():
+    # head-only summaries with a rank-64 covariance (99.66 on Split MNIST); the paper's
+    # BGLN-D keeps the authors' all-logit penalty and full covariance
+    exact = continual.default_hyperparameters("split-mnist", "bgln-d-exact")
+    paper = continual.default_hyperparameters("split-mnist", "bgln-d")
+    assert (exact["penalty_outputs"], exact["rank"]) == ("head", 64)
+    assert (paper["penalty_outputs"], paper["rank"]) == ("all", None)
+    assert exact["fsd_scale"] == paper["fsd_scale"]
 
 
 def test_metric_option_reaches_monte_carlo_estimators_only(tmp_path):

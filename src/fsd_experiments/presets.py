@@ -220,4 +220,11 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
         # (``determ_fsd``) is never given the task's label set, so it covers all of them;
         # their sampled and coreset penalties are restricted to the task's head
         "penalty_outputs": "all" if family in ALL_LOGIT_FAMILIES else "head",
-    }
+    } | (_EXACT_MOMENTS if method.startswith("bgln-d-exact") else {})
+
+
+# BGLN-D with exact moments is ours, not the paper's: its defaults are the setting measured
+# on Split MNIST (99.66 ± 0.07), each summary on its task's head with a rank-64 covariance.
+# The authors' all-logit convention belongs to Algorithm 2, whose estimate collapses; with
+# exact moments it held the new head back (one seed: 53.9 % average, the last task unlearned).
+_EXACT_MOMENTS = {"penalty_outputs": "head", "rank": 64}

@@ -89,7 +89,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
             ("--test-subset", int, "random test examples kept per task (tiny runs)"),
             ("--tasks", int, "use only the first N tasks"),
             ("--rank", int, "store each task's input covariance as its top-r eigenpairs plus "
-             "a diagonal (BGLN methods with full moments; default: full covariance)")]:
+             "a diagonal (BGLN methods with full moments; default: full covariance, "
+             "64 for bgln-d-exact)")]:
         cl.add_argument(name, type=kind, default=None, help=what)
     cl.add_argument("--optimizer", choices=OPTIMIZER_MODES, default=None,
                     help="shared: one Adam for the whole stream (default, the authors' code); "
@@ -99,8 +100,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                          "the authors' code, what the paper's λ was tuned for); sum: eq. 3")
     cl.add_argument("--penalty-outputs", choices=PENALTY_OUTPUTS, default=None,
                     help="multi-head benchmarks: each summary covers its task's head, or all "
-                         "logits (default: all for BGLN-D and its variants, as the authors' "
-                         "code; head for the others)")
+                         "logits (default: all for the paper's BGLN-D and its variants, as the "
+                         "authors' code; head for the others, bgln-d-exact included)")
     cl.add_argument("--metric", default=None, choices=list(METRICS),
                     help="output metric of the Monte Carlo penalties (laftr, bgln-s...; "
                          "default: softmax_euclidean, as the authors' BGLN-S code)")
