@@ -430,9 +430,11 @@ def test_unknown_names_are_clear_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["influence", "uci", "--dataset", "concrete", "--methods", "magic",
               "--out", str(tmp_path)])
-    assert main(["influence", "uci", "--dataset", "concrete", "--bgln-clusters", "0",
-                 "--out", str(tmp_path)]) == 2
-    assert "--bgln-clusters must be a positive int" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # refused while parsing, before any data
+        main(["influence", "uci", "--dataset", "concrete", "--bgln-clusters", "0",
+              "--out", str(tmp_path)])
+    assert stop.value.code == 2
+    assert "argument --bgln-clusters: must be a positive integer" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not HAS_UCI, reason="UCI data not available")
@@ -513,6 +515,8 @@ def test_ewc_fisher_choice_reaches_the_pbrf_term():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU-only machine")
 def test_cli_mislabeled_asks_for_missing_cuda(tmp_path, capsys):
-    assert main(["influence", "mislabeled", "--device", "cuda", "--out", str(tmp_path),
-                 "--data-dir", str(DATA_DIR), "--no-progress"]) == 2
-    assert "torch.cuda.is_available() is False" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # refused while parsing, before any data
+        main(["influence", "mislabeled", "--device", "cuda", "--out", str(tmp_path),
+              "--data-dir", str(DATA_DIR), "--no-progress"])
+    assert stop.value.code == 2
+    assert "asks for CUDA, which this machine does not have" in capsys.readouterr().err

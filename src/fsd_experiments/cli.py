@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fsd import __version__
 
+from .argtypes import OneLineParser, positive_int
 from .io import atomic_write_text, write_json
 
 
@@ -45,7 +46,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``fsd`` command and its subcommands."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fsd", description="Function space distance estimators (LAFTR / BGLN).")
     parser.add_argument("--version", action="version", version=f"fsd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -63,14 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
         "compare-estimators",
         help="every estimator vs the true FSD on an MNIST 0/1 → 2/3 pair of networks")
     _add_data_dir(compare)
-    compare.add_argument("--width", type=int, default=100, help="hidden width (default 100)")
-    compare.add_argument("--depth", type=int, default=2, help="hidden layers (default 2)")
-    compare.add_argument("--epochs", type=int, default=1, help="epochs on digits 0/1")
-    compare.add_argument("--finetune-epochs", type=int, default=1, help="epochs on digits 2/3")
+    compare.add_argument("--width", type=positive_int, default=100,
+                         help="hidden width (default 100)")
+    compare.add_argument("--depth", type=positive_int, default=2, help="hidden layers (default 2)")
+    compare.add_argument("--epochs", type=positive_int, default=1, help="epochs on digits 0/1")
+    compare.add_argument("--finetune-epochs", type=positive_int, default=1,
+                         help="epochs on digits 2/3")
     compare.add_argument("--seed", type=int, default=0)
-    compare.add_argument("--repeats", type=int, default=5,
+    compare.add_argument("--repeats", type=positive_int, default=5,
                          help="timed distance+backward calls per estimator (median reported)")
-    compare.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    compare.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     compare.add_argument("--out", default=None, help="also write the table as .md/.json here")
     compare.set_defaults(func=_cmd_compare)
     from . import continual

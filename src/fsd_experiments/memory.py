@@ -26,6 +26,7 @@ from torch import nn
 
 from fsd.estimator import Estimator
 
+from .argtypes import positive_int
 from .io import atomic_write_text, versioned, write_json
 from .models import cifar_cnn, mlp
 from .presets import PRESETS
@@ -314,10 +315,10 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--arch", choices=sorted(ARCHITECTURES), default="cifar-cnn",
                    help="network whose P, A, d are counted (default: the Split CIFAR100 CNN)")
     p.add_argument("--input-shape", default=None, help="comma-separated, e.g. 3,32,32")
-    p.add_argument("--P", type=int, default=None, help="override the parameter count")
-    p.add_argument("--A", type=int, default=None, help="override the activation count")
-    p.add_argument("--d", type=int, default=None, help="override the data dimension")
-    p.add_argument("--N", type=int, default=200, help="coreset size (default 200)")
+    p.add_argument("--P", type=positive_int, default=None, help="override the parameter count")
+    p.add_argument("--A", type=positive_int, default=None, help="override the activation count")
+    p.add_argument("--d", type=positive_int, default=None, help="override the data dimension")
+    p.add_argument("--N", type=positive_int, default=200, help="coreset size (default 200)")
     p.add_argument("--C", type=int, default=10, help="classes (default 10)")
     p.add_argument("--no-measure", dest="measure", action="store_false",
                    help="skip fitting the estimators to measure nbytes")

@@ -31,6 +31,7 @@ from torch.func import functional_call, jvp
 
 from fsd.estimator import Estimator
 
+from .argtypes import nonnegative_float, positive_int
 from .io import atomic_write_text, versioned, write_json
 from .models import mlp
 from .plotting import pyplot
@@ -278,12 +279,12 @@ def add_cli(subparsers: Any) -> None:
     """Register ``fsd toy`` on the ``fsd`` command's subparsers."""
     p = subparsers.add_parser("toy", help="the 1-D two-task regression figure (paper Fig. 1)")
     p.add_argument("--out", required=True, help="output folder (toy.png, toy.md, toy.json)")
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--depth", type=int, default=1, help="hidden layers (default 1)")
-    p.add_argument("--steps", type=int, default=2000, help="Adam steps per task")
-    p.add_argument("--lam", type=float, default=10.0, help="regularization weight")
+    p.add_argument("--width", type=positive_int, default=64)
+    p.add_argument("--depth", type=positive_int, default=1, help="hidden layers (default 1)")
+    p.add_argument("--steps", type=positive_int, default=2000, help="Adam steps per task")
+    p.add_argument("--lam", type=nonnegative_float, default=10.0, help="regularization weight")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--seeds", type=int, default=3,
+    p.add_argument("--seeds", type=positive_int, default=3,
                    help="also tabulate seeds seed..seed+K-1 (figure: first seed; default 3)")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=positive_int, default=1)
     p.set_defaults(func=_cmd_toy)

@@ -10,6 +10,7 @@ import torch
 
 from fsd.metrics import METRICS
 
+from ..argtypes import Distinct, device, momentum, nonnegative_float, positive_float, positive_int
 from ..io import atomic_write_text
 from .reporting import gap_markdown, merge_runs, penalty_gap, report
 from .results import results_markdown
@@ -69,26 +70,27 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                     "Hyper-parameters default to the paper's for the (benchmark, method).")
     cl.add_argument("--benchmark", choices=BENCHMARKS)
     cl.add_argument("--method", choices=list(METHODS))
-    cl.add_argument("--seeds", type=int, nargs="+", default=[20, 21, 22])
+    cl.add_argument("--seeds", type=int, nargs="+", default=[20, 21, 22], action=Distinct)
     cl.add_argument("--out", help="output directory (results, plots, checkpoints)")
     cl.add_argument("--data-dir", default=None,
                     help="data directory (default: $FSD_DATA_DIR, else ~/.cache/fsd/data)")
     paper = "(default: the paper's for the benchmark and method)"
     for name, kind, what in [
-            ("--epochs", int, f"epochs per task {paper}"),
-            ("--lr", float, f"Adam learning rate {paper}"),
-            ("--batch-size", int, f"batch size {paper}"),
-            ("--fsd-scale", float, f"penalty weight λ {paper}"),
-            ("--width", int, "hidden width (default: split 256, permuted 512)"),
-            ("--momentum", float, "EMA momentum of the gate frequencies, the weight kept on "
+            ("--epochs", positive_int, f"epochs per task {paper}"),
+            ("--lr", positive_float, f"Adam learning rate {paper}"),
+            ("--batch-size", positive_int, f"batch size {paper}"),
+            ("--fsd-scale", nonnegative_float, f"penalty weight λ {paper}"),
+            ("--width", positive_int, "hidden width (default: split 256, permuted 512)"),
+            ("--momentum", momentum, "EMA momentum of the gate frequencies, the weight kept on "
              "the past (default: running mean, which is the paper's 1/batch_size)"),
-            ("--coreset-size", int, "coreset points per task (default 40)"),
-            ("--num-samples", int, "Monte Carlo samples per BGLN-S/LAFTR distance call "
+            ("--coreset-size", positive_int, "coreset points per task (default 40)"),
+            ("--num-samples", positive_int, "Monte Carlo samples per BGLN-S/LAFTR distance call "
              "(default 32)"),
-            ("--train-subset", int, "random training examples kept per task (tiny runs)"),
-            ("--test-subset", int, "random test examples kept per task (tiny runs)"),
-            ("--tasks", int, "use only the first N tasks"),
-            ("--rank", int, "store each task's input covariance as its top-r eigenpairs plus "
+            ("--train-subset", positive_int, "random training examples kept per task (tiny runs)"),
+            ("--test-subset", positive_int, "random test examples kept per task (tiny runs)"),
+            ("--tasks", positive_int, "use only the first N tasks"),
+            ("--rank", positive_int,
+             "store each task's input covariance as its top-r eigenpairs plus "
              "a diagonal (BGLN methods with full moments; default: full covariance, "
              "64 for bgln-d-exact)")]:
         cl.add_argument(name, type=kind, default=None, help=what)
@@ -105,9 +107,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     cl.add_argument("--metric", default=None, choices=list(METRICS),
                     help="output metric of the Monte Carlo penalties (laftr, bgln-s...; "
                          "default: softmax_euclidean, as the authors' BGLN-S code)")
-    cl.add_argument("--threads", type=int, default=1,
+    cl.add_argument("--threads", type=positive_int, default=1,
                     help="torch CPU threads (default 1, so runs can go in parallel)")
-    cl.add_argument("--device", default="cpu")
+    cl.add_argument("--device", default="cpu", type=device)
     cl.add_argument("--no-progress", action="store_true", help="no progress bars")
     cl.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     cl.set_defaults(func=_cmd_run)
@@ -120,9 +122,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                                         "end of a finished run")
     gap.add_argument("dir", help="a run directory (with results.json and checkpoints/)")
     gap.add_argument("--data-dir", default=None)
-    gap.add_argument("--examples", type=int, default=10_000,
+    gap.add_argument("--examples", type=positive_int, default=10_000,
                      help="training inputs per task for the true FSD (10000)")
-    gap.add_argument("--threads", type=int, default=1)
+    gap.add_argument("--threads", type=positive_int, default=1)
     gap.set_defaults(func=_cmd_gap)
     merge = cl_sub.add_parser("merge", help="combine finished runs of the same settings "
                                             "(e.g. seeds run in parallel) into one directory")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -103,6 +102,8 @@ PAPER: dict[str, dict[str, dict[str, str]]] = {
 
 
 def _find_results(paths: Sequence[str]) -> list[Path]:
+    # run directories, or folders holding them; symbolic links are not followed, so a
+    # folder such as /proc/self cannot send the search round in circles
     found: list[Path] = []
     for p in paths:
         path = Path(p)
@@ -110,9 +111,14 @@ def _find_results(paths: Sequence[str]) -> list[Path]:
             found.append(path)
         elif (path / "results.json").is_file():
             found.append(path / "results.json")
+        elif path.is_dir():
+            found += sorted(Path(root) / "results.json" for root, _, files in os.walk(path)
+                            if "results.json" in files)
         else:
-            found += sorted(Path(f) for f in glob.glob(str(path / "**" / "results.json"),
-                                                       recursive=True))
+            raise ValueError(f"{path} does not exist")
+    if paths and not found:
+        raise ValueError(f"no results.json in {', '.join(map(str, paths))}: give run "
+                         f"directories of fsd cl, or folders holding them")
     return found
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..argtypes import positive_float, positive_int
 from ..benchmarks import load_benchmark
 from .study import FidelityConfig, run_fidelity
 from .suite import BENCHMARKS, STUDIES
@@ -45,35 +46,37 @@ def add_cli(subparsers: Any) -> None:
                    help="data directory (default: $FSD_DATA_DIR, else ~/.cache/fsd/data)")
     p.add_argument("--studies", default=",".join(STUDIES),
                    help="comma-separated subset of pairs,depth,minimize (default: all)")
-    p.add_argument("--width", type=int, default=100)
-    p.add_argument("--depth", type=int, default=2, help="hidden layers (pairs, minimize)")
-    p.add_argument("--epochs", type=float, default=1.0, help="task-1 epochs of the reference")
+    p.add_argument("--width", type=positive_int, default=100)
+    p.add_argument("--depth", type=positive_int, default=2, help="hidden layers (pairs, minimize)")
+    p.add_argument("--epochs", type=positive_float, default=1.0,
+                   help="task-1 epochs of the reference")
     p.add_argument("--lrs", type=_floats, default=None,
                    help="fine-tuning learning rates, comma-separated")
     p.add_argument("--iters", type=_ints, default=None,
                    help="fine-tuning iteration counts, comma-separated")
     p.add_argument("--depths", type=_ints, default=None, help="depth study (default 1..6)")
-    p.add_argument("--references", type=int, default=3,
+    p.add_argument("--references", type=positive_int, default=3,
                    help="reference networks θ_i (seeds) in the pairs study (default 3)")
-    p.add_argument("--depth-references", type=int, default=2,
+    p.add_argument("--depth-references", type=positive_int, default=2,
                    help="reference networks per depth in the depth study (default 2)")
     p.add_argument("--estimators", default=None,
                    help="comma-separated estimators of the pairs study (default: the paper's "
                         "set; also 'BGLN-D (exact)', 'BGLN-D (layerwise)', "
                         "'BGLN-D (exact+layerwise)')")
-    p.add_argument("--coreset-size", type=int, default=200)
-    p.add_argument("--ewc-examples", type=int, default=None,
+    p.add_argument("--coreset-size", type=positive_int, default=200)
+    p.add_argument("--ewc-examples", type=positive_int, default=None,
                    help="examples EWC's Fisher averages over (default: all of task 1)")
-    p.add_argument("--num-samples", type=int, default=2048,
+    p.add_argument("--num-samples", type=positive_int, default=2048,
                    help="samples per call of the sampled estimators")
-    p.add_argument("--repeats", type=int, default=4,
+    p.add_argument("--repeats", type=positive_int, default=4,
                    help="calls averaged per estimate for the sampled estimators")
     p.add_argument("--lams", type=_floats, default=None,
                    help="regularization weights of the minimization study (default 1,10)")
-    p.add_argument("--minimize-steps", type=int, default=300)
-    p.add_argument("--max-train", type=int, default=None, help="subset of each task (quick)")
-    p.add_argument("--max-test", type=int, default=None)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--minimize-steps", type=positive_int, default=300)
+    p.add_argument("--max-train", type=positive_int, default=None,
+                   help="subset of each task (quick)")
+    p.add_argument("--max-test", type=positive_int, default=None)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_fidelity)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..argtypes import device, nonnegative_float, positive_float, positive_int, probability
 from ..data import UCI_DATASETS, DataNotFoundError, load_uci
 from .mislabeled import MISLABELED_METHODS, run_mislabeled
 from .uci import LEARNING_RATES, UCI_METHODS, _canonical_uci, run_uci, write_uci_summary
@@ -81,10 +82,11 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("--data-dir", default=None,
                        help="data directory (default: $FSD_DATA_DIR, else ~/.cache/fsd/data)")
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--damping", type=float, default=1e-3,
+        p.add_argument("--damping", type=nonnegative_float, default=1e-3,
                        help="λ: PBRF proximity weight and CG damping (default 1e-3)")
-        p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-        p.add_argument("--points-per-solve", type=int, default=32,
+        p.add_argument("--threads", type=positive_int, default=1,
+                       help="torch CPU threads (default 1)")
+        p.add_argument("--points-per-solve", type=positive_int, default=32,
                        help="PBRFs solved side by side, vmapped (default 32; lower it if "
                             "memory runs short, the scores do not depend on it)")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -93,24 +95,25 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     uci.add_argument("--dataset", nargs="+", required=True,
                      help=f"one or more of {', '.join(UCI_DATASETS)}, or 'all'")
     uci.add_argument("--methods", nargs="+", default=list(UCI_METHODS), choices=UCI_METHODS)
-    uci.add_argument("--removals", type=int, default=50, help="training points scored (50)")
-    uci.add_argument("--epochs", type=int, default=200, help="base training epochs (200)")
-    uci.add_argument("--pbrf-epochs", type=float, default=20,
+    uci.add_argument("--removals", type=positive_int, default=50,
+                     help="training points scored (50)")
+    uci.add_argument("--epochs", type=positive_int, default=200, help="base training epochs (200)")
+    uci.add_argument("--pbrf-epochs", type=positive_float, default=20,
                      help="PBRF optimization length in epochs of batch-128 steps (20)")
-    uci.add_argument("--pbrf-lr", type=float, default=None,
+    uci.add_argument("--pbrf-lr", type=positive_float, default=None,
                      help="SGD learning rate of the PBRF solves (default: the chosen lr)")
-    uci.add_argument("--lrs", type=float, nargs="+", default=list(LEARNING_RATES),
+    uci.add_argument("--lrs", type=positive_float, nargs="+", default=list(LEARNING_RATES),
                      help="learning rates searched on the validation split")
-    uci.add_argument("--subset", type=int, default=None,
+    uci.add_argument("--subset", type=positive_int, default=None,
                      help="use only this many random rows of the data set (tiny runs)")
-    uci.add_argument("--cg-iters", type=int, default=200, help="max CG iterations (200)")
-    uci.add_argument("--cg-data", type=int, default=None,
+    uci.add_argument("--cg-iters", type=positive_int, default=200, help="max CG iterations (200)")
+    uci.add_argument("--cg-data", type=positive_int, default=None,
                      help="random training points CG's Gauss-Newton matrix averages over "
                           "(default: all)")
     uci.add_argument("--bgln-moments", default="paper", choices=["paper", "exact"],
                      help="BGLN-D's moment propagation: paper (Algorithm 2, default) or exact "
                           "(joint moments, = E[BGLN-S])")
-    uci.add_argument("--bgln-clusters", type=int, default=None, metavar="K",
+    uci.add_argument("--bgln-clusters", type=positive_int, default=None, metavar="K",
                      help="fit BGLN-D as a mixture over K k-means clusters of the training "
                           "inputs (default: one Gaussian, as the paper)")
     uci.add_argument("--ewc-fisher", choices=("true", "sampled", "empirical"), default="true",
@@ -129,26 +132,28 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     mis = sub.add_parser("mislabeled", help="detect corrupted MNIST labels by self-influence")
     mis.add_argument("--methods", nargs="+", default=["bgln-d", "ewc", "cg", "random"],
                      choices=MISLABELED_METHODS)
-    mis.add_argument("--n-train", type=int, default=6000, help="MNIST training images (6000)")
-    mis.add_argument("--corrupt", type=float, default=0.1, help="fraction relabelled (0.1)")
-    mis.add_argument("--width", type=int, default=128,
+    mis.add_argument("--n-train", type=positive_int, default=6000,
+                     help="MNIST training images (6000)")
+    mis.add_argument("--corrupt", type=probability, default=0.1, help="fraction relabelled (0.1)")
+    mis.add_argument("--width", type=positive_int, default=128,
                      help="hidden width (default 128 for CPU; the paper uses 1024)")
-    mis.add_argument("--depth", type=int, default=2)
-    mis.add_argument("--epochs", type=int, default=50)
-    mis.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (0.1)")
-    mis.add_argument("--pool", type=int, default=1000, help="random training points scored")
-    mis.add_argument("--pbrf-steps", type=int, default=100,
+    mis.add_argument("--depth", type=positive_int, default=2)
+    mis.add_argument("--epochs", type=positive_int, default=50)
+    mis.add_argument("--lr", type=positive_float, default=0.1, help="SGD learning rate (0.1)")
+    mis.add_argument("--pool", type=positive_int, default=1000,
+                     help="random training points scored")
+    mis.add_argument("--pbrf-steps", type=positive_int, default=100,
                      help="SGD steps per PBRF solve (100, sized for 2 shared CPU cores)")
-    mis.add_argument("--pbrf-lr", type=float, default=0.003,
+    mis.add_argument("--pbrf-lr", type=positive_float, default=0.003,
                      help="PBRF SGD learning rate (0.003: stable for BGLN-D's logit metric)")
-    mis.add_argument("--cg-data", type=int, default=500,
+    mis.add_argument("--cg-data", type=positive_int, default=500,
                      help="random training points the Gauss-Newton matrix averages over")
-    mis.add_argument("--ewc-data", type=int, default=1000,
+    mis.add_argument("--ewc-data", type=positive_int, default=1000,
                      help="random training points EWC's Fisher is fitted on (1000)")
     mis.add_argument("--bgln-covariance", default="lowrank", choices=["full", "diag", "lowrank"])
-    mis.add_argument("--bgln-rank", type=int, default=64)
-    mis.add_argument("--cg-iters", type=int, default=10, help="max CG iterations (10)")
-    mis.add_argument("--device", default="cpu",
+    mis.add_argument("--bgln-rank", type=positive_int, default=64)
+    mis.add_argument("--cg-iters", type=positive_int, default=10, help="max CG iterations (10)")
+    mis.add_argument("--device", default="cpu", type=device,
                      help="torch device for the network and every method, e.g. cuda (cpu)")
     common(mis)
     mis.set_defaults(func=_cmd_mislabeled)
