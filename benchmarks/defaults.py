@@ -58,7 +58,8 @@ SETTINGS: dict[str, list[tuple[str, object]]] = {
         ("coreset 200", lambda: fsd.NTK(coreset_size=200)),
     ],
     "BGLN-S": [
-        ("exact moments (= E[BGLN-S])", lambda: fsd.BGLN(deterministic=True, moments="exact")),
+        ("exact moments (= E[BGLN-S])", lambda: fsd.BGLN(deterministic=True, moments="exact",
+                                                         covariance="full")),
         ("S = 128", lambda: fsd.BGLN(num_samples=128, covariance="full")),
         ("S = 128, low rank 32", lambda: fsd.BGLN(num_samples=128, covariance="lowrank",
                                                   rank=32)),
