@@ -118,7 +118,7 @@ def _damaged(change: Callable[[dict], None]) -> Callable[[], object]:
     def run() -> object:
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "summary.fsd")
-            fsd.BGLN(deterministic=True).fit(_mlp(), X).save(path)
+            fsd.BGLN(deterministic=True, covariance="full").fit(_mlp(), X).save(path)
             payload = torch.load(path, weights_only=True)
             change(payload["tensors"])
             torch.save(payload, path)
