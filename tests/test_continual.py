@@ -197,6 +197,41 @@ def test_killed_run_resumes_after_last_finished_task(tmp_path, capsys):
 
 
 @needs_mnist
+def test_a_second_process_on_the_same_directory_is_refused(tmp_path):
+    # two fsd cl processes with different settings on one --out: the second is refused with
+    # one line naming the first's pid, and the first's results are exactly a lone run's
+    common = ["--benchmark", "split-mnist", "--seeds", "5", "--no-plots", "--epochs", "1",
+              "--train-subset", "600", "--width", "32", "--test-subset", "100", "--tasks", "3",
+              "--no-progress", "--data-dir", str(DATA_DIR)]
+    first_args = ["cl", "--method", "bgln-d", *common]
+    shared, lone = tmp_path / "shared", tmp_path / "lone"
+    env = {**os.environ, "PYTHONPATH": str(Path(continual.__file__).parents[2])}
+    first = subprocess.Popen([sys.executable, "-m", "fsd_experiments", *first_args, "--out",
+                              str(shared)], env=env, stderr=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, text=True)
+    lock = shared / ".lock"
+    deadline = time.monotonic() + 60
+    while not (lock.exists() and lock.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    second = subprocess.run([sys.executable, "-m", "fsd_experiments", "cl", "--method",
+                             "finetune", *common, "--out", str(shared)], env=env,
+                            capture_output=True, text=True)
+    first.wait(timeout=600)
+    assert first.returncode == 0, first.stderr.read() if first.stderr else ""
+    assert second.returncode == 2
+    lines = [line for line in second.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"in use by another fsd process (pid {first.pid})" in lines[0]
+    assert main([*first_args, "--out", str(lone)]) == 0
+    together = json.loads((shared / "results.json").read_text())
+    alone = json.loads((lone / "results.json").read_text())
+    assert together["method"] == "bgln-d"
+    assert together["accuracy_matrix"] == alone["accuracy_matrix"]
+    assert together["summary_bytes_per_task"] == alone["summary_bytes_per_task"]
+    # the lock goes with the process: the directory can be used again at once
+    assert main([*first_args, "--out", str(shared)]) == 0
+
+
+@needs_mnist
 def test_resume_with_other_settings_is_refused(tmp_path, capsys):
     _run(tmp_path, "split-mnist", "finetune", "--tasks", "2")
     with pytest.raises(RuntimeError, match="other settings"):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def atomic_write_bytes(path: str | os.PathLike, payload: bytes) -> None:
@@ -67,3 +69,37 @@ def write_json(path: str | os.PathLike, obj: Any, *, indent: int = 1,
     text = (json.dumps(json_safe(obj), indent=indent, allow_nan=False) if nan_as_null
             else json.dumps(obj, indent=indent))
     atomic_write_text(path, text)
+
+
+class DirectoryInUseError(RuntimeError):
+    """Another process holds the run directory."""
+
+
+@contextlib.contextmanager
+def exclusive_directory(path: str | os.PathLike) -> Iterator[None]:
+    """Hold ``path`` (created if needed) for this process alone while the block runs.
+
+    An advisory ``flock`` on ``path/.lock``, released when the block ends or the process
+    dies (the kernel drops it with the process, so a killed run leaves no stale lock). A
+    second process gets :class:`DirectoryInUseError` naming the holder's pid, instead of
+    reading and writing checkpoints beside the first.
+    """
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / ".lock", "a+")  # held for the whole block
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise DirectoryInUseError(
+                f"{directory} is in use by another fsd process (pid {holder}); wait for it "
+                f"to finish, or give another --out") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # closing releases the lock

@@ -11,7 +11,7 @@ import torch
 from fsd.metrics import METRICS
 
 from ..argtypes import Distinct, device, momentum, nonnegative_float, positive_float, positive_int
-from ..io import atomic_write_text
+from ..io import DirectoryInUseError, atomic_write_text
 from .reporting import gap_markdown, merge_runs, penalty_gap, report
 from .results import results_markdown
 from .runner import BENCHMARKS, METHODS, CheckpointMismatchError, run
@@ -27,7 +27,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     torch.set_num_threads(settings.threads)
     try:
         results = run(settings)
-    except CheckpointMismatchError as error:  # a message, not a traceback
+    except (CheckpointMismatchError, DirectoryInUseError) as error:  # a message, not a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(results_markdown(results))

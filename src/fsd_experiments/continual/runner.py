@@ -20,6 +20,7 @@ from ..benchmarks import CL_BENCHMARKS, Task, make_tasks
 from ..compat import cl_checkpoint_settings
 from ..data import TensorBatches
 from ..devices import resolve_device
+from ..io import exclusive_directory
 from ..models import mlp
 from ..presets import CL_METHODS, PRESETS, Preset
 from ..training import LossFn, train
@@ -210,16 +211,18 @@ def run(settings: RunSettings) -> RunResults:
     (``complete`` false until all seeds are done); the plots after the last one.
     """
     out = Path(settings.out)
-    out.mkdir(parents=True, exist_ok=True)
     done: list[SeedResult] = []
     results: RunResults | None = None
-    for seed in settings.seeds:
-        done.append(run_seed(settings.benchmark, settings.method, settings.hyperparameters, seed,
-                             out, settings.data_dir, settings.device, settings.progress))
-        results = RunResults.collect(settings.benchmark, settings.method,
-                                     settings.hyperparameters, settings.seeds, done,
-                                     settings.device)
-        write_results(results, out, plots=settings.plots and len(done) == len(settings.seeds))
+    with exclusive_directory(out):  # a second fsd cl on this --out is refused, not mixed in
+        for seed in settings.seeds:
+            done.append(run_seed(settings.benchmark, settings.method, settings.hyperparameters,
+                                 seed, out, settings.data_dir, settings.device,
+                                 settings.progress))
+            results = RunResults.collect(settings.benchmark, settings.method,
+                                         settings.hyperparameters, settings.seeds, done,
+                                         settings.device)
+            write_results(results, out,
+                          plots=settings.plots and len(done) == len(settings.seeds))
     if results is None:
         raise ValueError("fsd cl needs at least one seed")
     return results
