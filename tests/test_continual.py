@@ -200,8 +200,9 @@ def test_killed_run_resumes_after_last_finished_task(tmp_path, capsys):
 def test_a_second_process_on_the_same_directory_is_refused(tmp_path):
     # two fsd cl processes with different settings on one --out: the second is refused with
     # one line naming the first's pid, and the first's results are exactly a lone run's
-    common = ["--benchmark", "split-mnist", "--seeds", "5", "--no-plots", "--epochs", "1",
-              "--train-subset", "600", "--width", "32", "--test-subset", "100", "--tasks", "3",
+    # long enough (≈ 10 s) that the second process starts while the first still runs
+    common = ["--benchmark", "split-mnist", "--seeds", "5", "--no-plots", "--epochs", "2",
+              "--train-subset", "2000", "--width", "32", "--test-subset", "100", "--tasks", "4",
               "--no-progress", "--data-dir", str(DATA_DIR)]
     first_args = ["cl", "--method", "bgln-d", *common]
     shared, lone = tmp_path / "shared", tmp_path / "lone"
@@ -216,7 +217,9 @@ def test_a_second_process_on_the_same_directory_is_refused(tmp_path):
     second = subprocess.run([sys.executable, "-m", "fsd_experiments", "cl", "--method",
                              "finetune", *common, "--out", str(shared)], env=env,
                             capture_output=True, text=True)
+    still_running = first.poll() is None
     first.wait(timeout=600)
+    assert still_running, "the first run ended before the second one started: lengthen it"
     assert first.returncode == 0, first.stderr.read() if first.stderr else ""
     assert second.returncode == 2
     lines = [line for line in second.stderr.splitlines() if line.strip()]
