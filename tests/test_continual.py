@@ -235,6 +235,28 @@ def test_a_second_process_on_the_same_directory_is_refused(tmp_path):
 
 
 @needs_mnist
+def test_results_of_finished_seeds_accumulate_over_reruns(tmp_path, capsys):
+    def cl(*seeds, extra=()):
+        return main(["cl", "--benchmark", "split-mnist", "--method", "finetune", "--seeds",
+                     *map(str, seeds), "--out", str(tmp_path / "run"), "--no-plots", *TINY,
+                     *extra])
+
+    assert cl(3) == 0
+    first = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert cl(4) == 0  # another seed, same directory: seed 3 stays
+    both = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert both["seeds"] == [3, 4]
+    assert both["accuracy_matrix"]["3"] == first["accuracy_matrix"]["3"]
+    capsys.readouterr()
+    assert cl(5, extra=("--epochs", "2")) == 2  # other settings: refused, nothing lost
+    assert "results.json was written with other settings" in capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / "results.json").read_text()) == both
+    # merging into one of the inputs is refused
+    assert main(["cl", "merge", str(tmp_path / "run"), "--out", str(tmp_path / "run")]) == 2
+    assert "is one of the runs merged" in capsys.readouterr().err
+
+
+@needs_mnist
 def test_resume_with_other_settings_is_refused(tmp_path, capsys):
     _run(tmp_path, "split-mnist", "finetune", "--tasks", "2")
     with pytest.raises(RuntimeError, match="other settings"):

@@ -37,6 +37,9 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
     (a results.json only ever lists finished seeds). Each run's device is kept per seed
     (``devices``).
     """
+    if Path(out).resolve() in {Path(p).resolve() for p in paths}:
+        raise ValueError(f"--out {out} is one of the runs merged: give a new directory (merged "
+                         f"results would list seeds whose checkpoints it does not hold)")
     runs: list[tuple[Path, RunResults]] = []
     for path in paths:
         file = Path(path) / "results.json"

@@ -204,6 +204,25 @@ def _comparable(hp: Hyperparameters, benchmark: str, method: str) -> dict[str, A
     return json.loads(json.dumps({"benchmark": benchmark, "method": method, **hp.to_dict()}))
 
 
+def _with_finished_seeds(settings: RunSettings, out: Path) -> list[int]:
+    """The seeds asked for, after the seeds ``out`` has already finished with these settings.
+
+    Results accumulate: a rerun with other ``--seeds`` keeps the finished ones (their
+    checkpoints resume at once, training nothing). A results.json of other settings is
+    refused rather than overwritten.
+    """
+    file = out / "results.json"
+    if not file.is_file():
+        return list(settings.seeds)
+    previous = RunResults.read(file)
+    for key in ("benchmark", "method", "hyperparameters"):
+        if getattr(previous, key) != getattr(settings, key):
+            raise CheckpointMismatchError(
+                f"{file} was written with other settings ({key}: {getattr(previous, key)!r}); "
+                f"use another --out")
+    return [*previous.seeds, *(s for s in settings.seeds if s not in previous.seeds)]
+
+
 def run(settings: RunSettings) -> RunResults:
     """Run the settings' method on its benchmark for each seed; write results into ``out``.
 
@@ -214,15 +233,15 @@ def run(settings: RunSettings) -> RunResults:
     done: list[SeedResult] = []
     results: RunResults | None = None
     with exclusive_directory(out):  # a second fsd cl on this --out is refused, not mixed in
-        for seed in settings.seeds:
+        seeds = _with_finished_seeds(settings, out)
+        for seed in seeds:
             done.append(run_seed(settings.benchmark, settings.method, settings.hyperparameters,
                                  seed, out, settings.data_dir, settings.device,
                                  settings.progress))
             results = RunResults.collect(settings.benchmark, settings.method,
-                                         settings.hyperparameters, settings.seeds, done,
+                                         settings.hyperparameters, seeds, done,
                                          settings.device)
-            write_results(results, out,
-                          plots=settings.plots and len(done) == len(settings.seeds))
+            write_results(results, out, plots=settings.plots and len(done) == len(seeds))
     if results is None:
         raise ValueError("fsd cl needs at least one seed")
     return results
