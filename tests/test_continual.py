@@ -230,8 +230,13 @@ def test_a_second_process_on_the_same_directory_is_refused(tmp_path):
     assert together["method"] == "bgln-d"
     assert together["accuracy_matrix"] == alone["accuracy_matrix"]
     assert together["summary_bytes_per_task"] == alone["summary_bytes_per_task"]
-    # the lock goes with the process: the directory can be used again at once
+    # the lock goes with the process: the directory can be used again at once, and the
+    # temporary files of a write killed before its rename are cleared then
+    stale = [shared / ".fsd-killed.tmp", shared / "checkpoints" / "seed5" / ".state.pt.1.a.tmp"]
+    for path in stale:
+        path.write_bytes(b"half a file")
     assert main([*first_args, "--out", str(shared)]) == 0
+    assert not any(path.exists() for path in stale)
 
 
 @needs_mnist

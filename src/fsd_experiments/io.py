@@ -103,3 +103,16 @@ def exclusive_directory(path: str | os.PathLike) -> Iterator[None]:
         yield
     finally:
         handle.close()  # closing releases the lock
+
+
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files a killed writer left under ``directory``; return them.
+
+    Only call it while holding the directory (:func:`exclusive_directory`): then no other
+    process is writing there, and every ``.fsd-*.tmp`` (the library's summaries) and
+    ``.*.tmp`` (:func:`atomic_write_bytes`) is a leftover of a write that never finished.
+    """
+    stale = [p for p in Path(directory).rglob(".*.tmp") if p.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale

@@ -20,7 +20,7 @@ from ..benchmarks import CL_BENCHMARKS, Task, make_tasks
 from ..compat import cl_checkpoint_settings
 from ..data import TensorBatches
 from ..devices import resolve_device
-from ..io import exclusive_directory
+from ..io import exclusive_directory, remove_stale_temporaries
 from ..models import mlp
 from ..presets import CL_METHODS, PRESETS, Preset
 from ..training import LossFn, train
@@ -233,6 +233,7 @@ def run(settings: RunSettings) -> RunResults:
     done: list[SeedResult] = []
     results: RunResults | None = None
     with exclusive_directory(out):  # a second fsd cl on this --out is refused, not mixed in
+        remove_stale_temporaries(out)
         seeds = _with_finished_seeds(settings, out)
         for seed in seeds:
             done.append(run_seed(settings.benchmark, settings.method, settings.hyperparameters,
