@@ -262,6 +262,30 @@ def test_results_of_finished_seeds_accumulate_over_reruns(tmp_path, capsys):
 
 
 @needs_mnist
+def test_resume_with_other_data_is_refused(tmp_path, capsys):
+    # a --data-dir whose files differ must not resume the run silently (the fingerprint is
+    # of the tasks' tensors, the data the run reads)
+    import gzip
+    import shutil
+
+    data = tmp_path / "data" / "mnist"
+    shutil.copytree(DATA_DIR / "mnist", data)
+    args = ["cl", "--benchmark", "split-mnist", "--method", "finetune", "--seeds", "3",
+            "--out", str(tmp_path / "run"), "--no-plots", *TINY, "--data-dir",
+            str(tmp_path / "data")]
+    assert main(args) == 0
+    images = next(data.glob("train-images*"))
+    raw = bytearray(gzip.decompress(images.read_bytes()) if images.suffix == ".gz"
+                    else images.read_bytes())
+    raw[16:] = bytes(255 - b for b in raw[16:])  # every training image inverted
+    images.write_bytes(gzip.compress(bytes(raw)) if images.suffix == ".gz" else bytes(raw))
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "was written with other data" in err and len(err.strip().splitlines()) == 1
+
+
+@needs_mnist
 def test_resume_with_other_settings_is_refused(tmp_path, capsys):
     _run(tmp_path, "split-mnist", "finetune", "--tasks", "2")
     with pytest.raises(RuntimeError, match="other settings"):

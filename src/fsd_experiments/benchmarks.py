@@ -64,8 +64,14 @@ _LOADED: dict[tuple, tuple[Tensor, Tensor]] = {}
 
 
 def _load_cached(data_dir: str | None, split: str, kind: str) -> tuple[Tensor, Tensor]:
-    # several seeds (or runs in one process) reuse the decoded files; tasks never modify them
-    key = (str(resolve_data_dir(data_dir)), split, kind)
+    # several seeds (or runs in one process) reuse the decoded files; tasks never modify them.
+    # The folder's files, sizes and modification times are part of the key, so files that
+    # change on disk are read again
+    directory = resolve_data_dir(data_dir)
+    folder = directory / ("fashion-mnist" if kind == "fashion-mnist" else "mnist")
+    stamp = tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                         for p in folder.glob("*") if p.is_file())) if folder.is_dir() else ()
+    key = (str(directory), split, kind, stamp)
     if key not in _LOADED:
         _LOADED[key] = load_mnist(data_dir, split, kind=kind)
     return _LOADED[key]

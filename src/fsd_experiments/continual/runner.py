@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -124,6 +125,7 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
     dev = resolve_device(device)
     tasks, n_out = make_tasks(benchmark, data_dir, seed, train_subset=hp.train_subset,
                               test_subset=hp.test_subset, num_tasks=hp.tasks)
+    data_sha256 = _fingerprint(tasks)
     ckpt_dir = out / "checkpoints" / f"seed{seed}"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state_path = ckpt_dir / "state.pt"
@@ -137,6 +139,12 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
         # map_location: a run started on a GPU can be resumed on a CPU-only machine
         state = torch.load(state_path, map_location=dev, weights_only=True)
         saved_hp = cl_checkpoint_settings(state["hyperparameters"], benchmark, method)
+        # checkpoints written before the fingerprint was recorded carry none
+        if "data_sha256" in state and state["data_sha256"] != data_sha256:
+            raise CheckpointMismatchError(
+                f"{state_path} was written with other data (sha256 of the tasks "
+                f"{state['data_sha256'][:12]}…, now {data_sha256[:12]}…): give the --data-dir "
+                f"it started with, or another --out")
         if saved_hp != _comparable(hp, benchmark, method):
             raise CheckpointMismatchError(
                 f"{state_path} was written with other settings ({saved_hp}); use another --out "
@@ -186,6 +194,7 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
         atomic_torch_save({
             "version": CHECKPOINT_VERSION,
             "hyperparameters": json.dumps(_comparable(hp, benchmark, method)),
+            "data_sha256": data_sha256,
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "shuffle_state": shuffle.get_state(),
@@ -202,6 +211,15 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
 def _comparable(hp: Hyperparameters, benchmark: str, method: str) -> dict[str, Any]:
     """The settings a checkpoint must agree with to be resumed."""
     return json.loads(json.dumps({"benchmark": benchmark, "method": method, **hp.to_dict()}))
+
+
+def _fingerprint(tasks: Sequence[Task]) -> str:
+    """sha256 of every task's training and test tensors: what a resumed run must see again."""
+    digest = hashlib.sha256()
+    for task in tasks:
+        for tensor in (task.x_train, task.y_train, task.x_test, task.y_test):
+            digest.update(tensor.contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _with_finished_seeds(settings: RunSettings, out: Path) -> list[int]:
