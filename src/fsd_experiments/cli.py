@@ -1,4 +1,4 @@
-"""The ``fsd`` command line (also ``python -m fsd``)."""
+"""The ``fsd`` command line (also ``python -m fsd_experiments``)."""
 
 from __future__ import annotations
 
