@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 
 import fsd
+from conftest import perturbed
 from fsd.metrics import output_hessian_factors
 
 DTYPE = torch.float64
-
-
-def _perturbed(model: nn.Module, scale: float = 0.3, seed: int = 1) -> nn.Module:
-    moved = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in moved.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return moved
 
 
 def fisher_diagonal_brute_force(model: nn.Module, x: torch.Tensor, metric: str
@@ -115,7 +105,7 @@ def test_estimators_that_run_the_forward_honour_hooks(make):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3)).to(DTYPE)
     x = torch.randn(50, 4, dtype=DTYPE)
-    moved = _perturbed(model)
+    moved = perturbed(model, 0.3)
     handles = [m.register_forward_hook(_scale_output) for m in (model[0], moved[0])]
     expected = 0.5 * (moved(x) - model(x)).pow(2).sum(-1).mean()
     value = make().fit(model, x).distance(moved)
@@ -156,9 +146,9 @@ def test_exact_fsd_compares_with_the_fitted_reference_whatever_model_came_first(
     reference = TanhNet().to(DTYPE)
     reference.layers[1] = nn.ReLU()
     x = torch.randn(40, 4, dtype=DTYPE)
-    relu_moved = _perturbed(reference)
+    relu_moved = perturbed(reference, 0.3)
     tanh_moved = TanhNet().to(DTYPE)
-    tanh_moved.load_state_dict(_perturbed(reference, seed=2).state_dict())
+    tanh_moved.load_state_dict(perturbed(reference, 0.3, seed=2).state_dict())
 
     def truth(model):
         return 0.5 * (model(x) - reference(x)).pow(2).sum(-1).mean()
@@ -177,7 +167,7 @@ def test_exact_fsd_summaries_without_stored_outputs_still_load(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).to(DTYPE)
     x = torch.randn(40, 4, dtype=DTYPE)
-    moved = _perturbed(model)
+    moved = perturbed(model, 0.3)
     est = fsd.ExactFSD().fit(model, x)
     expected = est.distance(moved)
     del est._state["data.f0"]
@@ -266,7 +256,7 @@ def test_tampered_summaries_are_refused_at_load(tmp_path, name, change, field):
 def test_untouched_summaries_load_and_give_the_same_distance(tmp_path, name):
     path = tmp_path / f"{name}.fsd"
     SUMMARIES[name].save(path)
-    moved = _perturbed(MODEL, scale=0.1)
+    moved = perturbed(MODEL, 0.1)
     torch.testing.assert_close(fsd.load(path).distance(moved), SUMMARIES[name].distance(moved),
                                rtol=1e-6, atol=1e-8)
 
@@ -383,7 +373,7 @@ def test_every_data_form_gives_the_summary_of_one_labelled_batch(make, form):
         with pytest.raises(ValueError, match="need labels"):
             make().fit(model, data)
         return
-    moved = _perturbed(model, 0.2)
+    moved = perturbed(model, 0.2)
     expected = make().fit(model, [(x, y)]).distance(moved)
     torch.testing.assert_close(make().fit(model, data, **kwargs).distance(moved), expected,
                                rtol=1e-10, atol=1e-14)
