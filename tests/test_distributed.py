@@ -158,7 +158,7 @@ def test_a_ddp_step_with_the_penalty_keeps_ranks_identical(ranks):
 def test_coreset_shards_are_sampled_uniformly():
     # the union draw: each of 12 points in a 2-rank split (3 + 9 points) lands in a 4-point
     # coreset with probability 1/3; simulated with the same merge as fsd's, 3000 draws
-    from fsd.estimator import Reservoir
+    from fsd.coreset import Reservoir
 
     counts = torch.zeros(12)
     for seed in range(3000):

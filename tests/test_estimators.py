@@ -201,7 +201,7 @@ def test_laftr_coreset_matches_brute_force(arch):
 def test_coreset_reservoir_is_uniform():
     """Every example is kept with probability size/N (reservoir sampling): inclusion
     frequencies over 2000 seeds within 5 binomial standard errors of 3/10."""
-    from fsd.estimator import Reservoir
+    from fsd.coreset import Reservoir
 
     x = torch.arange(10, dtype=DTYPE).reshape(10, 1)
     counts = np.zeros(10)

@@ -16,8 +16,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from .coreset import Reservoir
 from .covariance import Covariance, low_rank_plus_diagonal, sample, sampling_factor
-from .estimator import Data, Estimator, Reservoir, iter_batches
+from .estimator import Data, Estimator, iter_batches
 from .exact_moments import delta_second_moment_adjoint, reference_blocks
 from .graph import runnable
 from .hooks import forward_hooks

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp
 
-from .estimator import Data, Estimator, Reservoir, iter_batches
+from .coreset import Reservoir
+from .estimator import Data, Estimator, iter_batches
 from .metrics import check_metric, pointwise_distance
 from .validation import SummaryFormatError, positive_int, require
 
