@@ -95,7 +95,7 @@ def _run(out: Path, benchmark: str, method: str, *extra: str) -> dict:
 
 
 @needs_mnist
-@pytest.mark.parametrize("method", ["finetune", "bgln-d", "bgln-s", "ntk", "ewc",
+@pytest.mark.parametrize("method", ["finetune", "bgln-d", "bgln-s", "ntk", "ewc", "osla",
                                     "exact-coreset"])
 def test_split_mnist_tiny_end_to_end(tmp_path, method):
     res = _run(tmp_path, "split-mnist", method)

@@ -16,6 +16,7 @@ from typing import Any
 from fsd.estimator import Estimator
 from fsd.ewc import EWC
 from fsd.exact import ExactFSD
+from fsd.kfac import KFAC
 from fsd.linearized import BGLN, LAFTR
 from fsd.ntk import NTK
 
@@ -81,7 +82,7 @@ class Preset:
         covariance when ``hp["rank"]`` is set; LAFTR and BGLN-S the output metric
         ``hp["metric"]`` when set (BGLN-D has only the Euclidean one).
         """
-        if self.estimator is ExactFSD:
+        if self.estimator in (ExactFSD, KFAC):  # nothing random, nothing else to set
             return self.make()
         options: dict[str, Any] = {}
         if self.estimator is NTK or self.options.get("inputs") == "coreset":
@@ -107,6 +108,10 @@ _ROWS: tuple[Preset, ...] = (
            needs_data=True),
     # coresets keep all the data unless a caller gives a size (the studies' settings predate
     # the library's default of 40)
+    # OSLA (online structured Laplace): the K-FAC Gauss-Newton of each task's head, summed
+    # over tasks as the other penalties are; λ as EWC's (not tuned)
+    Preset("osla", "OSLA (K-FAC)", KFAC, {"metric": "euclidean"}, family="ewc",
+           needs_data=True),
     Preset("ntk", "NTK (coreset)", NTK, {"coreset_size": None}, family="ntk", needs_data=True),
     # ExactFSD over a random coreset (the subset is drawn by the caller)
     Preset("exact-coreset", "ExactFSD (coreset)", ExactFSD, family="ntk", needs_data=True),

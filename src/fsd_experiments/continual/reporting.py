@@ -86,11 +86,13 @@ PAPER: dict[str, dict[str, dict[str, str]]] = {
     "avg": {
         "split-mnist": {
             "ntk": "99.50 ± 0.09", "bgln-s-coreset": "99.50 ± 0.03", "ewc": "63.10",
+            "osla": "80.56",
             "bgln-d": "99.72 ± 0.03", "bgln-d-cw": "99.78 ± 0.02", "bgln-s": "99.64 ± 0.04",
             "bgln-s-cw": "99.77 ± 0.05", "bgln-d-var": "99.64 ± 0.04",
             "bgln-s-var": "99.50 ± 0.03"},
         "permuted-mnist": {
             "ntk": "96.46 ± 0.11", "bgln-s-coreset": "96.36 ± 0.13", "ewc": "84.00",
+            "osla": "95.73",
             "bgln-d": "96.03 ± 0.20", "bgln-d-cw": "96.85 ± 0.02", "bgln-s": "96.36 ± 0.12",
             "bgln-s-cw": "96.99 ± 0.07", "bgln-d-var": "94.98 ± 0.18",
             "bgln-s-var": "96.36 ± 0.13"},
