@@ -528,3 +528,33 @@ def test_merge_combines_seeds_run_separately(tmp_path, capsys):
                  "--out", str(tmp_path / "v"), "--no-plots"]) == 0
     merged = json.loads((tmp_path / "v" / "results.json").read_text())
     assert merged["seeds"] == [1, 2] and merged["complete"]
+
+
+@needs_mnist
+def test_tune_runs_the_papers_protocol_and_resumes(tmp_path, capsys):
+    args = ["cl", "tune", "--benchmark", "split-mnist", "--method", "ewc", "--grid", "0", "30",
+            "--tuning-seed", "7", "--seeds", "3", "4", "--out", str(tmp_path / "tune"),
+            "--no-plots", "--no-progress", *TINY]
+    assert main(args) == 0
+    tuned = json.loads((tmp_path / "tune" / "tune.json").read_text())
+    # the grid ran on the tuning seed, one ordinary run per λ
+    grid = {row["fsd_scale"]: row for row in tuned["grid"]}
+    assert set(grid) == {0.0, 30.0}
+    for scale, row in grid.items():
+        run = json.loads((tmp_path / "tune" / "grid" / f"lambda-{scale:g}" /
+                          "results.json").read_text())
+        assert run["seeds"] == [7] and run["hyperparameters"]["fsd_scale"] == scale
+        assert row["avg_accuracy"] == run["avg_accuracy"]["mean"]
+    # the chosen λ is the grid's best, and the reported seeds ran with it
+    assert tuned["chosen"] == max(grid.values(), key=lambda r: r["avg_accuracy"])["fsd_scale"]
+    final = json.loads((tmp_path / "tune" / "final" / "results.json").read_text())
+    assert final["seeds"] == [3, 4] and final["hyperparameters"]["fsd_scale"] == tuned["chosen"]
+    assert "**(chosen)**" in (tmp_path / "tune" / "tune.md").read_text()
+    # started again, it trains nothing and writes the same choice
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "] task" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "tune" / "tune.json").read_text()) == tuned
+    with pytest.raises(SystemExit):  # a repeated λ is refused while parsing
+        main(["cl", "tune", "--benchmark", "split-mnist", "--method", "ewc", "--grid", "1",
+              "1", "--out", str(tmp_path / "again")])

@@ -16,6 +16,7 @@ from .reporting import gap_markdown, merge_runs, penalty_gap, report
 from .results import results_markdown
 from .runner import BENCHMARKS, METHODS, CheckpointMismatchError, run
 from .settings import OPTIMIZER_MODES, PENALTY_MODES, PENALTY_OUTPUTS, RunSettings
+from .tune import tune
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -33,6 +34,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(results_markdown(results))
     print(f"wrote {Path(args.out) / 'results.json'}, results.md"
           + ("" if args.no_plots else ", accuracy_matrix.png, task_accuracy.png"))
+    return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    if not args.benchmark or not args.method or not args.out:
+        print("error: fsd cl tune needs --benchmark, --method, --grid and --out", file=sys.stderr)
+        return 2
+    if args.fsd_scale is not None:
+        print("error: fsd cl tune chooses λ from --grid; leave out --fsd-scale", file=sys.stderr)
+        return 2
+    settings = RunSettings.from_args(args)
+    torch.set_num_threads(settings.threads)
+    try:
+        result = tune(settings, args.grid, args.tuning_seed)
+    except (CheckpointMismatchError, DirectoryInUseError) as error:  # a message, not a traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(result.markdown(settings))
+    print(f"wrote {Path(args.out) / 'tune.json'}, tune.md")
     return 0
 
 
@@ -62,17 +82,13 @@ def _cmd_gap(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``fsd cl`` (run a benchmark) and ``fsd cl report`` to the ``fsd`` command."""
-    cl = subparsers.add_parser(
-        "cl", help="continual learning benchmarks (Split/Permuted MNIST) with FSD penalties",
-        description="Run a continual-learning benchmark, or `fsd cl report DIR...`. "
-                    "Hyper-parameters default to the paper's for the (benchmark, method).")
-    cl.add_argument("--benchmark", choices=BENCHMARKS)
-    cl.add_argument("--method", choices=list(METHODS))
-    cl.add_argument("--seeds", type=int, nargs="+", default=[20, 21, 22], action=Distinct)
-    cl.add_argument("--out", help="output directory (results, plots, checkpoints)")
-    cl.add_argument("--data-dir", default=None,
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options of a run: ``fsd cl`` and ``fsd cl tune`` take the same ones."""
+    parser.add_argument("--benchmark", choices=BENCHMARKS)
+    parser.add_argument("--method", choices=list(METHODS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[20, 21, 22], action=Distinct)
+    parser.add_argument("--out", help="output directory (results, plots, checkpoints)")
+    parser.add_argument("--data-dir", default=None,
                     help="data directory (default: $FSD_DATA_DIR, else ~/.cache/fsd/data)")
     paper = "(default: the paper's for the benchmark and method)"
     for name, kind, what in [
@@ -93,27 +109,36 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
              "store each task's input covariance as its top-r eigenpairs plus "
              "a diagonal (BGLN methods with full moments; default: full covariance, "
              "64 for bgln-d-exact)")]:
-        cl.add_argument(name, type=kind, default=None, help=what)
-    cl.add_argument("--optimizer", choices=OPTIMIZER_MODES, default=None,
+        parser.add_argument(name, type=kind, default=None, help=what)
+    parser.add_argument("--optimizer", choices=OPTIMIZER_MODES, default=None,
                     help="shared: one Adam for the whole stream (default, the authors' code); "
                          "per-task: a fresh Adam at every task")
-    cl.add_argument("--penalty", choices=PENALTY_MODES, default=None,
+    parser.add_argument("--penalty", choices=PENALTY_MODES, default=None,
                     help="mean: λ times the mean of the previous tasks' distances (default, "
                          "the authors' code, what the paper's λ was tuned for); sum: eq. 3")
-    cl.add_argument("--penalty-outputs", choices=PENALTY_OUTPUTS, default=None,
+    parser.add_argument("--penalty-outputs", choices=PENALTY_OUTPUTS, default=None,
                     help="multi-head benchmarks: each summary covers its task's head, or all "
                          "logits (default: all for the paper's BGLN-D and its variants, as the "
                          "authors' code; head for the others, bgln-d-exact included)")
-    cl.add_argument("--metric", default=None, choices=list(METRICS),
+    parser.add_argument("--metric", default=None, choices=list(METRICS),
                     help="output metric of the Monte Carlo penalties (laftr, bgln-s...; "
                          "default: softmax_euclidean, as the authors' BGLN-S code)")
-    cl.add_argument("--threads", type=positive_int, default=1,
+    parser.add_argument("--threads", type=positive_int, default=1,
                     help="torch CPU threads (default 1, so runs can go in parallel)")
-    cl.add_argument("--device", default="cpu", type=device)
-    cl.add_argument("--no-progress", action="store_true", help="no progress bars")
-    cl.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--device", default="cpu", type=device)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``fsd cl`` (run a benchmark) and ``fsd cl report`` to the ``fsd`` command."""
+    cl = subparsers.add_parser(
+        "cl", help="continual learning benchmarks (Split/Permuted MNIST) with FSD penalties",
+        description="Run a continual-learning benchmark, or `fsd cl report DIR...`. "
+                    "Hyper-parameters default to the paper's for the (benchmark, method).")
+    _add_run_options(cl)
     cl.set_defaults(func=_cmd_run)
-    cl_sub = cl.add_subparsers(dest="cl_command", metavar="{report,gap,merge}")
+    cl_sub = cl.add_subparsers(dest="cl_command", metavar="{report,gap,merge,tune}")
     rep = cl_sub.add_parser("report", help="compare finished runs in one markdown table")
     rep.add_argument("dirs", nargs="+", help="run directories (or parents of them)")
     rep.add_argument("--out", default=None, help="write the table here (e.g. docs/results.md)")
@@ -134,3 +159,13 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     merge.add_argument("--partial", action="store_true",
                        help="accept runs stopped before all their seeds; take the finished ones")
     merge.set_defaults(func=_cmd_merge)
+    tune_parser = cl_sub.add_parser(
+        "tune", help="the paper's tuning protocol: a grid of λ on one seed, then the best λ "
+                     "on the reported seeds (--seeds)")
+    _add_run_options(tune_parser)
+    tune_parser.add_argument("--grid", type=nonnegative_float, nargs="+", required=True,
+                             action=Distinct, metavar="LAMBDA",
+                             help="the values of the penalty weight λ to try")
+    tune_parser.add_argument("--tuning-seed", type=int, default=42,
+                             help="the seed the grid runs on (default 42, the paper's)")
+    tune_parser.set_defaults(func=_cmd_tune)
