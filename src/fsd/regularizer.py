@@ -120,10 +120,29 @@ class ContinualRegularizer:
         self._penalty = None
         return summary
 
+    @classmethod
+    def from_summaries(cls, summaries: Sequence[Estimator], *, strength: float = 1.0,
+                       reduction: str = "sum",
+                       estimator: Callable[[], Estimator] | None = None
+                       ) -> ContinualRegularizer:
+        """A regularizer holding already fitted ``summaries`` (e.g. read back from files)."""
+        regularizer = cls(estimator, strength=strength, reduction=reduction)
+        for summary in summaries:
+            summary.require_fitted()
+        regularizer.summaries = list(summaries)
+        return regularizer
+
+    @staticmethod
+    def reduction_weights(count: int, reduction: str) -> list[float]:
+        """The weights of ``count`` summaries: ``"sum"`` 1 each, ``"mean"`` 1/count each."""
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, "
+                             f"got {reduction!r}")
+        return [1.0 / max(count, 1) if reduction == "mean" else 1.0] * count
+
     def weights(self) -> list[float]:
         """Each summary's weight inside the penalty (before ``strength``)."""
-        count = len(self.summaries)
-        return [1.0 / count if self.reduction == "mean" else 1.0] * count
+        return self.reduction_weights(len(self.summaries), self.reduction)
 
     def penalty(self, model: nn.Module) -> Tensor:
         """λ · Σ_t w_t D_t(model): a differentiable 0-dim tensor, 0 before the first task."""

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from fsd.estimator import Estimator, atomic_torch_save, load
+from fsd.regularizer import ContinualRegularizer
 from fsd.statistics import StatisticsCollector
-from fsd.summary_set import combine
 
 from ..benchmarks import CL_BENCHMARKS, Task, make_tasks
 from ..compat import cl_checkpoint_settings
@@ -110,7 +110,7 @@ def penalty_weights(num_previous: int, mode: str) -> list[float]:
     """Weights of the previous tasks' distances: ``"mean"`` 1/t each, ``"sum"`` 1 each."""
     if mode not in PENALTY_MODES:
         raise ValueError(f"penalty must be one of {PENALTY_MODES}, got {mode!r}")
-    return [1.0 / max(num_previous, 1) if mode == "mean" else 1.0] * num_previous
+    return ContinualRegularizer.reduction_weights(num_previous, mode)
 
 
 def _log(msg: str) -> None:
@@ -165,8 +165,12 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
         # resumed run sees estimators in exactly the same state (their sampling RNG included)
         previous = [load(ckpt_dir / f"task{i}.fsd", map_location=dev) for i in range(t)] \
             if spec.estimator is not None else []
-        # one penalty object: BGLN-D summaries of all previous tasks evaluate in one pass
-        penalty = combine(previous, penalty_weights(len(previous), hp.penalty))
+        # the library's regularizer: λ times the mean or sum over the previous tasks, BGLN-D
+        # summaries evaluated in one batched pass
+        if hp.penalty not in PENALTY_MODES:
+            raise ValueError(f"penalty must be one of {PENALTY_MODES}, got {hp.penalty!r}")
+        penalty = ContinualRegularizer.from_summaries(previous, strength=hp.fsd_scale,
+                                                      reduction=hp.penalty)
         last_task = t == len(tasks) - 1
         collector = None
         if spec.estimator is not None and not last_task and (spec.moments or spec.gates):
@@ -179,7 +183,8 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
                                 generator=shuffle)
         recording = _LastEpochRecorder(collector, hp.epochs, spec.classwise)
         train(model, batches, recording.head_loss(task), optimizer, epochs=hp.epochs,
-              penalty=penalty.distance if previous else None, weight=hp.fsd_scale,
+              penalty=penalty.penalty if previous else None,
+              weight=1.0 if hp.fsd_scale else 0.0,
               on_epoch=recording.start_epoch, device=dev, progress=progress,
               desc=f"{method} seed {seed} task {t + 1}/{len(tasks)}", mininterval=2.0)
         row = [_accuracy(model, other, dev) for other in tasks]
