@@ -76,6 +76,7 @@ def cl_results(raw: Mapping[str, Any]) -> dict[str, Any]:
         results["hyperparameters"], results["benchmark"], results["method"])
     results.setdefault("schema_version", 1)
     results.setdefault("fsd_version", None)
+    results.setdefault("torch_version", None)
     return results
 
 

@@ -76,6 +76,7 @@ class RunResults:
         merged_from: merged runs: the run directories combined.
         schema_version: the results.json layout (see :mod:`fsd_experiments.compat`).
         fsd_version: the version of fsd that wrote the file (``None``: unrecorded).
+        torch_version: the version of torch that ran it (``None``: unrecorded).
     """
 
     benchmark: str
@@ -95,6 +96,7 @@ class RunResults:
     merged_from: list[str] | None = None
     schema_version: int = CL_RESULTS_SCHEMA
     fsd_version: str | None = __version__
+    torch_version: str | None = torch.__version__
 
     @classmethod
     def collect(cls, benchmark: str, method: str, hp: Hyperparameters, seeds: Sequence[int],
