@@ -12,13 +12,12 @@ reference networks.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 
 import fsd
+from conftest import perturbed
 from fsd.exact_moments import delta_second_moment, delta_second_moment_adjoint
 from fsd.interpreter import trace
 
@@ -48,12 +47,7 @@ def _net(kind, d=6, seed=0):
 
 
 def _moved(model, scale=0.3, seed=1):
-    moved = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in moved.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return moved
+    return perturbed(model, scale, seed)
 
 
 def _data(n=300, d=6, classes=3, seed=0):
