@@ -7,8 +7,10 @@ Nothing is read or trained first: each bad value is refused while the arguments 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from fsd_experiments.cli import main
+from fsd_experiments.argtypes import apply_threads
+from fsd_experiments.cli import build_parser, main
 
 CL = ["cl", "--benchmark", "split-mnist", "--method", "finetune", "--out", "{out}"]
 UCI = ["influence", "uci", "--dataset", "boston", "--out", "{out}"]
@@ -41,6 +43,7 @@ BAD = {
     "compare-estimators --repeats 0": ["compare-estimators", "--repeats", "0"],
     "compare-estimators --threads 0": ["compare-estimators", "--threads", "0"],
     "memory --N 0": ["memory", "--N", "0"],
+    "memory --threads 0": ["memory", "--threads", "0"],
 }
 
 
@@ -64,3 +67,60 @@ def test_bad_values_exit_2_with_one_line(argv, tmp_path, capsys):
     assert (f"argument {options[-1]}" in lines[0]) if options else ("missing" in lines[0])
     assert "not found" not in lines[0]
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+# every command that computes, with only what it requires
+COMPUTING = {
+    "cl": CL, "cl tune": ["cl", "tune", *CL[1:], "--grid", "1"], "cl gap": ["cl", "gap", "{out}"],
+    "influence uci": UCI, "influence mislabeled": MISLABELED, "fidelity": FIDELITY, "toy": TOY,
+    "compare-estimators": ["compare-estimators"], "memory": ["memory"],
+}
+
+
+@pytest.mark.parametrize("argv", list(COMPUTING.values()), ids=list(COMPUTING))
+def test_threads_default_to_torchs_own(argv):
+    parser = build_parser()
+    assert parser.parse_args(argv).threads is None  # torch's default is left alone
+    assert parser.parse_args([*argv, "--threads", "3"]).threads == 3
+
+
+def test_apply_threads_keeps_torchs_default_unless_given():
+    before = torch.get_num_threads()
+    try:
+        assert apply_threads(None) == before
+        assert torch.get_num_threads() == before
+        assert apply_threads(1) == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["cl", "tune", "--method", "ewc", "--out", "{out}", "--grid", "1"], "--benchmark"),
+    (["cl", "tune", "--benchmark", "split-mnist", "--method", "ewc", "--out", "{out}"], "--grid"),
+    (["cl", "--benchmark", "split-mnist", "--method", "ewc"], "--out"),
+    (["cl", "merge", "{out}"], "--out"),
+    (["fidelity"], "--out"),
+], ids=["cl tune without --benchmark", "cl tune without --grid", "cl without --out",
+        "cl merge without --out", "fidelity without --out"])
+def test_missing_required_options_exit_2_with_one_line(argv, named, tmp_path, capsys):
+    argv = [a.replace("{out}", str(tmp_path / "out")) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2
+    assert len(lines) == 1 and named in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_marks_the_required_options(capsys):
+    for argv in (["cl", "--help"], ["cl", "tune", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = capsys.readouterr().out
+        usage = text.split("\n\n")[0]
+        # required options appear in the usage line without brackets
+        for option in ("--benchmark", "--method", "--out"):
+            assert f"[{option}" not in usage and option in usage, usage
+        assert text.count("(required)") == 3

@@ -102,3 +102,23 @@ class Distinct(argparse.Action):
             parser.error(f"argument {option_string}: values must differ, "
                          f"{', '.join(map(str, repeated))} given twice")
         setattr(namespace, self.dest, items)
+
+
+def add_threads_option(parser: argparse.ArgumentParser) -> None:
+    """``--threads N``: torch CPU threads; without it torch's own default is kept.
+
+    Every command takes the same option; :func:`apply_threads` applies it.
+    """
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch CPU threads (default: torch's, "
+                             f"{torch.get_num_threads()} here; 1 lets runs share the cores)")
+
+
+def apply_threads(threads: int | None) -> int:
+    """Set torch's CPU threads to ``threads`` (``None`` keeps torch's default); returns the count.
+
+    The returned count is what the results files record.
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fsd import __version__
 
-from .argtypes import OneLineParser, positive_int
+from .argtypes import OneLineParser, add_threads_option, apply_threads, positive_int
 from .io import atomic_write_text, write_json
 
 
@@ -26,10 +26,9 @@ def _cmd_data_fetch(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    import torch
 
     from .compare import compare_estimators, format_rows
-    torch.set_num_threads(args.threads) if args.threads else None
+    apply_threads(args.threads)
     rows = compare_estimators(args.data_dir, width=args.width, depth=args.depth,
                               epochs=args.epochs, finetune_epochs=args.finetune_epochs,
                               seed=args.seed, repeats=args.repeats)
@@ -73,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--seed", type=int, default=0)
     compare.add_argument("--repeats", type=positive_int, default=5,
                          help="timed distance+backward calls per estimator (median reported)")
-    compare.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    add_threads_option(compare)
     compare.add_argument("--out", default=None, help="also write the table as .md/.json here")
     compare.set_defaults(func=_cmd_compare)
     from . import continual

@@ -26,7 +26,7 @@ from torch import nn
 
 from fsd.estimator import Estimator
 
-from .argtypes import positive_int
+from .argtypes import add_threads_option, apply_threads, positive_int
 from .io import atomic_write_text, versioned, write_json
 from .models import cifar_cnn, mlp
 from .presets import PRESETS
@@ -268,7 +268,7 @@ ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     model_fn, shape = ARCHITECTURES[args.arch]
     model = model_fn()
     if args.input_shape:
@@ -324,6 +324,6 @@ def add_cli(subparsers: Any) -> None:
                    help="skip fitting the estimators to measure nbytes")
     p.add_argument("--skip-classwise", action="store_true",
                    help="skip the class-wise measured row (C full covariances)")
-    p.add_argument("--threads", type=int, default=1)
+    add_threads_option(p)
     p.add_argument("--out", default=None, help="also write memory_<arch>.md/.json here")
     p.set_defaults(func=_cmd_memory)

@@ -31,7 +31,7 @@ from torch.func import functional_call, jvp
 
 from fsd.estimator import Estimator
 
-from .argtypes import nonnegative_float, positive_int
+from .argtypes import add_threads_option, apply_threads, nonnegative_float, positive_int
 from .io import atomic_write_text, versioned, write_json
 from .models import mlp
 from .plotting import pyplot
@@ -256,7 +256,7 @@ def seed_table(config: ToyConfig, seeds: list[int],
 
 
 def _cmd_toy(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     cfg = ToyConfig.from_args(args)
     result = run_toy(cfg)
     out = Path(args.out)
@@ -286,5 +286,5 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=positive_int, default=3,
                    help="also tabulate seeds seed..seed+K-1 (figure: first seed; default 3)")
-    p.add_argument("--threads", type=positive_int, default=1)
+    add_threads_option(p)
     p.set_defaults(func=_cmd_toy)

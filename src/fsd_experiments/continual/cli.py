@@ -6,11 +6,18 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from fsd.metrics import METRICS
 
-from ..argtypes import Distinct, device, momentum, nonnegative_float, positive_float, positive_int
+from ..argtypes import (
+    Distinct,
+    add_threads_option,
+    apply_threads,
+    device,
+    momentum,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+)
 from ..io import DirectoryInUseError, atomic_write_text
 from .reporting import gap_markdown, merge_runs, penalty_gap, report
 from .results import results_markdown
@@ -25,7 +32,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     settings = RunSettings.from_args(args)
-    torch.set_num_threads(settings.threads)
+    apply_threads(settings.threads)
     try:
         results = run(settings)
     except (CheckpointMismatchError, DirectoryInUseError) as error:  # a message, not a traceback
@@ -38,14 +45,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    if not args.benchmark or not args.method or not args.out:
-        print("error: fsd cl tune needs --benchmark, --method, --grid and --out", file=sys.stderr)
-        return 2
     if args.fsd_scale is not None:
         print("error: fsd cl tune chooses λ from --grid; leave out --fsd-scale", file=sys.stderr)
         return 2
     settings = RunSettings.from_args(args)
-    torch.set_num_threads(settings.threads)
+    apply_threads(settings.threads)
     try:
         result = tune(settings, args.grid, args.tuning_seed)
     except (CheckpointMismatchError, DirectoryInUseError) as error:  # a message, not a traceback
@@ -77,17 +81,26 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_gap(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     print(gap_markdown(penalty_gap(args.dir, args.data_dir, args.examples)))
     return 0
 
 
-def _add_run_options(parser: argparse.ArgumentParser) -> None:
-    """The options of a run: ``fsd cl`` and ``fsd cl tune`` take the same ones."""
-    parser.add_argument("--benchmark", choices=BENCHMARKS)
-    parser.add_argument("--method", choices=list(METHODS))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[20, 21, 22], action=Distinct)
-    parser.add_argument("--out", help="output directory (results, plots, checkpoints)")
+def _add_run_options(parser: argparse.ArgumentParser, *, enforce_required: bool) -> None:
+    """The options of a run: ``fsd cl`` and ``fsd cl tune`` take the same ones.
+
+    ``--benchmark``, ``--method`` and ``--out`` are required to run. argparse enforces that
+    where ``enforce_required`` (``fsd cl tune``); ``fsd cl`` itself also dispatches to
+    ``report``/``gap``/``merge``, which do not take them, so its own check and its usage
+    line say so instead.
+    """
+    required = {"required": True} if enforce_required else {}
+    parser.add_argument("--benchmark", choices=BENCHMARKS, help="(required)", **required)
+    parser.add_argument("--method", choices=list(METHODS), help="(required)", **required)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[20, 21, 22], action=Distinct,
+                        help="seeds, run one after the other (default: 20 21 22, the paper's)")
+    parser.add_argument("--out", help="(required) output directory (results, plots, "
+                                      "checkpoints)", **required)
     parser.add_argument("--data-dir", default=None,
                     help="data directory (default: $FSD_DATA_DIR, else ~/.cache/fsd/data)")
     paper = "(default: the paper's for the benchmark and method)"
@@ -123,8 +136,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metric", default=None, choices=list(METRICS),
                     help="output metric of the Monte Carlo penalties (laftr, bgln-s...; "
                          "default: softmax_euclidean, as the authors' BGLN-S code)")
-    parser.add_argument("--threads", type=positive_int, default=1,
-                    help="torch CPU threads (default 1, so runs can go in parallel)")
+    add_threads_option(parser)
     parser.add_argument("--device", default="cpu", type=device)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -134,11 +146,14 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add ``fsd cl`` (run a benchmark) and ``fsd cl report`` to the ``fsd`` command."""
     cl = subparsers.add_parser(
         "cl", help="continual learning benchmarks (Split/Permuted MNIST) with FSD penalties",
+        usage="fsd cl --benchmark B --method M --out DIR [options]\n"
+              "       fsd cl {report,gap,merge,tune} ...",
         description="Run a continual-learning benchmark, or `fsd cl report DIR...`. "
                     "Hyper-parameters default to the paper's for the (benchmark, method).")
-    _add_run_options(cl)
+    _add_run_options(cl, enforce_required=False)
     cl.set_defaults(func=_cmd_run)
-    cl_sub = cl.add_subparsers(dest="cl_command", metavar="{report,gap,merge,tune}")
+    # prog given: the default derives it from the usage line above, which names options
+    cl_sub = cl.add_subparsers(dest="cl_command", metavar="{report,gap,merge,tune}", prog="fsd cl")
     rep = cl_sub.add_parser("report", help="compare finished runs in one markdown table")
     rep.add_argument("dirs", nargs="+", help="run directories (or parents of them)")
     rep.add_argument("--out", default=None, help="write the table here (e.g. docs/results.md)")
@@ -149,7 +164,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     gap.add_argument("--data-dir", default=None)
     gap.add_argument("--examples", type=positive_int, default=10_000,
                      help="training inputs per task for the true FSD (10000)")
-    gap.add_argument("--threads", type=positive_int, default=1)
+    add_threads_option(gap)
     gap.set_defaults(func=_cmd_gap)
     merge = cl_sub.add_parser("merge", help="combine finished runs of the same settings "
                                             "(e.g. seeds run in parallel) into one directory")
@@ -162,7 +177,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     tune_parser = cl_sub.add_parser(
         "tune", help="the paper's tuning protocol: a grid of λ on one seed, then the best λ "
                      "on the reported seeds (--seeds)")
-    _add_run_options(tune_parser)
+    _add_run_options(tune_parser, enforce_required=True)
     tune_parser.add_argument("--grid", type=nonnegative_float, nargs="+", required=True,
                              action=Distinct, metavar="LAMBDA",
                              help="the values of the penalty weight λ to try")

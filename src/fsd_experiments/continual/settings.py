@@ -119,7 +119,7 @@ class RunSettings:
         device: the torch device.
         progress: show progress bars.
         plots: draw the PNG plots when the last seed is done.
-        threads: torch CPU threads.
+        threads: torch CPU threads (``None``: torch's default).
     """
 
     benchmark: str
@@ -131,7 +131,7 @@ class RunSettings:
     device: str = "cpu"
     progress: bool = True
     plots: bool = True
-    threads: int = 1
+    threads: int | None = None
 
     @classmethod
     def create(cls, benchmark: str, method: str, seeds: Sequence[int],

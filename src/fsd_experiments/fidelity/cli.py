@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import torch
-
-from ..argtypes import positive_float, positive_int
+from ..argtypes import add_threads_option, apply_threads, positive_float, positive_int
 from ..benchmarks import load_benchmark
 from .study import FidelityConfig, run_fidelity
 from .suite import BENCHMARKS, STUDIES
@@ -22,7 +20,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _cmd_fidelity(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     bench = load_benchmark(args.benchmark, args.data_dir, max_train=args.max_train,
                            max_test=args.max_test, seed=args.seed)
     cfg = FidelityConfig.from_args(args)
@@ -76,7 +74,7 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--max-train", type=positive_int, default=None,
                    help="subset of each task (quick)")
     p.add_argument("--max-test", type=positive_int, default=None)
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    add_threads_option(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_fidelity)

@@ -7,9 +7,15 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
-from ..argtypes import device, nonnegative_float, positive_float, positive_int, probability
+from ..argtypes import (
+    add_threads_option,
+    apply_threads,
+    device,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+    probability,
+)
 from ..data import UCI_DATASETS, DataNotFoundError, load_uci
 from .mislabeled import MISLABELED_METHODS, run_mislabeled
 from .uci import LEARNING_RATES, UCI_METHODS, _canonical_uci, run_uci, write_uci_summary
@@ -21,7 +27,7 @@ def _error(message: str) -> int:
 
 
 def _cmd_uci(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     try:
         names = list(UCI_DATASETS) if args.dataset == ["all"] else [
             _canonical_uci(d) for d in args.dataset]
@@ -52,7 +58,7 @@ def _cmd_uci(args: argparse.Namespace) -> int:
 
 
 def _cmd_mislabeled(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     try:
         result = run_mislabeled(
             args.methods, out=args.out, data_dir=args.data_dir, seed=args.seed,
@@ -84,8 +90,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--damping", type=nonnegative_float, default=1e-3,
                        help="λ: PBRF proximity weight and CG damping (default 1e-3)")
-        p.add_argument("--threads", type=positive_int, default=1,
-                       help="torch CPU threads (default 1)")
+        add_threads_option(p)
         p.add_argument("--points-per-solve", type=positive_int, default=32,
                        help="PBRFs solved side by side, vmapped (default 32; lower it if "
                             "memory runs short, the scores do not depend on it)")
