@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsd_experiments.cli import main
 
@@ -53,7 +54,10 @@ def test_data_fetch_from_local_source(tmp_path, capsys):
 def test_compare_estimators_end_to_end(tmp_path, capsys):
     assert main(["compare-estimators", "--data-dir", str(DATA_DIR), "--width", "16",
                  "--repeats", "1", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "compare_estimators.json").read_text())
+    saved = json.loads((tmp_path / "compare_estimators.json").read_text())
+    assert saved["torch_version"] == torch.__version__ and saved["device"] == "cpu"
+    assert saved["fsd_version"] and saved["torch_threads"] >= 1
+    rows = saved["rows"]
     names = [r["estimator"] for r in rows]
     assert names[0].startswith("ExactFSD") and "BGLN-D" in names and "NTK (coreset)" in names
     true_fsd = rows[0]["true_fsd"]

@@ -537,6 +537,7 @@ def test_tune_runs_the_papers_protocol_and_resumes(tmp_path, capsys):
             "--no-plots", "--no-progress", *TINY]
     assert main(args) == 0
     tuned = json.loads((tmp_path / "tune" / "tune.json").read_text())
+    assert tuned["torch_version"] == torch.__version__ and tuned["device"] == "cpu"
     # the grid ran on the tuning seed, one ordinary run per λ
     grid = {row["fsd_scale"]: row for row in tuned["grid"]}
     assert set(grid) == {0.0, 30.0}

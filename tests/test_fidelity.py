@@ -80,6 +80,7 @@ def test_tiny_run_writes_everything(tmp_path):
         assert -1 <= m["median_grad_cosine"] <= 1
     assert [r["depth"] for r in saved["depth"]["depths"]] == [1, 2]
     assert saved["schema_version"] == 1 and saved["fsd_version"] == fsd_experiments.__version__
+    assert saved["torch_version"] == torch.__version__ and saved["torch_threads"] >= 1
     curve = saved["minimize"]["runs"][0]
     assert curve["step"] == [0, 3, 6] and curve["true_fsd"][0] == 0
 

@@ -452,6 +452,9 @@ def test_cli_uci_end_to_end(tmp_path, capsys):
     summary = (out / "results.md").read_text()
     assert "BGLN-D P" in summary and "BGLN-D − EWC, P" in summary
     assert set(result["bootstrap"]["pearson"]) <= {"ewc", "cg", "bgln-d"}
+    for saved in (result, json.loads((out / "results.json").read_text())):
+        assert saved["torch_version"] == torch.__version__ and saved["fsd_version"]
+        assert saved["device"] == "cpu" and saved["torch_threads"] >= 1
 
 
 @pytest.mark.skipif(not HAS_MNIST, reason="MNIST not available")
@@ -468,6 +471,7 @@ def test_cli_mislabeled_end_to_end(tmp_path):
     assert "MLP 2x16" in (tmp_path / "results.md").read_text()
     assert set(result["bootstrap"]["auc"]) == set(result["auc"])
     assert "AUC − EWC" in (tmp_path / "results.md").read_text()
+    assert result["torch_version"] == torch.__version__ and result["device"] == "cpu"
 
 
 @pytest.mark.skipif(not HAS_UCI, reason="UCI data not available")

@@ -92,3 +92,4 @@ def test_cli_memory(tmp_path, capsys):
     saved = json.loads((tmp_path / "memory_mnist-mlp.json").read_text())
     assert saved["architecture"]["P"] == 89_610
     assert saved["schema_version"] == 1 and saved["fsd_version"] == fsd_experiments.__version__
+    assert saved["torch_version"] == torch.__version__ and saved["torch_threads"] >= 1

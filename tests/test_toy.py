@@ -61,4 +61,5 @@ def test_cli_maps_options_onto_the_settings_and_writes_versioned_json(tmp_path):
     saved = json.loads((tmp_path / "toy.json").read_text())
     assert saved["config"] == {**ToyConfig().__dict__, "steps": 30, "width": 16, "lam": 2.0}
     assert saved["schema_version"] == 1 and saved["fsd_version"] == fsd_experiments.__version__
+    assert saved["torch_version"] == torch.__version__ and saved["torch_threads"] >= 1
     assert set(saved["errors"]) == {"none", "BGLN-D", "EWC", "NTK", "f1 (before task 2)"}

@@ -10,7 +10,10 @@ from pathlib import Path
 from fsd import __version__
 
 from .argtypes import OneLineParser, add_threads_option, apply_threads, positive_int
-from .io import atomic_write_text, write_json
+from .io import atomic_write_text, versioned, write_json
+
+#: layout of compare_estimators.json
+COMPARE_SCHEMA = 1
 
 
 def _add_data_dir(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +41,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "compare_estimators.md", table + "\n")
-        write_json(out / "compare_estimators.json", [asdict(r) for r in rows], indent=2)
+        write_json(out / "compare_estimators.json",
+                   versioned({"rows": [asdict(r) for r in rows]}, COMPARE_SCHEMA), indent=2)
         print(f"wrote {out / 'compare_estimators.md'} and .json")
     return 0
 

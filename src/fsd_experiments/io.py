@@ -49,10 +49,25 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
-def versioned(payload: dict[str, Any], schema: int) -> dict[str, Any]:
-    """``payload`` with the file layout's ``schema_version`` and the writing ``fsd_version``."""
+def provenance(device: str = "cpu") -> dict[str, Any]:
+    """What every results file records about the software and machine that produced it.
+
+    ``fsd_version``, ``torch_version``, ``device`` (a GPU's name, else ``"cpu"``) and
+    ``torch_threads`` (the CPU thread count torch ran with).
+    """
+    import torch
+
     from fsd import __version__
-    return {**payload, "schema_version": schema, "fsd_version": __version__}
+    return {"fsd_version": __version__, "torch_version": torch.__version__, "device": device,
+            "torch_threads": torch.get_num_threads()}
+
+
+def versioned(payload: dict[str, Any], schema: int, device: str = "cpu") -> dict[str, Any]:
+    """``payload`` with the file layout's ``schema_version`` and its :func:`provenance`.
+
+    Keys already in ``payload`` (a ``device`` the study recorded itself) win.
+    """
+    return {**provenance(device), **payload, "schema_version": schema}
 
 
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int = 1,

@@ -94,13 +94,14 @@ def _add_run_options(parser: argparse.ArgumentParser, *, enforce_required: bool)
     ``report``/``gap``/``merge``, which do not take them, so its own check and its usage
     line say so instead.
     """
-    required = {"required": True} if enforce_required else {}
-    parser.add_argument("--benchmark", choices=BENCHMARKS, help="(required)", **required)
-    parser.add_argument("--method", choices=list(METHODS), help="(required)", **required)
+    parser.add_argument("--benchmark", choices=BENCHMARKS, help="(required)",
+                        required=enforce_required)
+    parser.add_argument("--method", choices=list(METHODS), help="(required)",
+                        required=enforce_required)
     parser.add_argument("--seeds", type=int, nargs="+", default=[20, 21, 22], action=Distinct,
                         help="seeds, run one after the other (default: 20 21 22, the paper's)")
     parser.add_argument("--out", help="(required) output directory (results, plots, "
-                                      "checkpoints)", **required)
+                                      "checkpoints)", required=enforce_required)
     parser.add_argument("--data-dir", default=None,
                     help="data directory (default: $FSD_DATA_DIR, else ~/.cache/fsd/data)")
     paper = "(default: the paper's for the benchmark and method)"

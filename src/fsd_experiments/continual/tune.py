@@ -14,9 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from fsd import __version__
-
-from ..io import atomic_write_text, write_json
+from ..io import atomic_write_text, versioned, write_json
 from .results import RunResults
 from .runner import run
 from .settings import RunSettings
@@ -42,11 +40,12 @@ class TuneResult:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON written to ``tune.json``."""
-        return {"schema_version": TUNE_SCHEMA_VERSION, "fsd_version": __version__,
+        return versioned({
                 "tuning_seed": self.tuning_seed, "grid": self.grid, "chosen": self.chosen,
                 "final_seeds": self.final.seeds,
                 "final_avg_accuracy": self.final.avg_accuracy,
-                "final_backward_transfer": self.final.backward_transfer}
+                "final_backward_transfer": self.final.backward_transfer},
+            TUNE_SCHEMA_VERSION, self.final.device)
 
     def markdown(self, settings: RunSettings) -> str:
         """The grid's table, the chosen λ and the final seeds' accuracy."""

@@ -15,7 +15,7 @@ from fsd.influence import cg_scores, pbrf_scores
 from ..compat import mislabeled_result, pool_corrupted
 from ..data import load_mnist
 from ..devices import device_name, resolve_device
-from ..io import atomic_write_text, write_json
+from ..io import atomic_write_text, versioned, write_json
 from ..models import mlp
 from ..plotting import pyplot
 from ..stats import (
@@ -24,6 +24,9 @@ from ..stats import (
     detection_intervals,
 )
 from .common import METHOD_TITLES, _check_methods, train_sgd
+
+#: layout of the results.json files ``fsd influence mislabeled`` writes
+MISLABELED_SCHEMA = 1
 
 MISLABELED_METHODS: tuple[str, ...] = ("exact", "ewc", "cg", "bgln-d", "random")
 
@@ -180,7 +183,8 @@ def write_mislabeled_outputs(result: dict[str, Any], out: Path) -> None:
     corrupted = pool_corrupted(result)
     if 0 < corrupted.sum() < corrupted.shape[0]:
         result["bootstrap"] = detection_intervals(result["scores"], corrupted)
-    write_json(out / "results.json", result, indent=2, nan_as_null=True)
+    write_json(out / "results.json", versioned(result, MISLABELED_SCHEMA), indent=2,
+               nan_as_null=True)
     pool = result["pool"]
     shown = mislabeled_result(result)
     boot = result.get("bootstrap", {"auc": {}, "difference": {}, "level": 0.95})

@@ -18,7 +18,7 @@ from fsd.influence import cg_scores, pbrf_scores
 from ..compat import uci_bootstrap, uci_result
 from ..data import UCI_DATASETS, load_uci
 from ..data.uci import canonical_uci_name
-from ..io import atomic_write_text, write_json
+from ..io import atomic_write_text, versioned, write_json
 from ..models import mlp
 from ..plotting import pyplot
 from ..stats import (
@@ -26,6 +26,9 @@ from ..stats import (
     kmeans_labels,
 )
 from .common import METHOD_TITLES, _check_methods, mean_loss, train_sgd
+
+#: layout of the results.json files ``fsd influence uci`` writes
+UCI_SCHEMA = 1
 
 #: Methods of each study: the PBRF methods, CG, and (mislabeled) a random ranking.
 UCI_METHODS: tuple[str, ...] = ("exact", "ewc", "cg", "bgln-d")
@@ -295,7 +298,7 @@ def timing_table(results: Iterable[dict[str, Any]]) -> str:
 def write_uci_outputs(result: dict[str, Any], out: Path) -> None:
     """results.json, results.md and scatter.png (each method vs the exact PBRF) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", result, indent=2, nan_as_null=True)
+    write_json(out / "results.json", versioned(result, UCI_SCHEMA), indent=2, nan_as_null=True)
     pbrf = uci_result(result)["pbrf"]
     md = [f"# Influence (UCI {result['dataset']}, seed {result['seed']})", "",
           f"N = {result['n_train']} training points, {len(result['removed_indices'])} removals; "
@@ -345,9 +348,9 @@ def write_uci_summary(out: Path) -> str:
                       "Wall time per method (all removals):", "",
                       timing_table(results), ""])
     atomic_write_text(out / "results.md", text)
-    write_json(out / "results.json", indent=2, nan_as_null=True, obj={
+    write_json(out / "results.json", indent=2, nan_as_null=True, obj=versioned({
         "experiment": "uci", "datasets": [r["dataset"] for r in results],
         "correlation": {r["dataset"]: r["correlation"] for r in results},
         "bootstrap": {r["dataset"]: uci_bootstrap(r) for r in results},
-        "seconds": {r["dataset"]: r["seconds"] for r in results}})
+        "seconds": {r["dataset"]: r["seconds"] for r in results}}, UCI_SCHEMA))
     return text
