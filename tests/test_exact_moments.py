@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 import fsd
+from fsd.exact_moments import delta_second_moment
+from fsd.testing import dense_algorithm2, enumerated_gates
 
 
 def _mlp(seed=0, d=5, width=6, outputs=3):
@@ -143,3 +147,70 @@ def test_moment_options_are_for_bgln_d_only():
         fsd.BGLN(moments="exact")
     with pytest.raises(ValueError):
         fsd.BGLN(deterministic=True, moments="approximate")
+
+
+# ----------------------------------------------------------------------------------------
+# gates with a negative slope (LeakyReLU): every BGLN form against enumerated gates
+# ----------------------------------------------------------------------------------------
+def _gated_mlp(activation: nn.Module, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 3), activation, nn.Linear(3, 3), copy.deepcopy(activation),
+                         nn.Linear(3, 2)).double()
+
+
+ACTIVATIONS = {"relu": nn.ReLU(), "leaky-0.2": nn.LeakyReLU(0.2), "leaky-default": nn.LeakyReLU()}
+
+
+def _fitted_statistics(est: fsd.BGLN) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    return (est._state["input.mean"][0], est._state["input.cov"][0],
+            [est._state["gate.1"][0], est._state["gate.3"][0]])
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_exact_moments_equal_the_enumerated_gate_expectation(name):
+    # 6 hidden units: all 64 gate configurations, each a closed form over Gaussian moments
+    model = _gated_mlp(ACTIVATIONS[name])
+    moved = _gated_mlp(ACTIVATIONS[name], seed=1)
+    est = fsd.BGLN(deterministic=True, moments="exact", covariance="full").fit(
+        model, _data(d=3))
+    expected = enumerated_gates(model, moved, *_fitted_statistics(est))
+    value = est.distance(moved)
+    torch.testing.assert_close(value, expected, rtol=1e-10, atol=0)
+    # the forward recursion (the adjoint's test reference) agrees too
+    layers = fsd.trace(moved)
+    parts = est.moment_parts(layers, est.reference_parameters())
+    forward = 0.5 * delta_second_moment(layers, est.reference_parameters(),
+                                        dict(moved.named_parameters()), parts["reference"],
+                                        parts["gate_means"], parts["output_rows"])
+    torch.testing.assert_close(forward.sum(), expected, rtol=1e-10, atol=0)
+    # and the gradient
+    grads = torch.autograd.grad(value, list(moved.parameters()))
+    truth = torch.autograd.grad(enumerated_gates(model, moved, *_fitted_statistics(est)),
+                                list(moved.parameters()))
+    for got, want in zip(grads, truth, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-13)
+
+
+def test_bgln_s_on_a_leaky_network_is_unbiased_for_the_enumerated_expectation():
+    activation = nn.LeakyReLU(0.2)
+    model, moved = _gated_mlp(activation), _gated_mlp(activation, seed=1)
+    sampled = fsd.BGLN(num_samples=50_000, covariance="full", metric="euclidean",
+                       seed=3).fit(model, _data(d=3))
+    expected = float(enumerated_gates(model, moved, *_fitted_statistics(sampled)))
+    with torch.no_grad():
+        draws = torch.stack([sampled.distance(moved) for _ in range(12)])
+    standard_error = float(draws.std() / len(draws) ** 0.5)
+    assert abs(expected - float(draws.mean())) < 5 * standard_error
+    assert standard_error < 0.02 * expected  # the test has power
+
+
+def test_algorithm2_on_a_leaky_network_scales_by_the_gates_mean():
+    # Algorithm 2 with a gate of mean E[g] = α + (1 − α)μ in place of the Bernoulli mean μ
+    slope = 0.2
+    model = _gated_mlp(nn.LeakyReLU(slope))
+    moved = _gated_mlp(nn.LeakyReLU(slope), seed=1)
+    est = fsd.BGLN(deterministic=True, covariance="full").fit(model, _data(d=3))
+    mean, cov, firing = _fitted_statistics(est)
+    expected = dense_algorithm2(model, moved, mean, cov,
+                                [slope + (1 - slope) * f for f in firing])
+    torch.testing.assert_close(est.distance(moved), expected, rtol=1e-10, atol=0)

@@ -42,6 +42,19 @@ class MethodReLU(nn.Module):
         return self.fc2(self.fc1(x).relu())
 
 
+class FunctionalLeaky(nn.Module):
+    """LeakyReLUs as function calls: positional and keyword slope."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(5, 9), nn.Linear(9, 7), nn.Linear(7, 3)
+
+    def forward(self, x):
+        x = F.leaky_relu(self.fc1(x), 0.2)
+        x = F.leaky_relu(self.fc2(x), negative_slope=0.05)
+        return self.fc3(x)
+
+
 class Wrapper(nn.Module):
     """A class that only wraps a Sequential (nested modules called in forward)."""
 
@@ -75,6 +88,8 @@ def _sequential_twin(model: nn.Module) -> nn.Sequential:
     model = unwrap(model)
     if isinstance(model, (FunctionalMLP,)):
         layers = [model.fc1, nn.ReLU(), model.fc2, nn.ReLU(), model.fc3]
+    elif isinstance(model, FunctionalLeaky):
+        layers = [model.fc1, nn.LeakyReLU(0.2), model.fc2, nn.LeakyReLU(0.05), model.fc3]
     elif isinstance(model, MethodReLU):
         layers = [model.fc1, nn.ReLU(), model.fc2]
     elif isinstance(model, Wrapper):
@@ -91,7 +106,7 @@ def _sequential_twin(model: nn.Module) -> nn.Sequential:
 def _build(kind: str) -> nn.Module:
     torch.manual_seed(0)
     return {
-        "functional": FunctionalMLP, "method": MethodReLU, "wrapper": Wrapper,
+        "functional": FunctionalMLP, "leaky": FunctionalLeaky, "method": MethodReLU, "wrapper": Wrapper,
         "subclass": lambda: MySequential(nn.Linear(5, 9), nn.ReLU(), nn.Linear(9, 3)),
         "cnn": SmallCNN,
     }[kind]().to(DTYPE)
@@ -119,7 +134,7 @@ ESTIMATORS = {
     "bgln-d": lambda: fsd.BGLN(deterministic=True),
     "bgln-d-exact": lambda: fsd.BGLN(deterministic=True, moments="exact"),
 }
-MLP_KINDS = ["functional", "method", "wrapper", "subclass"]
+MLP_KINDS = ["functional", "leaky", "method", "wrapper", "subclass"]
 
 
 @pytest.mark.parametrize("kind", [*MLP_KINDS, "cnn"])

@@ -12,7 +12,7 @@ import fsd
 from conftest import DTYPE, labelled_batches, linear_net, perturbed, stack
 from fsd import rules
 
-SUPPORTED = {nn.Linear, nn.Conv2d, nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.Flatten, nn.Dropout,
+SUPPORTED = {nn.Linear, nn.Conv2d, nn.ReLU, nn.LeakyReLU, nn.MaxPool2d, nn.AvgPool2d, nn.Flatten, nn.Dropout,
              nn.Identity}
 
 
@@ -125,13 +125,26 @@ def test_conv2d_with_another_padding_mode_is_refused():
         rules.rule_for(m, "").hyper(m)
 
 
-def test_relu_rule_is_the_gate_kind():
-    m = nn.ReLU()
+@pytest.mark.parametrize("module, slope", [(nn.ReLU(), 0.0), (nn.LeakyReLU(0.2), 0.2),
+                                           (nn.LeakyReLU(), 0.01)])
+def test_gate_rules_are_the_activation_and_their_gate_moments_are_enumerated(module, slope):
     x = _randn(4, 6, seed=7)
-    rule = rules.rule_for(m, "")
-    assert rule.kind == "gate" and rule.flat_moments(m)
-    torch.testing.assert_close(rule.apply(m, x), torch.where(x > 0, x, torch.zeros_like(x)),
-                               rtol=0, atol=0)
+    rule = rules.rule_for(module, "")
+    assert rule.kind == "gate" and rule.flat_moments(module)
+    expected = torch.where(x > 0, x, slope * x)  # the activation, written out
+    torch.testing.assert_close(rule.apply(module, x), expected, rtol=0, atol=0)
+    # φ(s) = g·s with g the gate of u = 1{s > 0}
+    torch.testing.assert_close(rule.gate_values(module, (x > 0).to(DTYPE)) * x, expected,
+                               rtol=1e-15, atol=0)
+    # u ~ Bernoulli(μ): enumerate u ∈ {0, 1}
+    firing = torch.rand(6, generator=torch.Generator().manual_seed(8), dtype=DTYPE)
+    values = [slope, 1.0]
+    mean = (1 - firing) * values[0] + firing * values[1]
+    second = (1 - firing) * values[0] ** 2 + firing * values[1] ** 2
+    got_mean, got_variance = rule.gate_moments(module, firing)
+    torch.testing.assert_close(got_mean, mean, rtol=1e-14, atol=0)
+    torch.testing.assert_close(got_variance, second - mean**2, rtol=1e-12, atol=1e-15)
+    assert rule.hyper(module) == ({} if slope == 0.0 else {"negative_slope": slope})
 
 
 @pytest.mark.parametrize("k, s, p", [(2, 2, 0), (3, 1, 1), (2, 1, 0)])

@@ -36,9 +36,18 @@ def _homogeneous(weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.cat([weight, column.unsqueeze(-1)], dim=-1)
 
 
-def gate_second_moment(mu: Tensor) -> Tensor:
-    """Q = E[m mᵀ] = μμᵀ + diag(μ(1 − μ)) for independent Bernoulli gates, (G, o, o)."""
-    return mu.unsqueeze(-1) * mu.unsqueeze(-2) + torch.diag_embed(mu * (1 - mu))
+def gate_second_moment(mean: Tensor, variance: Tensor) -> Tensor:
+    """Q = E[g gᵀ] = E[g]E[g]ᵀ + diag(Var g) for independent gates, (G, o, o).
+
+    A ReLU's Bernoulli(μ) gate has mean μ and variance μ(1 − μ)
+    (:meth:`fsd.rules.LayerRule.gate_moments`).
+    """
+    return mean.unsqueeze(-1) * mean.unsqueeze(-2) + torch.diag_embed(variance)
+
+
+def _gate(layer: TracedLayer, gate_means: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """(E[g], Var g) of the gate layer ``layer`` from its stored firing frequencies."""
+    return layer.rule.gate_moments(layer.module, gate_means[layer.path])
 
 
 def input_factor(mean: Tensor, cov: Covariance) -> tuple[Tensor, Tensor | None]:
@@ -73,13 +82,14 @@ def raw_second_moment(mean: Tensor, cov: Tensor) -> Tensor:
     return torch.cat([top, bottom], dim=1)
 
 
-def _gated_homogeneous(second: Tensor, mean: Tensor, mu: Tensor | None) -> Tensor:
-    """R00 after a ReLU gate (μ), or directly after an affine layer (μ = None: no gate).
+def _gated_homogeneous(second: Tensor, mean: Tensor, gate: tuple[Tensor, Tensor] | None
+                       ) -> Tensor:
+    """R00 after a gate ((E[g], Var g)), or directly after an affine layer (``None``).
 
-    R00 = [[Q ⊙ E[s sᵀ], μ ⊙ E s], [(μ ⊙ E s)ᵀ, 1]].
+    R00 = [[Q ⊙ E[s sᵀ], E[g] ⊙ E s], [(E[g] ⊙ E s)ᵀ, 1]].
     """
-    if mu is not None:
-        second, mean = gate_second_moment(mu) * second, mu * mean
+    if gate is not None:
+        second, mean = gate_second_moment(*gate) * second, gate[0] * mean
     return raw_second_moment(mean, second - mean.unsqueeze(-1) * mean.unsqueeze(-2))
 
 
@@ -98,7 +108,7 @@ def reference_blocks(
         params0: reference parameters θ0 by name.
         mean: input means, (G, d) for G mixture components.
         cov: input covariances in any form of :mod:`fsd.covariance`.
-        gate_means: Bernoulli means μ per ReLU path, each (G, units).
+        gate_means: firing frequencies μ per gate path, each (G, units).
         layer_moments: optional real (mean, covariance) of the reference network's input to
             each affine layer after the first (``reference="layerwise"``); without it the
             reference moments are propagated through the Bernoulli-gated network.
@@ -144,8 +154,8 @@ def reference_blocks(
         elif kind == "gate":
             if pending is None:
                 raise UnsupportedModuleError(
-                    f"exact moments need an affine layer right before the ReLU at '{layer.path}'")
-            r00, pending = _gated_homogeneous(*pending, gate_means[layer.path]), None
+                    f"exact moments need an affine layer right before the gate at '{layer.path}'")
+            r00, pending = _gated_homogeneous(*pending, _gate(layer, gate_means)), None
     return out
 
 
@@ -168,14 +178,14 @@ def delta_second_moment(
     mean_d: Tensor | None = None  # E[Δa]
     pending: tuple[Tensor, Tensor, Tensor] | None = None  # (E[s0 Δsᵀ], E[Δs Δsᵀ], E[Δs])
 
-    def gated(mu: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    def gated(gate: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
         assert pending is not None  # called right after an affine layer
         s0d, sdd, ed = pending
-        if mu is None:
+        if gate is None:
             mean = ed
         else:
-            q = gate_second_moment(mu)
-            s0d, sdd, mean = q * s0d, q * sdd, mu * ed
+            q = gate_second_moment(*gate)
+            s0d, sdd, mean = q * s0d, q * sdd, gate[0] * ed
         return torch.cat([s0d, mean.unsqueeze(-2)], dim=-2), sdd, mean
 
     index = 0
@@ -209,7 +219,7 @@ def delta_second_moment(
                 ed = ed + mean_d @ w1.T
             pending, r0d, rdd, mean_d = (s0d, sdd, ed), None, None, None
         elif kind == "gate" and pending is not None:
-            r0d, rdd, mean_d = gated(gate_means[layer.path])
+            r0d, rdd, mean_d = gated(_gate(layer, gate_means))
             pending = None
     final = pending[1] if pending is not None else rdd
     assert final is not None  # the model has an affine layer
@@ -388,21 +398,25 @@ class _Adjoint:
         assert self.u is not None
         return self.u
 
-    def gated(self, mu: Tensor) -> "_Adjoint":
-        """Hadamard by Q = μμᵀ + diag(μ(1 − μ)) (Cy, Bx's top block) and by μᵀ (Bx's last row)."""
+    def gated(self, mu: Tensor, variance: Tensor) -> "_Adjoint":
+        """Hadamard by Q = μμᵀ + diag(v) (Cy, Bx's top block) and by μᵀ (Bx's last row).
+
+        μ, v: the gate's mean and variance (a ReLU's: the firing frequency and μ(1 − μ)).
+        """
         if self.bx is not None and self.cy is not None:
-            q = gate_second_moment(mu)
+            q = gate_second_moment(mu, variance)
             bx = torch.cat([q * self.bx[..., :-1, :], mu.unsqueeze(-2) * self.bx[..., -1:, :]],
                            dim=-2)
             return _Adjoint(bx=bx, cy=q * self.cy)
         u = self._structured()
-        variance = mu * (1 - mu)
         scale = mu.unsqueeze(-1)
-        # Q ⊙ UUᵀ = (μU)(μU)ᵀ + diag(μ(1 − μ) ‖U_i‖²);  Q ⊙ diag(c) = diag(μ c)
+        # Q ⊙ UUᵀ = (μU)(μU)ᵀ + diag(v ‖U_i‖²);  Q ⊙ diag(c) = diag((μ² + v) c), and
+        # μ² + v = μ for a ReLU
+        diagonal = mu.pow(2) + variance
         c = variance * u.pow(2).sum(-1)
         if self.c is not None:
-            c = c + mu * self.c
-        beta = None if self.beta is None else mu * self.beta
+            c = c + diagonal * self.c
+        beta = None if self.beta is None else diagonal * self.beta
         v = None
         if self.v is not None:
             top = self.v[..., :-1, :]
@@ -516,7 +530,7 @@ def delta_second_moment_adjoint(
         layer = layers[position]
         kind = layer.rule.kind
         if kind == "gate":
-            adjoint = adjoint.gated(gate_means[layer.path])
+            adjoint = adjoint.gated(*_gate(layer, gate_means))
         elif kind == "affine":
             index -= 1
             w0, b0 = weight_bias(params0, layer.path)

@@ -7,6 +7,7 @@ functional forms of the parameter-free layers, which are replaced by the equival
 so that every step has a rule and a path:
 
 - ``F.relu(x)``, ``torch.relu(x)``, ``x.relu()`` → ``nn.ReLU``;
+- ``F.leaky_relu(x, slope)`` → ``nn.LeakyReLU(slope)``;
 - ``torch.flatten(x, 1)``, ``x.flatten(1)``, ``x.view(x.size(0), -1)``,
   ``x.reshape(len(x), -1)`` → ``nn.Flatten``.
 
@@ -153,13 +154,18 @@ def _step(name: str, node: fx.Node, modules: dict[str, nn.Module]) -> ChainStep:
         return ChainStep(node.name, nn.ReLU(), True)
     if node.op == "call_method" and node.target == "relu":
         return ChainStep(node.name, nn.ReLU(), True)
+    if node.op == "call_function" and node.target is F.leaky_relu and not _inplace(node):
+        slope = node.kwargs.get("negative_slope", node.args[1] if len(node.args) > 1 else 0.01)
+        if isinstance(slope, (int, float)):  # a constant, not a traced value
+            return ChainStep(node.name, nn.LeakyReLU(float(slope)), True)
     flatten = _flatten_start(node)
     if flatten is not None:
         return ChainStep(node.name, nn.Flatten(flatten), True)
     what = getattr(node.target, "__name__", str(node.target))
     raise UnsupportedModuleError(
         f"operation {what} ({node.op}) at graph node '{node.name}' of {name}.forward has no "
-        f"rule; LAFTR and BGLN support the modules of fsd.rules.RULES, F.relu and flattening. "
+        f"rule; LAFTR and BGLN support the modules of fsd.rules.RULES, F.relu, F.leaky_relu "
+        f"and flattening. "
         f"Use the module form (e.g. nn.ReLU()) or register a rule for a module that does it "
         f"(fsd.register_rule); ExactFSD, NTK, EWC and KFAC take any model")
 

@@ -113,12 +113,14 @@ def layer_signature(layers: list[TracedLayer]) -> list[dict]:
 
 
 GateFn = Callable[[str, Tensor], Tensor]
-"""``gate(path, s0) -> mask``: the gate applied at the ReLU at ``path`` given the reference
-pre-activation ``s0`` (mask broadcastable to ``s0``)."""
+"""``gate(path, s0) -> u``: which units of the gate layer at ``path`` are on their positive
+side (1) or not (0), given the reference pre-activation ``s0`` (u broadcastable to ``s0``).
+The layer's rule turns u into its gate α + (1 − α)u (:meth:`fsd.rules.LayerRule.gate_values`).
+"""
 
 
 def true_gates(path: str, s0: Tensor) -> Tensor:
-    """LAFTR's gates: the reference network's own ReLU derivative 1{s0 > 0}."""
+    """LAFTR's gates: the reference network's own 1{s0 > 0}, so the gate is φ'(s0)."""
     return (s0 > 0).to(s0.dtype)
 
 
@@ -136,7 +138,7 @@ def propagate_linearized(
         params0: reference parameters θ0 (detached).
         params1: parameters θ of the other network, or ``None`` to run the reference only.
         x: inputs, shape (n, *input_shape).
-        gate: gates applied at every ReLU (see :data:`GateFn`).
+        gate: which side of every gate layer each unit is on (see :data:`GateFn`).
 
     Returns:
         ``(z0, dz)``: reference outputs and output differences z1 − z0 (``None`` when
@@ -161,7 +163,7 @@ def propagate_linearized(
             a0 = rule.apply(module, a0)
             da = None if da is None else rule.apply(module, da)
         elif rule.kind == "gate":
-            mask = gate(layer.path, a0)
+            mask = rule.gate_values(module, gate(layer.path, a0))
             a0 = a0 * mask
             da = None if da is None else da * mask
         elif rule.kind == "maxpool":
@@ -211,7 +213,7 @@ def reference_moments(
             dimension G.
         mean: input means, (G, d) for G mixture components.
         cov: input covariances in any form of :mod:`fsd.covariance`.
-        gate_means: Bernoulli means μ per ReLU path, each (G, units).
+        gate_means: firing frequencies μ per gate path, each (G, units).
         layer_moments: optional real (mean, covariance) at each affine layer after the
             first, used instead of propagating (``reference="layerwise"``).
 
@@ -229,10 +231,10 @@ def reference_moments(
             out.append((mean, cov, s0_mean))
             mean, cov = s0_mean, sandwich(w0, cov)
         elif layer.rule.kind == "gate":
-            # Algorithm 2 gates means by μ and covariances by μμᵀ
-            mu = gate_means[layer.path]
-            # a ReLU follows an affine layer, whose sandwich() made the covariance full
-            mean, cov = mean * mu, gate_covariance(cov, mu)  # pyright: ignore[reportArgumentType]
+            # Algorithm 2 gates means by E[g] (μ for a ReLU) and covariances by E[g]E[g]ᵀ
+            g = layer.rule.gate_moments(layer.module, gate_means[layer.path])[0]
+            # a gate follows an affine layer, whose sandwich() made the covariance full
+            mean, cov = mean * g, gate_covariance(cov, g)  # pyright: ignore[reportArgumentType]
     return out
 
 
@@ -259,7 +261,8 @@ def delta_moments(
             summaries of several reference networks are evaluated in one batched pass.
         params1: parameters θ of the other network (differentiable).
         reference: output of :func:`reference_moments` (fixed after fit).
-        gate_means: Bernoulli means μ per ReLU path, each (G, units).
+        gate_means: firing frequencies μ per gate path, each (G, units); a gate is scaled
+            by its mean E[g] (μ for a ReLU).
         output_rows: (k', k) or per component (G, k', k) matrix selecting outputs (rows of
             the identity; zero rows pad components with fewer outputs).
 
@@ -273,6 +276,8 @@ def delta_moments(
     # float32 at a relative perturbation of 1e-4: errors of 1e-4 to 1e-2 in value and
     # gradient). ΔW is exactly 0 at θ = θ0.
     deltas = {}
+    gate_mean = {layer.path: layer.rule.gate_moments(layer.module, gate_means[layer.path])[0]
+                 for layer in layers if layer.rule.kind == "gate"}
     mean_d: Tensor | None = None
     index = 0
     for layer in layers:
@@ -290,7 +295,7 @@ def delta_moments(
                 new_mean = new_mean + mean_d @ w1.T
             mean_d = new_mean
         elif layer.rule.kind == "gate" and mean_d is not None:
-            mean_d = mean_d * gate_means[layer.path]
+            mean_d = mean_d * gate_mean[layer.path]
     assert mean_d is not None  # there is an affine layer (checked above)
     groups = mean_d.shape[0]
     output_rows = output_rows.to(mean_d.dtype)
@@ -298,7 +303,7 @@ def delta_moments(
     trace = mean_d.new_zeros(groups)
     for layer in reversed(layers):
         if layer.rule.kind == "gate":
-            rows = rows * gate_means[layer.path].unsqueeze(-2)
+            rows = rows * gate_mean[layer.path].unsqueeze(-2)
         elif layer.rule.kind == "affine":
             index -= 1
             dw, w1 = deltas[layer.path]

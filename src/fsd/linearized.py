@@ -164,7 +164,7 @@ class _LinearizedEstimator(Estimator):
             missing = [layer.path for layer in layers
                        if layer.rule.kind == "gate" and f"gate.{layer.path}" not in self._state]
             if missing:
-                raise ValueError(f"the statistics hold no gate frequencies for the ReLU(s) at "
+                raise ValueError(f"the statistics hold no gate frequencies for the gate layers at "
                                  f"{missing} (a collector made with gates=False?)")
         if reservoir is not None:
             xs, ys = reservoir.tensors()

@@ -7,7 +7,11 @@ parameters passed in (so the same module can be evaluated at θ0, at θ, or with
   (Linear, Conv2d). The interpreter needs op(x; W, b) and op(x; W, None).
 - ``fixed``: a parameter-free linear map (Flatten, AvgPool2d, Dropout at evaluation,
   Identity); applied to reference activations and to differences alike.
-- ``gate``: an elementwise ReLU, linearized through its gate 1{s0 > 0} (or a Bernoulli draw).
+- ``gate``: an elementwise piecewise-linear activation with slope 1 for s > 0 and α below
+  (ReLU: α = 0; LeakyReLU: α = its ``negative_slope``), so φ(s) = g·s with the gate
+  g = α + (1 − α)·u, u = 1{s > 0}. LAFTR uses the reference's own u = 1{s0 > 0}; BGLN draws
+  u ~ Bernoulli(μ), μ the unit's firing frequency on the data, so the gate has mean
+  α + (1 − α)μ and variance (1 − α)²μ(1 − μ) (:meth:`LayerRule.gate_moments`).
 - ``maxpool``: MaxPool2d, linearized around the reference: the reference's argmax routes the
   differences too.
 
@@ -37,6 +41,7 @@ class LayerRule:
             architecture signature that a fitted summary checks).
         flat_moments: whether BGLN-D's moment propagation (which works on flattened
             feature vectors) supports this particular module.
+        negative_slope: ``gate`` rules: the slope α for s ≤ 0 (0 for ReLU).
 
     The callables receive a module of exactly the registered type, so they may use its own
     attributes (annotated ``Any``: the type checker cannot tie a rule to its type).
@@ -46,6 +51,22 @@ class LayerRule:
     apply: Callable[..., Any]
     hyper: Callable[[Any], dict] = field(default=lambda m: {})
     flat_moments: Callable[[Any], bool] = field(default=lambda m: False)
+    negative_slope: Callable[[Any], float] = field(default=lambda m: 0.0)
+
+    def gate_values(self, module: nn.Module, on: Tensor) -> Tensor:
+        """The gate α + (1 − α)·u of a ``gate`` rule, given u (1 above 0, 0 below, or a draw)."""
+        slope = self.negative_slope(module)
+        return on if slope == 0.0 else slope + (1.0 - slope) * on
+
+    def gate_moments(self, module: nn.Module, firing: Tensor) -> tuple[Tensor, Tensor]:
+        """Mean and variance of a ``gate`` rule's gate when u ~ Bernoulli(``firing``).
+
+        ReLU: (μ, μ(1 − μ)); with slope α: (α + (1 − α)μ, (1 − α)²μ(1 − μ)). Independent
+        units have E[g gᵀ] = mean meanᵀ + diag(variance), all that BGLN-D needs.
+        """
+        slope = self.negative_slope(module)
+        variance = (1.0 - slope) ** 2 * firing * (1 - firing)
+        return self.gate_values(module, firing), variance
 
 
 RULES: dict[type, LayerRule] = {}
@@ -125,6 +146,10 @@ register_rule(nn.Linear, LayerRule(
     kind="affine", apply=lambda m, x, w, b: F.linear(x, w, b), flat_moments=_always))
 register_rule(nn.Conv2d, LayerRule(kind="affine", apply=_conv2d, hyper=_conv2d_hyper))
 register_rule(nn.ReLU, LayerRule(kind="gate", apply=lambda m, x: F.relu(x), flat_moments=_always))
+register_rule(nn.LeakyReLU, LayerRule(
+    kind="gate", apply=lambda m, x: F.leaky_relu(x, m.negative_slope),
+    hyper=lambda m: {"negative_slope": m.negative_slope}, flat_moments=_always,
+    negative_slope=lambda m: float(m.negative_slope)))
 register_rule(nn.MaxPool2d, LayerRule(kind="maxpool", apply=_maxpool, hyper=_pool_hyper))
 register_rule(nn.AvgPool2d, LayerRule(kind="fixed", apply=_avgpool, hyper=_pool_hyper))
 register_rule(nn.Flatten, LayerRule(

@@ -6,6 +6,10 @@ error in the library cannot hide in its reference:
 
 - :func:`dense_algorithm2` — BGLN-D, paper Algorithm 2, line by line in float64 with the
   covariances pushed forwards as dense matrices.
+- :func:`enumerated_gates` — the exact expectation of BGLN's ½‖Δz‖² (what BGLN-S estimates
+  and exact-moment BGLN-D computes), by enumerating every configuration of the gates of a
+  small network: with the gates fixed the network is affine in x, so the expectation over
+  Gaussian-moment inputs is a closed form.
 - :func:`linearized_outputs` — LAFTR's linearized network (paper eqs. 4–7) for one example:
   the reference network θ0 runs as usual; the network θ runs with every ReLU replaced by the
   reference's gate 1{s0 > 0} and every max-pool routed by the reference's argmax, window by
@@ -20,6 +24,7 @@ They are slow on purpose; nothing in the library calls them.
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -88,6 +93,75 @@ def dense_algorithm2(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,
         outer = torch.outer(mu, mu)
         e_a0, e_da, c_a0, c_da = mu * e_s0, mu * e_ds, outer * c_s0, outer * c_ds
     raise ValueError("the models have no nn.Linear layer")
+
+
+def enumerated_gates(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,
+                     firing: Sequence[Any], outputs: Sequence[int] | None = None) -> Tensor:
+    """E[½‖Δz‖²] of the gated linear network (BGLN), by enumerating all gate configurations.
+
+    Reads the models' ``nn.Linear`` layers and, between consecutive ones, one ``nn.ReLU`` or
+    ``nn.LeakyReLU`` (slope α): unit i's gate is 1 with probability ``firing[l][i]`` and α
+    otherwise, independently. For one configuration the gated network is affine in x,
+    Δz = D x + e, so E_x[½‖Δz‖²] = ½ tr(D Σ Dᵀ) + ½‖D m + e‖² with the input mean m and
+    covariance Σ; the result is the probability-weighted sum over the 2^H configurations
+    (H hidden units in all, so keep H small).
+
+    Args:
+        model0: the reference network θ0.
+        model1: the network θ (the result is differentiable in its parameters).
+        mean: mean of the (flattened) inputs, shape (d,).
+        cov: their covariance, shape (d, d).
+        firing: per hidden layer, the units' probabilities of the gate 1, (units,) each.
+        outputs: restrict Δz to these output units.
+
+    Returns:
+        A 0-dim float64 tensor.
+    """
+    leaves0, leaves1 = list(_leaves(model0)), list(_leaves(model1))
+    linear0 = [m for m in leaves0 if isinstance(m, nn.Linear)]
+    linear1 = [m for m in leaves1 if isinstance(m, nn.Linear)]
+    slopes = [float(getattr(m, "negative_slope", 0.0)) for m in leaves0
+              if isinstance(m, (nn.ReLU, nn.LeakyReLU))]
+    if len(linear0) != len(linear1) or len(slopes) != len(linear0) - 1 \
+            or len(firing) != len(slopes):
+        raise ValueError("expected L Linear layers in each model with one ReLU or LeakyReLU "
+                         "and one firing vector between consecutive ones")
+    probabilities = [_float64(f) for f in firing]
+    units = [int(f.numel()) for f in probabilities]
+    m, sigma = _float64(mean), _float64(cov)
+    d = m.shape[0]
+    total = torch.zeros((), dtype=torch.float64)
+    for config in itertools.product((0, 1), repeat=sum(units)):
+        on = torch.tensor(config, dtype=torch.float64)
+        weight = torch.prod(torch.cat(probabilities) * on
+                            + (1 - torch.cat(probabilities)) * (1 - on))
+        # a0 = A x + c (reference), Δa = D x + e (difference), starting from a0 = x, Δa = 0
+        a_map, a_off = torch.eye(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
+        d_map, d_off = torch.zeros(d, d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
+        start = 0
+        for index, (l0, l1) in enumerate(zip(linear0, linear1, strict=True)):
+            w0, w1 = _float64(l0.weight), _float64(l1.weight)
+            b0 = torch.zeros(w0.shape[0], dtype=torch.float64) if l0.bias is None \
+                else _float64(l0.bias)
+            b1 = torch.zeros(w1.shape[0], dtype=torch.float64) if l1.bias is None \
+                else _float64(l1.bias)
+            # Δs = (W1 − W0) a0 + W1 Δa + (b1 − b0)
+            d_map, d_off = ((w1 - w0) @ a_map + w1 @ d_map,
+                            (w1 - w0) @ a_off + w1 @ d_off + (b1 - b0))
+            a_map, a_off = w0 @ a_map, w0 @ a_off + b0
+            if index == len(linear0) - 1:
+                break
+            u = on[start:start + units[index]]
+            start += units[index]
+            gate = slopes[index] + (1 - slopes[index]) * u
+            a_map, a_off = gate[:, None] * a_map, gate * a_off
+            d_map, d_off = gate[:, None] * d_map, gate * d_off
+        if outputs is not None:
+            rows = torch.as_tensor(list(outputs), dtype=torch.long)
+            d_map, d_off = d_map[rows], d_off[rows]
+        centre = d_map @ m + d_off
+        total = total + weight * 0.5 * (torch.trace(d_map @ sigma @ d_map.T) + centre @ centre)
+    return total
 
 
 def _routed_max_pool(a0: Tensor, a1: Tensor, k: int) -> tuple[Tensor, Tensor]:
