@@ -83,6 +83,10 @@ def test_report_table_from_a_handmade_results_file(tmp_path):
     res["device"] = "NVIDIA H200"
     (tmp_path / "run" / "results.json").write_text(json.dumps(res))
     assert ", on NVIDIA H200 |" in continual.report([str(tmp_path)])
+    # a CPU run with more than one torch thread says how many beside its wall time
+    res["device"], res["torch_threads"] = "cpu", 4
+    (tmp_path / "run" / "results.json").write_text(json.dumps(res))
+    assert "| 1.0 min/seed (4 threads) |" in continual.report([str(tmp_path)])
 
 
 # ----- end to end through the CLI ------------------------------------------------------------

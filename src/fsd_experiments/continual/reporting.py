@@ -176,11 +176,12 @@ def report(paths: Sequence[str]) -> str:
             seeds += f" (of {len(res.seeds_requested)})"
         wall = res.wall_seconds
         per = np.mean(wall["per_seed"]) if wall["per_seed"] else 0.0
+        threads = f" ({res.torch_threads} threads)" if (res.torch_threads or 1) != 1 else ""
         lines.append(
             f"| {bench} | {method} | {seeds} | {_pm(res.avg_accuracy)} | "
             f"{PAPER['avg'].get(bench, {}).get(method, '–')} | "
             f"{_pm(res.backward_transfer)} | {PAPER['bwt'].get(bench, {}).get(method, '–')} | "
-            f"{res.summary_bytes_per_task:,.0f} | {per / 60:.1f} min/seed | "
+            f"{res.summary_bytes_per_task:,.0f} | {per / 60:.1f} min/seed{threads} | "
             f"{_protocol(res.hyperparameters, bench, method, res.device)} | `{path.parent}` |")
     if len(lines) == 2:
         lines.append("| (no results.json found) |||||||||||")
@@ -188,7 +189,8 @@ def report(paths: Sequence[str]) -> str:
         "", "avg acc: mean test accuracy over all tasks after the last task; BWT: "
         "(1/(T−1)) Σ_{i<T} (R[T,i] − R[i,i]), in accuracy points. ± is the standard deviation "
         "over seeds (numpy.std). Wall time: training + evaluation + summary fitting per seed, "
-        "1 CPU thread, or the GPU named in the protocol column (\"on …\"). summary "
+        "1 CPU thread unless the cell names more, or the GPU named in the protocol column "
+        "(\"on …\"). summary "
         "bytes/task: `Estimator.nbytes` (θ copy + statistics or coreset) per finished task. "
         "Paper numbers: tables `avg_mnist` and `bwt_mnist` of the paper (– = not reported "
         "there)."]
