@@ -106,7 +106,8 @@ def _sequential_twin(model: nn.Module) -> nn.Sequential:
 def _build(kind: str) -> nn.Module:
     torch.manual_seed(0)
     return {
-        "functional": FunctionalMLP, "leaky": FunctionalLeaky, "method": MethodReLU, "wrapper": Wrapper,
+        "functional": FunctionalMLP, "leaky": FunctionalLeaky, "method": MethodReLU,
+        "wrapper": Wrapper,
         "subclass": lambda: MySequential(nn.Linear(5, 9), nn.ReLU(), nn.Linear(9, 3)),
         "cnn": SmallCNN,
     }[kind]().to(DTYPE)

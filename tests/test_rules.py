@@ -12,8 +12,8 @@ import fsd
 from conftest import DTYPE, labelled_batches, linear_net, perturbed, stack
 from fsd import rules
 
-SUPPORTED = {nn.Linear, nn.Conv2d, nn.ReLU, nn.LeakyReLU, nn.MaxPool2d, nn.AvgPool2d, nn.Flatten, nn.Dropout,
-             nn.Identity}
+SUPPORTED = {nn.Linear, nn.Conv2d, nn.ReLU, nn.LeakyReLU, nn.MaxPool2d, nn.AvgPool2d, nn.Flatten,
+             nn.Dropout, nn.Identity}
 
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -234,6 +234,19 @@ def test_register_rule_makes_a_new_layer_type_usable(monkeypatch):
         xs = stack(data)[0]
         truth = 0.5 * (other(xs) - model(xs)).pow(2).sum(-1).mean()
     torch.testing.assert_close(laftr.distance(other).detach(), truth, rtol=1e-12, atol=0)
+    # inside a class's forward the registered layer is a leaf of the trace, not traced into
+
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = model
+
+        def forward(self, x):
+            return self.body(x)
+
+    assert [type(layer.module) for layer in fsd.trace(Wrapped())] == [nn.Linear, Scale,
+                                                                       nn.Linear]
 
 
 def test_weight_bias_reads_a_layer_from_a_flat_parameter_dict():

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from . import rules
 from .rules import UnsupportedModuleError
 
 _RELU_FUNCTIONS = (F.relu, torch.relu)
@@ -81,10 +82,21 @@ def chain(model: nn.Module) -> list[ChainStep]:
     return list(steps)
 
 
+class _RuleTracer(fx.Tracer):
+    """fx's tracer, stopping at every module that has a rule (a user's registered layer too)."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return type(m) in rules.RULES or super().is_leaf_module(m, module_qualified_name)
+
+
+def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
+    return fx.GraphModule(model, _RuleTracer().trace(model), type(model).__name__)
+
+
 def _trace_chain(model: nn.Module) -> list[ChainStep]:
     name = type(model).__name__
     try:
-        graph = fx.symbolic_trace(model).graph
+        graph = _symbolic_trace(model).graph
     except Exception as error:  # fx raises many types for data-dependent control flow
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise UnsupportedModuleError(
@@ -127,7 +139,7 @@ def runnable(model: nn.Module) -> nn.Module:
     """
     if not any(step.replaced_call for step in chain(model)):
         return model
-    module = fx.symbolic_trace(model)
+    module = _symbolic_trace(model)
     for node in list(module.graph.nodes):
         if node.op in ("placeholder", "output") or _is_batch_size(node):
             continue

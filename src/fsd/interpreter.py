@@ -19,11 +19,12 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
+from . import rules
 from .covariance import Covariance, quadratic_trace, sandwich
 from .covariance import gate as gate_covariance
 from .graph import chain, unwrap
 from .hooks import forward_hooks
-from .rules import RULES, LayerRule, UnsupportedModuleError, rule_for, weight_bias
+from .rules import LayerRule, UnsupportedModuleError, rule_for, weight_bias
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def _plain(module: nn.Module) -> bool:
     """Nested exact ``nn.Sequential`` containers of modules with a rule (no tracing needed)."""
     if type(module) is nn.Sequential:
         return all(_plain(child) for child in module._modules.values() if child is not None)
-    return type(module) in RULES
+    return type(module) in rules.RULES
 
 
 def _check_hooks(model: nn.Module) -> None:

@@ -32,7 +32,7 @@ from torch.fx.node import map_arg
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .rules import RULES
+from . import rules
 
 _GRAPHS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, fx.Graph]] = \
     weakref.WeakKeyDictionary()
@@ -153,7 +153,7 @@ def _module(node: fx.Node, module: nn.Module, reference: Mapping[str, Tensor],
     names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
     state0 = {n: reference[prefix + n] for n in names}
     state1 = {n: current[prefix + n] for n in names}
-    rule = RULES.get(type(module))
+    rule = rules.RULES.get(type(module))
     if rule is not None and rule.kind == "affine":
         (a0,) = _arguments(node, value, {})[0]
         da = delta[node.all_input_nodes[0]]
