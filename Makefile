@@ -42,7 +42,7 @@ docs: $(STAMP)
 
 # Split MNIST, fine-tuning vs the recommended penalty (BGLN-D with exact moments, its defaults:
 # the paper's λ, each task's head, rank-64 covariance), one seed, 2 epochs per task. Measured
-# on the shared 2-core VM with other jobs running: 99.47 % vs 93.04 %, 7 and 0.8 min
+# on the shared 2-core VM with other jobs running: 99.47 % vs 93.04 %, 6.7 and 0.5 min
 # (docs/continual-learning.md, "make demo").
 DEMO_OUT := runs/demo
 demo: $(STAMP)
