@@ -413,8 +413,12 @@ class Estimator:
     def _check_summary(self) -> None:
         """Check the stored fields this estimator reads (raise SummaryFormatError)."""
 
-    def _reference_state(self) -> dict[str, Tensor]:
-        """θ0 parameters and buffers, as ``functional_call`` wants them."""
+    def reference_state(self) -> dict[str, Tensor]:
+        """θ0's parameters and buffers by name, as ``torch.func.functional_call`` wants them.
+
+        The walkers read BatchNorm's running statistics from here as well. The tensors are
+        the summary's own: read them, do not modify them in place.
+        """
         out = self.reference_parameters()
         out.update({k[len("buffer0."):]: v for k, v in self._state.items()
                     if k.startswith("buffer0.")})

@@ -38,7 +38,7 @@ class ExactFSD(Estimator):
             [part.to(device) for part in distributed.gather_objects(torch.cat(xs))])
         # f(x, θ0) belongs to the reference network given here, not to whichever model a
         # later distance() call passes (another forward with the same parameter shapes)
-        reference = self._reference_state()
+        reference = self.reference_state()
         with torch.no_grad():
             self._state["data.f0"] = torch.cat([functional_call(model, reference, (chunk,))
                                                 for chunk in self._chunks()])
@@ -57,7 +57,7 @@ class ExactFSD(Estimator):
         # a summary saved before f(x, θ0) was stored: evaluate it at θ0 for each model object
         key = f"f0:{id(model)}"
         if key not in self._cache:
-            reference = self._reference_state()
+            reference = self.reference_state()
             with torch.no_grad():
                 self._cache[key] = tuple(functional_call(model, reference, (chunk,))
                                          for chunk in self._chunks())

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .covariance import Covariance, sampling_factor
 from .interpreter import TracedLayer
-from .rules import UnsupportedModuleError, weight_bias
+from .rules import UnsupportedModuleError
 
 
 def _homogeneous(weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -130,7 +130,7 @@ def reference_blocks(
                 r00, pending = _gated_homogeneous(*pending, None), None
             if out and layer_moments is not None:
                 r00 = raw_second_moment(*layer_moments[layer.path])
-            w0 = _homogeneous(*weight_bias(params0, layer.path))
+            w0 = _homogeneous(*layer.rule.affine_matrix(layer.module, params0, layer.path))
             if phi is not None:
                 p0 = w0 @ phi
                 # Φ = [[L, m], [0, 1]]: its last column is E[ã0] = [m; 1]
@@ -196,8 +196,8 @@ def delta_second_moment(
                 r0d, rdd, mean_d = gated(None)
             block = reference[index]
             index += 1
-            w0, b0 = weight_bias(params0, layer.path)
-            w1, b1 = weight_bias(params1, layer.path)
+            w0, b0 = layer.rule.affine_matrix(layer.module, params0, layer.path)
+            w1, b1 = layer.rule.affine_matrix(layer.module, params1, layer.path)
             w0h = _homogeneous(w0, b0)
             dwh = _homogeneous(w1, b1) - w0h
             if "factor" in block:
@@ -533,8 +533,8 @@ def delta_second_moment_adjoint(
             adjoint = adjoint.gated(*_gate(layer, gate_means))
         elif kind == "affine":
             index -= 1
-            w0, b0 = weight_bias(params0, layer.path)
-            w1, b1 = weight_bias(params1, layer.path)
+            w0, b0 = layer.rule.affine_matrix(layer.module, params0, layer.path)
+            w1, b1 = layer.rule.affine_matrix(layer.module, params1, layer.path)
             dwh = _homogeneous(w1 - w0, None if b1 is None or b0 is None else b1 - b0)
             total = total + adjoint.source(reference[index], dwh)
             if index > 0:

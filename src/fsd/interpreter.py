@@ -24,7 +24,7 @@ from .covariance import Covariance, quadratic_trace, sandwich
 from .covariance import gate as gate_covariance
 from .graph import chain, unwrap
 from .hooks import forward_hooks
-from .rules import LayerRule, UnsupportedModuleError, rule_for, weight_bias
+from .rules import LayerRule, UnsupportedModuleError, rule_for
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,16 @@ def _check_hooks(model: nn.Module) -> None:
             f"ExactFSD, NTK, EWC or KFAC, which run the model's forward")
 
 
+def model_state(model: nn.Module) -> dict[str, Tensor]:
+    """The model's parameters and floating-point buffers by name: what the rules read.
+
+    Buffers matter to BatchNorm, whose running statistics are part of its affine map.
+    """
+    state: dict[str, Tensor] = dict(model.named_parameters())
+    state.update({name: b for name, b in model.named_buffers() if b.is_floating_point()})
+    return state
+
+
 def layer_signature(layers: list[TracedLayer]) -> list[dict]:
     """Per-layer type, hyper-parameters and parameter shapes of a traced model."""
     return [
@@ -150,10 +160,10 @@ def propagate_linearized(
     for layer in layers:
         rule, module = layer.rule, layer.module
         if rule.kind == "affine":
-            w0, b0 = weight_bias(params0, layer.path)
+            w0, b0 = rule.affine_parameters(module, params0, layer.path)
             s0 = rule.apply(module, a0, w0, b0)
             if params1 is not None:
-                w1, b1 = weight_bias(params1, layer.path)
+                w1, b1 = rule.affine_parameters(module, params1, layer.path)
                 db = None if b0 is None or b1 is None else b1 - b0
                 ds = rule.apply(module, a0, w1 - w0, db)
                 if da is not None:
@@ -198,6 +208,70 @@ def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]
             )
 
 
+def _moment_steps(layers: list[TracedLayer]) -> list[TracedLayer | tuple[TracedLayer, ...]]:
+    """The layers Algorithm 2 walks: gates, and runs of affine layers with no gate between.
+
+    A run (e.g. Linear then BatchNorm) is one affine map, composed before the moments are
+    propagated: Algorithm 2 drops Cov(a0, Δa), which is only its approximation at a gate;
+    between two affine layers it would also drop a correlation that the composed layer
+    keeps. Parameter-free layers are the identity on the flat vectors BGLN-D works on.
+    """
+    steps: list[TracedLayer | tuple[TracedLayer, ...]] = []
+    run: list[TracedLayer] = []
+    for layer in layers:
+        if layer.rule.kind == "affine":
+            run.append(layer)
+        elif layer.rule.kind == "gate":
+            if run:
+                steps.append(tuple(run))
+                run = []
+            steps.append(layer)
+    if run:
+        steps.append(tuple(run))
+    return steps
+
+
+def _bias(bias: Tensor | None, weight: Tensor) -> Tensor:
+    return weight.new_zeros(weight.shape[:-1]) if bias is None else bias
+
+
+def _composed(run: tuple[TracedLayer, ...], params: Mapping[str, Tensor]
+              ) -> tuple[Tensor, Tensor | None]:
+    """(W, b) of a run of affine layers applied in order, as dense matrices."""
+    first = run[0]
+    weight, bias = first.rule.affine_matrix(first.module, params, first.path)
+    for layer in run[1:]:
+        w, b = layer.rule.affine_matrix(layer.module, params, layer.path)
+        bias = torch.einsum("...oi,...i->...o", w, _bias(bias, weight)) + _bias(b, w)
+        weight = w @ weight
+    return weight, bias
+
+
+def _composed_delta(run: tuple[TracedLayer, ...], params0: Mapping[str, Tensor],
+                    params1: Mapping[str, Tensor]) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(ΔW, Δb, W1) of a run of affine layers, with ΔW formed first at every layer.
+
+    For y = W_b(W_a x + b_a) + b_b: ΔW = ΔW_b W0_a + W1_b ΔW_a and
+    Δb = ΔW_b b0_a + W1_b Δb_a + Δb_b — never a difference of two products.
+    """
+    first = run[0]
+    w0, b0 = first.rule.affine_matrix(first.module, params0, first.path)
+    w1, b1 = first.rule.affine_matrix(first.module, params1, first.path)
+    dw = w1 - w0  # (o, in), or (G, o, in) for stacked reference networks
+    db = None if b0 is None or b1 is None else b1 - b0
+    for layer in run[1:]:
+        v0, c0 = layer.rule.affine_matrix(layer.module, params0, layer.path)
+        v1, c1 = layer.rule.affine_matrix(layer.module, params1, layer.path)
+        dv = v1 - v0
+        db = (torch.einsum("...oi,...i->...o", dv, _bias(b0, w0))
+              + (0 if db is None else torch.einsum("...oi,...i->...o", v1, db))
+              + (0 if c0 is None or c1 is None else c1 - c0))
+        dw = dv @ w0 + v1 @ dw
+        b0 = torch.einsum("...oi,...i->...o", v0, _bias(b0, w0)) + _bias(c0, v0)
+        w0, w1 = v0 @ w0, v1 @ w1
+    return dw, db, w1
+
+
 def reference_moments(
     layers: list[TracedLayer],
     params0: Mapping[str, Tensor],
@@ -206,12 +280,11 @@ def reference_moments(
     gate_means: Mapping[str, Tensor],
     layer_moments: Mapping[str, tuple[Tensor, Tensor]] | None = None,
 ) -> list[tuple[Tensor, Covariance, Tensor]]:
-    """Mean and covariance of the reference activations a0 entering every affine layer.
+    """Mean and covariance of the reference activations a0 entering every affine map.
 
     Args:
         layers: output of :func:`trace`.
-        params0: reference parameters θ0 by name; each may carry a leading component
-            dimension G.
+        params0: reference parameters θ0 (and buffers) by name.
         mean: input means, (G, d) for G mixture components.
         cov: input covariances in any form of :mod:`fsd.covariance`.
         gate_means: firing frequencies μ per gate path, each (G, units).
@@ -219,21 +292,23 @@ def reference_moments(
             first, used instead of propagating (``reference="layerwise"``).
 
     Returns:
-        One ``(mean, cov, preactivation_mean)`` per affine layer, in order: the moments of
-        its input (the first keeps the input's form, later ones are full) and E[s0] (G, o).
+        One ``(mean, cov, preactivation_mean)`` per affine map — a run of affine layers
+        without a gate between them counts once (:func:`_moment_steps`) — in order: the
+        moments of its input (the first keeps the input's form, later ones are full) and
+        E[s0] (G, o).
     """
     out = []
-    for layer in layers:
-        if layer.rule.kind == "affine":
+    for step in _moment_steps(layers):
+        if isinstance(step, tuple):
             if out and layer_moments is not None:
-                mean, cov = layer_moments[layer.path]
-            w0, b0 = weight_bias(params0, layer.path)
+                mean, cov = layer_moments[step[0].path]
+            w0, b0 = _composed(step, params0)
             s0_mean = mean @ w0.T + (0 if b0 is None else b0)
             out.append((mean, cov, s0_mean))
             mean, cov = s0_mean, sandwich(w0, cov)
-        elif layer.rule.kind == "gate":
+        else:
             # Algorithm 2 gates means by E[g] (μ for a ReLU) and covariances by E[g]E[g]ᵀ
-            g = layer.rule.gate_moments(layer.module, gate_means[layer.path])[0]
+            g = step.rule.gate_moments(step.module, gate_means[step.path])[0]
             # a gate follows an affine layer, whose sandwich() made the covariance full
             mean, cov = mean * g, gate_covariance(cov, g)  # pyright: ignore[reportArgumentType]
     return out
@@ -254,13 +329,15 @@ def delta_moments(
     tr Cov(Δz) = Σ_l tr(M_l ΔW_l C0_l ΔW_lᵀ M_lᵀ), M_l = W1_L diag(μ) ⋯ W1_{l+1} diag(μ_l)
     the map from layer l's Δs to the outputs. Accumulating M_l backwards from the k selected
     outputs costs O(k·Σ o_l²) instead of pushing o×o covariances forwards — the same number,
-    far cheaper for few outputs.
+    far cheaper for few outputs. Runs of affine layers without a gate between them (Linear
+    then BatchNorm) are composed into one map first (:func:`_moment_steps`).
 
     Args:
         layers: output of :func:`trace`.
-        params0: reference parameters; each may carry a leading component dimension G, so
-            summaries of several reference networks are evaluated in one batched pass.
-        params1: parameters θ of the other network (differentiable).
+        params0: reference parameters (and buffers); each may carry a leading component
+            dimension G, so summaries of several reference networks are evaluated in one
+            batched pass.
+        params1: parameters θ (and buffers) of the other network (differentiable).
         reference: output of :func:`reference_moments` (fixed after fit).
         gate_means: firing frequencies μ per gate path, each (G, units); a gate is scaled
             by its mean E[g] (μ for a ReLU).
@@ -276,38 +353,38 @@ def delta_moments(
     # two products instead, (m W1ᵀ + b1) − m W0ᵀ, loses the digits the products share (in
     # float32 at a relative perturbation of 1e-4: errors of 1e-4 to 1e-2 in value and
     # gradient). ΔW is exactly 0 at θ = θ0.
-    deltas = {}
+    steps = _moment_steps(layers)
+    deltas: dict[int, tuple[Tensor, Tensor]] = {}
     gate_mean = {layer.path: layer.rule.gate_moments(layer.module, gate_means[layer.path])[0]
                  for layer in layers if layer.rule.kind == "gate"}
     mean_d: Tensor | None = None
     index = 0
-    for layer in layers:
-        if layer.rule.kind == "affine":
+    for position, step in enumerate(steps):
+        if isinstance(step, tuple):
             mean0 = reference[index][0]
             index += 1
-            w0, b0 = weight_bias(params0, layer.path)
-            w1, b1 = weight_bias(params1, layer.path)
-            dw = w1 - w0  # (o, in), or (G, o, in) for stacked reference networks
-            deltas[layer.path] = (dw, w1)
+            dw, db, w1 = _composed_delta(step, params0, params1)
+            deltas[position] = (dw, w1)
             new_mean = torch.einsum("...oi,...i->...o", dw, mean0)
-            if b1 is not None and b0 is not None:
-                new_mean = new_mean + (b1 - b0)
+            if db is not None:
+                new_mean = new_mean + db
             if mean_d is not None:
                 new_mean = new_mean + mean_d @ w1.T
             mean_d = new_mean
-        elif layer.rule.kind == "gate" and mean_d is not None:
-            mean_d = mean_d * gate_mean[layer.path]
+        elif mean_d is not None:
+            mean_d = mean_d * gate_mean[step.path]
     assert mean_d is not None  # there is an affine layer (checked above)
     groups = mean_d.shape[0]
     output_rows = output_rows.to(mean_d.dtype)
     rows = output_rows.expand(groups, *output_rows.shape[-2:])
     trace = mean_d.new_zeros(groups)
-    for layer in reversed(layers):
-        if layer.rule.kind == "gate":
-            rows = rows * gate_mean[layer.path].unsqueeze(-2)
-        elif layer.rule.kind == "affine":
+    for position in range(len(steps) - 1, -1, -1):
+        step = steps[position]
+        if not isinstance(step, tuple):
+            rows = rows * gate_mean[step.path].unsqueeze(-2)
+        else:
             index -= 1
-            dw, w1 = deltas[layer.path]
+            dw, w1 = deltas[position]
             trace = trace + quadratic_trace(rows @ dw, reference[index][1])
             if index > 0:
                 rows = rows @ w1

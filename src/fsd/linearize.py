@@ -55,7 +55,7 @@ def linearized_outputs(model: nn.Module, reference: Mapping[str, Tensor], x: Ten
 
     Args:
         model: the moved network (its parameters and buffers are θ).
-        reference: θ0's parameters and buffers by name (``Estimator._reference_state``).
+        reference: θ0's parameters and buffers by name (:meth:`fsd.Estimator.reference_state`).
         x: inputs (n, ...).
 
     Returns:
@@ -157,7 +157,8 @@ def _module(node: fx.Node, module: nn.Module, reference: Mapping[str, Tensor],
     if rule is not None and rule.kind == "affine":
         (a0,) = _arguments(node, value, {})[0]
         da = delta[node.all_input_nodes[0]]
-        w0, b0, w1, b1 = state0["weight"], state0.get("bias"), state1["weight"], state1.get("bias")
+        w0, b0 = rule.affine_parameters(module, state0, "")
+        w1, b1 = rule.affine_parameters(module, state1, "")
         out0 = rule.apply(module, a0, w0, b0)
         db = None if b0 is None or b1 is None else b1 - b0
         d = rule.apply(module, a0, w1 - w0, db)  # ΔW first: no cancellation as θ → θ0

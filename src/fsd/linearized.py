@@ -27,6 +27,7 @@ from .interpreter import (
     check_moment_support,
     delta_moments,
     layer_signature,
+    model_state,
     propagate_linearized,
     reference_moments,
     trace,
@@ -34,7 +35,7 @@ from .interpreter import (
 )
 from .linearize import linearized_outputs
 from .metrics import check_metric, pointwise_distance
-from .rules import UnsupportedModuleError, weight_bias
+from .rules import UnsupportedModuleError
 from .signature import parameter_signature
 from .statistics import StatisticsCollector
 from .validation import (
@@ -309,12 +310,12 @@ class _LinearizedEstimator(Estimator):
         layers = self._chain(model)
         if layers is None:  # LAFTR on a graph that is not a chain
             x, _, sample_weights = self._inputs()
-            z0, dz = linearized_outputs(model, self._reference_state(), x)
+            z0, dz = linearized_outputs(model, self.reference_state(), x)
             rho = pointwise_distance(self.config["metric"], self._select(z0).detach(),
                                      self._select(dz))
             return (sample_weights * rho).sum()
-        params0 = self.reference_parameters()
-        params1 = dict(model.named_parameters())
+        params0 = self.reference_state()
+        params1 = model_state(model)
         if self._deterministic:
             return self._moment_distance(layers, params0, params1)
         x, group, sample_weights = self._inputs()
@@ -346,7 +347,7 @@ class _LinearizedEstimator(Estimator):
 
         Args:
             layers: the traced model (:func:`fsd.trace`).
-            params0: θ0, :meth:`reference_parameters`.
+            params0: θ0 with its buffers, :meth:`reference_state`.
 
         Returns:
             ``{"reference", "gate_means", "output_rows", "weights"}``: the reference-side
@@ -386,7 +387,7 @@ class _LinearizedEstimator(Estimator):
     @staticmethod
     def _output_size(layers, params0) -> int:
         last = [layer for layer in layers if layer.rule.kind == "affine"][-1]
-        return weight_bias(params0, last.path)[0].shape[0]
+        return last.rule.affine_matrix(last.module, params0, last.path)[0].shape[-2]
 
 
 class LAFTR(_LinearizedEstimator):

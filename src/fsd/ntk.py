@@ -52,7 +52,7 @@ class NTK(Estimator):
     def _distance(self, model: nn.Module) -> Tensor:
         # θ0 and the floating buffers (BatchNorm's running statistics) are linearized alike:
         # a network whose only change is its running statistics has moved too
-        reference = self._reference_state()
+        reference = self.reference_state()
         current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         names = [n for n, v in reference.items() if v.is_floating_point()]
         fixed = {n: v for n, v in reference.items() if not v.is_floating_point()}

@@ -4,7 +4,10 @@ A rule says what kind of operation a module is and how to apply it functionally,
 parameters passed in (so the same module can be evaluated at θ0, at θ, or with ΔW):
 
 - ``affine``: linear in its input and in its parameters jointly, y = op(x; W, b)
-  (Linear, Conv2d). The interpreter needs op(x; W, b) and op(x; W, None).
+  (Linear, Conv2d, BatchNorm in evaluation). The interpreter needs op(x; W, b) and
+  op(x; W, None); the rule says where W and b come from (:meth:`LayerRule.affine_parameters`:
+  a Linear's own weight and bias; BatchNorm's scale and shift from its weight, bias and
+  running statistics) and, for BGLN-D's moments, W as a dense matrix.
 - ``fixed``: a parameter-free linear map (Flatten, AvgPool2d, Dropout at evaluation,
   Identity); applied to reference activations and to differences alike.
 - ``gate``: an elementwise piecewise-linear activation with slope 1 for s > 0 and α below
@@ -23,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -42,6 +46,11 @@ class LayerRule:
         flat_moments: whether BGLN-D's moment propagation (which works on flattened
             feature vectors) supports this particular module.
         negative_slope: ``gate`` rules: the slope α for s ≤ 0 (0 for ReLU).
+        parameters: ``affine`` rules whose W and b are not the module's ``weight`` and
+            ``bias``: ``parameters(module, state, path) -> (W, b)`` from the model's
+            parameters and buffers by name (``None``: :func:`weight_bias`).
+        dense: ``affine`` rules whose W is not already the (out, in) matrix of a flat
+            layer: W as that matrix, for BGLN-D's moment propagation.
 
     The callables receive a module of exactly the registered type, so they may use its own
     attributes (annotated ``Any``: the type checker cannot tie a rule to its type).
@@ -52,6 +61,22 @@ class LayerRule:
     hyper: Callable[[Any], dict] = field(default=lambda m: {})
     flat_moments: Callable[[Any], bool] = field(default=lambda m: False)
     negative_slope: Callable[[Any], float] = field(default=lambda m: 0.0)
+    parameters: Callable[[Any, Mapping[str, Tensor], str],
+                         tuple[Tensor, Tensor | None]] | None = None
+    dense: Callable[[Tensor], Tensor] = field(default=lambda weight: weight)
+
+    def affine_parameters(self, module: nn.Module, state: Mapping[str, Tensor], path: str
+                          ) -> tuple[Tensor, Tensor | None]:
+        """(W, b) of an ``affine`` rule's layer at ``path``, from parameters and buffers."""
+        if self.parameters is None:
+            return weight_bias(state, path)
+        return self.parameters(module, state, path)
+
+    def affine_matrix(self, module: nn.Module, state: Mapping[str, Tensor], path: str
+                      ) -> tuple[Tensor, Tensor | None]:
+        """(W as a dense (…, out, in) matrix, b): the layer's map on flat feature vectors."""
+        weight, bias = self.affine_parameters(module, state, path)
+        return self.dense(weight), bias
 
     def gate_values(self, module: nn.Module, on: Tensor) -> Tensor:
         """The gate α + (1 − α)·u of a ``gate`` rule, given u (1 above 0, 0 below, or a draw)."""
@@ -143,9 +168,50 @@ def _always(m: nn.Module) -> bool:
     return True
 
 
+def _batch_norm_hyper(m: nn.modules.batchnorm._BatchNorm) -> dict:
+    if m.running_mean is None or m.running_var is None:
+        raise UnsupportedModuleError(
+            f"{type(m).__name__} without running statistics (track_running_stats=False) "
+            f"normalises by each batch's own statistics, which is not a fixed affine map; "
+            f"LAFTR and BGLN need track_running_stats=True")
+    return {"eps": m.eps, "affine": m.affine}
+
+
+def _batch_norm_parameters(m: nn.modules.batchnorm._BatchNorm, state: Mapping[str, Tensor],
+                           path: str) -> tuple[Tensor, Tensor]:
+    """Scale γ/√(v + ε) and shift β − scale·m of a BatchNorm in evaluation.
+
+    The running mean m and variance v are read from ``state`` like the parameters, so a
+    network whose only change is its running statistics has moved.
+    """
+    prefix = f"{path}." if path else ""
+    mean, variance = state[prefix + "running_mean"], state[prefix + "running_var"]
+    scale = torch.rsqrt(variance + m.eps)
+    if m.affine:
+        scale = state[prefix + "weight"] * scale
+    shift = -scale * mean
+    if m.affine:
+        shift = state[prefix + "bias"] + shift
+    return scale, shift
+
+
+def _batch_norm(m: nn.Module, x: Tensor, scale: Tensor, shift: Tensor | None) -> Tensor:
+    # channels are dimension 1: (n, C) or (n, C, L) or (n, C, H, W)
+    shape = (-1,) + (1,) * (x.dim() - 2)
+    y = x * scale.reshape(shape)
+    return y if shift is None else y + shift.reshape(shape)
+
+
 register_rule(nn.Linear, LayerRule(
     kind="affine", apply=lambda m, x, w, b: F.linear(x, w, b), flat_moments=_always))
 register_rule(nn.Conv2d, LayerRule(kind="affine", apply=_conv2d, hyper=_conv2d_hyper))
+# BatchNorm is evaluated as in eval mode: an affine map per channel from the running statistics
+# (training-mode batch statistics are not a fixed map of one input)
+for _batch_norm_type in (nn.BatchNorm1d, nn.BatchNorm2d):
+    register_rule(_batch_norm_type, LayerRule(
+        kind="affine", apply=_batch_norm, hyper=_batch_norm_hyper,
+        flat_moments=lambda m: isinstance(m, nn.BatchNorm1d),
+        parameters=_batch_norm_parameters, dense=torch.diag_embed))
 register_rule(nn.ReLU, LayerRule(kind="gate", apply=lambda m, x: F.relu(x), flat_moments=_always))
 register_rule(nn.LeakyReLU, LayerRule(
     kind="gate", apply=lambda m, x: F.leaky_relu(x, m.negative_slope),

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from .estimator import Estimator, evaluation_mode, model_dtype_device
 from .exact_moments import delta_second_moment_adjoint
 from .graph import unwrap
-from .interpreter import delta_moments, trace
+from .interpreter import delta_moments, model_state, trace
 from .linearized import BGLN
 
 
@@ -119,7 +119,7 @@ class SummarySet:
             self._cache[key] = self._stack(layers, members)
         stacked = self._cache[key]
         with evaluation_mode(model):
-            params1 = dict(model.named_parameters())
+            params1 = model_state(model)
             if stacked["exact"]:
                 per_group = 0.5 * delta_second_moment_adjoint(
                     layers, stacked["params0"], params1, stacked["reference"],
@@ -137,7 +137,7 @@ class SummarySet:
         for i in members:
             estimator = self.estimators[i]
             assert isinstance(estimator, BGLN)  # _batch_key batches BGLN-D summaries only
-            theta0 = estimator.reference_parameters()
+            theta0 = estimator.reference_state()
             part = estimator.moment_parts(layers, theta0)
             parts.append(part)
             params0.append(theta0)
