@@ -635,6 +635,45 @@ def test_uci_errors(tmp_path: Path) -> None:
         load_uci("concrete", tmp_path)
 
 
+def _uci_with_rows(root: Path, rows: str, feat: str = "0\n1\n", targ: str = "2") -> Path:
+    d = root / "uci" / "energy"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "data.txt").write_text(rows)
+    (d / "index_features.txt").write_text(feat)
+    (d / "index_target.txt").write_text(targ)
+    return d / "data.txt"
+
+
+@pytest.mark.parametrize("rows, message", [
+    ("1 2 3\n4 nan 6\n7 8 9\nnan 1 1\n",
+     r"data\.txt: row 2 has the non-finite value nan in column 1 \(2 such rows\)"),
+    ("1 2 3\n4 5 6\n7 8 -inf\n", r"data\.txt: row 3 has the non-finite value -inf in column 2"),
+    ("1 2 3\n", r"data\.txt: 1 data row; at least 2 are needed"),
+    ("", r"data\.txt: 0 data rows; at least 2 are needed"),
+    ("1 2 3\n1e308 5 6\n7 8 9\n",
+     r"data\.txt: column 0 overflows float64 when standardised \(row 2 holds 1e\+308\)"),
+    ("1 2 3\n4 five 6\n", r"data\.txt: could not convert string 'five'"),
+    ("1 2 3\n4 5\n", r"data\.txt: .*number of columns changed"),
+], ids=["nan", "inf", "one-row", "empty", "overflow", "text", "ragged"])
+def test_uci_bad_rows_name_the_file_and_row(tmp_path: Path, rows: str, message: str) -> None:
+    _uci_with_rows(tmp_path, rows)
+    with pytest.raises(ValueError, match=message):
+        load_uci("energy", tmp_path)
+
+
+def test_uci_bad_values_in_unused_columns_are_ignored(tmp_path: Path) -> None:
+    _uci_with_rows(tmp_path, "1 2 3 nan\n4 5 6 nan\n")
+    x, y = load_uci("energy", tmp_path)
+    assert x.tolist() == [[1, 2], [4, 5]] and y.tolist() == [[3], [6]]
+
+
+def test_uci_target_listed_as_a_feature_is_refused(tmp_path: Path) -> None:
+    # the target would leak into the features: a perfect, meaningless fit
+    _uci_with_rows(tmp_path, "1 2 3\n4 5 6\n", feat="0\n2\n", targ="2")
+    with pytest.raises(ValueError, match=r"index_features\.txt: column 2 is also a target column"):
+        load_uci("energy", tmp_path)
+
+
 # --------------------------------------------------------------------------------------------
 # CIFAR, on tiny files in the official python-pickle format
 # --------------------------------------------------------------------------------------------
