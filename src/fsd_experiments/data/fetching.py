@@ -231,10 +231,13 @@ def fetch(name: str, data_dir: PathLike | None = None, *, source: PathLike | Non
       if the data are already present, else raises :class:`DataNotFoundError` with the manual
       steps.
 
-    Raises ``ValueError`` for an unknown name.
+    Raises ``ValueError`` for an unknown name or a data directory that is a file (checked
+    before anything is downloaded).
     """
     canon = _canonical_fetch_name(name)
     root = resolve_data_dir(data_dir)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"the data directory {root} is a file, not a directory")
     src = Path(source).expanduser() if source is not None else None
     if src is not None and not src.is_dir():
         raise DataNotFoundError(f"source {src} is not a directory")
