@@ -161,3 +161,11 @@ def test_influence_uci_on_data_that_overflow(tmp_path, capsys):
     assert line == (f"error: {data / 'data.txt'}: column 0 overflows float64 when standardised "
                     "(row 3 holds 1e+308)")
     assert not (tmp_path / "out").exists()
+
+
+@needs_mnist
+def test_influence_mislabeled_with_more_training_images_than_mnist_has(tmp_path, capsys):
+    line = fails_in_one_line(["influence", "mislabeled", "--data-dir", str(DATA_DIR), "--out",
+                              str(tmp_path / "out"), "--n-train", "10000000", "--epochs", "1",
+                              "--no-progress"], capsys)
+    assert line == "error: n_train 10000000 is more than the 60000 MNIST training images"
