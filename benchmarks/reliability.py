@@ -7,17 +7,21 @@ and the first line of the message. ``docs/reliability.md`` is this script's outp
     python benchmarks/reliability.py > table.md
 
 The command-line cases need the ``fsd`` command of ``pip install -e ".[experiments]"``; they
-read no data (each fails on its arguments before any is loaded).
+read no real data (each fails on its arguments before any is loaded, or builds the files it
+needs, a tiny fake MNIST included, in a temporary folder).
 """
 
 from __future__ import annotations
 
+import gzip
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Callable
 
 import torch
@@ -153,6 +157,73 @@ def _():
         fsd.EWC().fit(_mlp(), X).save(os.path.join(d, "summaries"))
 
 
+@case("`est.save()` into a missing folder")
+def _():
+    with tempfile.TemporaryDirectory() as d:
+        fsd.EWC().fit(_mlp(), X).save(os.path.join(d, "missing", "summary.fsd"))
+
+
+@case("`est.save()` after a save to the same file was killed before its rename")
+def _():
+    with tempfile.TemporaryDirectory() as d:
+        leftover = os.path.join(d, ".fsd-summary.fsd.k1ll3d.tmp")  # what a killed save leaves
+        open(leftover, "wb").close()
+        os.utime(leftover, (time.time() - 7200, time.time() - 7200))
+        fsd.EWC().fit(_mlp(), X).save(os.path.join(d, "summary.fsd"))
+        return "the leftover of two hours ago is removed: " + ", ".join(sorted(os.listdir(d)))
+
+
+def _gzip_bomb(path: str, shape: tuple[int, ...], megabytes: int) -> None:
+    """A uint8 idx header declaring ``shape``, then ``megabytes`` MB of zeros, gzipped."""
+    with gzip.open(path, "wb", compresslevel=9) as gz:
+        gz.write(bytes([0, 0, 0x08, len(shape)]) + b"".join(struct.pack(">I", n) for n in shape))
+        for _ in range(megabytes):
+            gz.write(bytes(1 << 20))
+
+
+@case("`read_idx` of a 400 KB .gz declaring 2 images that inflates to 400 MB")
+def _():
+    from fsd_experiments.data import read_idx
+    with tempfile.TemporaryDirectory() as d:
+        _gzip_bomb(os.path.join(d, "t10k-images-idx3-ubyte.gz"), (2, 28, 28), 400)
+        read_idx(os.path.join(d, "t10k-images-idx3-ubyte.gz"))
+
+
+@case("`load_mnist` of a header declaring a million test images")
+def _():
+    from fsd_experiments.data import load_mnist
+    with tempfile.TemporaryDirectory() as d:
+        os.mkdir(os.path.join(d, "mnist"))
+        _gzip_bomb(os.path.join(d, "mnist", "t10k-images-idx3-ubyte.gz"), (10**6, 28, 28), 1)
+        _gzip_bomb(os.path.join(d, "mnist", "t10k-labels-idx1-ubyte.gz"), (10**6,), 1)
+        load_mnist(d, split="test")
+
+
+def _uci(rows: list[str], features: str = "0\n1\n") -> Callable[[], object]:
+    def run() -> object:
+        from fsd_experiments.data import load_uci
+        with tempfile.TemporaryDirectory() as d:
+            _write_uci(d, rows, features)
+            return load_uci("energy", d)
+    return run
+
+
+def _write_uci(d: str, rows: list[str], features: str = "0\n1\n") -> None:
+    folder = os.path.join(d, "uci", "energy")
+    os.makedirs(folder)
+    for name, text in [("data.txt", "\n".join(rows) + "\n"), ("index_features.txt", features),
+                       ("index_target.txt", "2\n")]:
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(text)
+
+
+case("`load_uci` of a data.txt with a NaN row")(_uci(["1 2 3", "4 nan 6", "7 8 9"]))
+case("`load_uci` of a one-row data.txt")(_uci(["1 2 3"]))
+case("`load_uci` of a data.txt with a 1e308 entry")(_uci(["1 2 3", "1e308 5 6", "7 8 9"]))
+case("`load_uci` with the target column among the features")(
+    _uci(["1 2 3", "4 5 6"], features="0\n2\n"))
+
+
 @case("EWC on a model with `ReLU(inplace=True)` (was 2.7× too large)")
 def _():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 3))
@@ -185,12 +256,89 @@ COMMANDS: list[tuple[str, list[str]]] = [
 ]
 
 
+def _fake_mnist(d: str) -> str:
+    """A tiny MNIST (100 train, 50 test images, every digit) in ``d/data``; its path."""
+    folder = os.path.join(d, "data", "mnist")
+    os.makedirs(folder)
+    for prefix, n in (("train", 100), ("t10k", 50)):
+        for kind, shape, body in (("images-idx3", (n, 28, 28), bytes(range(256)) * (n * 784 // 256)
+                                   + bytes(n * 784 % 256)),
+                                  ("labels-idx1", (n,), bytes(i % 10 for i in range(n)))):
+            with open(os.path.join(folder, f"{prefix}-{kind}-ubyte"), "wb") as f:
+                f.write(bytes([0, 0, 0x08, len(shape)]))
+                f.write(b"".join(struct.pack(">I", s) for s in shape) + body)
+    return os.path.join(d, "data")
+
+
+TINY_CL = ["cl", "--benchmark", "split-mnist", "--method", "bgln-d", "--seeds", "1", "--tasks",
+           "3", "--epochs", "1", "--no-plots", "--no-progress"]
+
+
+def _cl_checkpoint(d: str, damage: Callable[[str], None]) -> list[str]:
+    """A finished tiny ``fsd cl`` run on fake MNIST, damaged; the command resuming it."""
+    args = [*TINY_CL, "--data-dir", _fake_mnist(d), "--out", os.path.join(d, "run")]
+    subprocess.run([shutil.which("fsd") or "fsd", *args], check=True, capture_output=True)
+    os.remove(os.path.join(d, "run", "results.json"))
+    damage(os.path.join(d, "run", "checkpoints", "seed1"))
+    return args
+
+
+def _garbage_state(folder: str) -> None:
+    with open(os.path.join(folder, "state.pt"), "wb") as f:
+        f.write(os.urandom(300))
+
+
+def _lose_task0(folder: str) -> None:
+    # the checkpoint after task 2 of 3, whose task 3 reads task0.fsd and task1.fsd
+    state = torch.load(os.path.join(folder, "state.pt"), weights_only=True)
+    state["matrix"] = state["matrix"][:2]
+    torch.save(state, os.path.join(folder, "state.pt"))
+    os.remove(os.path.join(folder, "task0.fsd"))
+
+
+def _a_file(d: str) -> str:
+    open(os.path.join(d, "a-file"), "w").close()
+    return os.path.join(d, "a-file")
+
+
+def _huge_uci_row(d: str) -> list[str]:
+    _write_uci(d, ["1 2 3", "1e308 5 6", "7 8 9", "2 3 4"])
+    return ["influence", "uci", "--dataset", "energy", "--data-dir", d, "--out",
+            os.path.join(d, "out")]
+
+
+#: command lines that need files first: each builds them in a temporary folder DIR
+FILE_COMMANDS: list[tuple[str, Callable[[str], list[str]]]] = [
+    ("`fsd cl --out` an existing regular file",
+     lambda d: [*TINY_CL, "--data-dir", d, "--out", _a_file(d)]),
+    ("`fsd cl` resuming a random-bytes `state.pt`", lambda d: _cl_checkpoint(d, _garbage_state)),
+    ("`fsd cl` resuming a checkpoint without the `task0.fsd` it needs",
+     lambda d: _cl_checkpoint(d, _lose_task0)),
+    ("`fsd data fetch mnist --data-dir` a regular file",
+     lambda d: ["data", "fetch", "mnist", "--data-dir", _a_file(d)]),
+    ("`fsd influence uci` on a data.txt with a 1e308 entry", _huge_uci_row),
+]
+
+
+def _file_command(setup: Callable[[str], list[str]]) -> tuple[str, str]:
+    command = shutil.which("fsd")
+    if command is None:
+        return "skipped", "no `fsd` command (pip install -e \".[experiments]\")"
+    with tempfile.TemporaryDirectory() as d:
+        run = subprocess.run([command, *setup(d)], capture_output=True, text=True, timeout=300)
+        lines = [line for line in run.stderr.strip().splitlines() if line.strip()]
+        message = lines[-1].replace(d, "DIR") if lines else ""
+    return f"exit {run.returncode}", message
+
+
 def _outcome(fn: Callable[[], object]) -> tuple[str, str]:
     try:
         result = fn()
     except Exception as error:  # what the user sees is the point
         message = (str(error).strip().splitlines() or [""])[0]
-        return type(error).__name__, re.sub(r"/\S*/(summary\.fsd|summaries)", r"DIR/\1", message)
+        # a temporary folder's path is DIR: the same on every machine
+        return type(error).__name__, re.sub(re.escape(tempfile.gettempdir()) + r"/[^/\s']+",
+                                            "DIR", message)
     return "works", "" if result is None or isinstance(result, fsd.Estimator) else str(result)
 
 
@@ -213,6 +361,7 @@ def main() -> None:
     """Print the table."""
     rows = [(d, *_outcome(fn)) for d, fn in CASES]
     rows += [(d, *_command(args)) for d, args in COMMANDS]
+    rows += [(d, *_file_command(setup)) for d, setup in FILE_COMMANDS]
     print("| case | outcome | message |")
     print("|---|---|---|")
     for description, outcome, message in rows:

@@ -10,6 +10,7 @@ import pickle
 import shutil
 import struct
 import tarfile
+import tracemalloc
 import warnings
 from pathlib import Path
 from typing import ClassVar
@@ -138,6 +139,73 @@ def test_idx_truncated_gzip_raises_valueerror(tmp_path: Path) -> None:
     path.write_bytes(gz[: len(gz) // 2])
     with pytest.raises(ValueError, match=r"cut\.gz"):
         read_idx(path)
+
+
+def _gzip_bomb(path: Path, header_shape: tuple[int, ...], body_mb: int) -> None:
+    """A uint8 idx header declaring ``header_shape``, then ``body_mb`` MB of zeros, gzipped.
+
+    Written a megabyte at a time: the file is ~1000 times smaller than what it inflates to.
+    """
+    zeros = bytes(1 << 20)
+    with gzip.open(path, "wb", compresslevel=1) as gz:
+        gz.write(bytes([0, 0, 0x08, len(header_shape)]))
+        gz.write(b"".join(struct.pack(">I", d) for d in header_shape))
+        for _ in range(body_mb):
+            gz.write(zeros)
+
+
+def _peak_allocation(fn) -> int:
+    """The peak of Python's traced allocations (bytes objects, numpy arrays) while ``fn`` runs."""
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def test_idx_gzip_bomb_refused_without_inflating_it(tmp_path: Path) -> None:
+    # the header declares 2 images, the gzip body inflates to 64 MB more: only the declared
+    # size (and one byte) may be read, not the whole body before the size check
+    path = tmp_path / "t10k-images-idx3-ubyte.gz"
+    _gzip_bomb(path, (2, 28, 28), body_mb=64)
+    assert path.stat().st_size < 400_000
+
+    def read() -> None:
+        with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte\.gz: idx data longer than"):
+            read_idx(path)
+
+    assert _peak_allocation(read) < 8 << 20
+
+
+def test_mnist_header_larger_than_the_split_refused_before_reading(tmp_path: Path) -> None:
+    # a header declaring a million test images (784 MB) is refused from the header alone
+    directory = tmp_path / "mnist"
+    directory.mkdir()
+    _gzip_bomb(directory / "t10k-images-idx3-ubyte.gz", (1_000_000, 28, 28), body_mb=32)
+    (directory / "t10k-labels-idx1-ubyte").write_bytes(encode_idx(np.zeros(3, np.uint8)))
+
+    def load() -> None:
+        with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte\.gz: the header declares "
+                                             r"uint8 \(1000000, 28, 28\)"):
+            load_mnist(tmp_path, split="test")
+
+    assert _peak_allocation(load) < 8 << 20
+
+
+def test_mnist_header_of_another_shape_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "mnist"
+    directory.mkdir()
+    (directory / "t10k-images-idx3-ubyte").write_bytes(encode_idx(np.zeros((2, 28, 27), np.uint8)))
+    (directory / "t10k-labels-idx1-ubyte").write_bytes(encode_idx(np.zeros(2, np.int32)))
+    with pytest.raises(ValueError, match=r"expected uint8 of shape \(N, 28, 28\), the header "
+                                         r"declares uint8 \(2, 28, 27\)"):
+        load_mnist(tmp_path, split="test")
+    (directory / "t10k-images-idx3-ubyte").write_bytes(encode_idx(np.zeros((2, 28, 28), np.uint8)))
+    with pytest.raises(ValueError, match=r"labels-idx1-ubyte: expected uint8 of shape \(N,\), "
+                                         r"the header declares int32"):
+        load_mnist(tmp_path, split="test")
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,6 +403,22 @@ def test_fetch_replaces_stale_raw_file(
     fetch("mnist", tmp_path / "dd", source=tmp_path / "src")
     assert not (target / "train-labels-idx1-ubyte").exists()
     verify_mnist(target)
+
+
+def test_fetch_source_gzip_bomb_refused_without_inflating_it(
+    tmp_path: Path, fake_sha: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a source .gz is read no further than the official file's size (60008 bytes here)
+    _forbid_npm(monkeypatch)
+    (tmp_path / "src" / "train-labels-idx1-ubyte").unlink()
+    _gzip_bomb(tmp_path / "src" / "train-labels-idx1-ubyte.gz", (60000,), body_mb=64)
+
+    def run() -> None:
+        with pytest.raises(ValueError, match=r"train-labels-idx1-ubyte\.gz: more than the 60008 "
+                                             r"bytes of the official train-labels-idx1-ubyte"):
+            fetch("mnist", tmp_path / "dd", source=tmp_path / "src")
+
+    assert _peak_allocation(run) < 8 << 20
 
 
 def test_fetch_bad_source_writes_nothing(
@@ -549,6 +633,45 @@ def test_uci_errors(tmp_path: Path) -> None:
     _fake_uci(tmp_path, "concrete", feat=[0, 1], targ=[5])
     with pytest.raises(ValueError, match="index_target"):
         load_uci("concrete", tmp_path)
+
+
+def _uci_with_rows(root: Path, rows: str, feat: str = "0\n1\n", targ: str = "2") -> Path:
+    d = root / "uci" / "energy"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "data.txt").write_text(rows)
+    (d / "index_features.txt").write_text(feat)
+    (d / "index_target.txt").write_text(targ)
+    return d / "data.txt"
+
+
+@pytest.mark.parametrize("rows, message", [
+    ("1 2 3\n4 nan 6\n7 8 9\nnan 1 1\n",
+     r"data\.txt: row 2 has the non-finite value nan in column 1 \(2 such rows\)"),
+    ("1 2 3\n4 5 6\n7 8 -inf\n", r"data\.txt: row 3 has the non-finite value -inf in column 2"),
+    ("1 2 3\n", r"data\.txt: 1 data row; at least 2 are needed"),
+    ("", r"data\.txt: 0 data rows; at least 2 are needed"),
+    ("1 2 3\n1e308 5 6\n7 8 9\n",
+     r"data\.txt: column 0 overflows float64 when standardised \(row 2 holds 1e\+308\)"),
+    ("1 2 3\n4 five 6\n", r"data\.txt: could not convert string 'five'"),
+    ("1 2 3\n4 5\n", r"data\.txt: .*number of columns changed"),
+], ids=["nan", "inf", "one-row", "empty", "overflow", "text", "ragged"])
+def test_uci_bad_rows_name_the_file_and_row(tmp_path: Path, rows: str, message: str) -> None:
+    _uci_with_rows(tmp_path, rows)
+    with pytest.raises(ValueError, match=message):
+        load_uci("energy", tmp_path)
+
+
+def test_uci_bad_values_in_unused_columns_are_ignored(tmp_path: Path) -> None:
+    _uci_with_rows(tmp_path, "1 2 3 nan\n4 5 6 nan\n")
+    x, y = load_uci("energy", tmp_path)
+    assert x.tolist() == [[1, 2], [4, 5]] and y.tolist() == [[3], [6]]
+
+
+def test_uci_target_listed_as_a_feature_is_refused(tmp_path: Path) -> None:
+    # the target would leak into the features: a perfect, meaningless fit
+    _uci_with_rows(tmp_path, "1 2 3\n4 5 6\n", feat="0\n2\n", targ="2")
+    with pytest.raises(ValueError, match=r"index_features\.txt: column 2 is also a target column"):
+        load_uci("energy", tmp_path)
 
 
 # --------------------------------------------------------------------------------------------

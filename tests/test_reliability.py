@@ -290,6 +290,54 @@ def test_saved_summaries_get_the_usual_file_mode(tmp_path):
     assert (tmp_path / "a.fsd").stat().st_mode & 0o777 == 0o644
 
 
+def test_a_save_killed_before_its_rename_is_cleaned_by_the_next_save_to_that_file(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    # a real SIGKILL between writing the temporary file and renaming it
+    killed = subprocess.run([sys.executable, "-c", """
+import os, signal, sys, torch, fsd
+def kill(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+os.replace = kill
+fsd.EWC().fit(torch.nn.Linear(2, 1), torch.randn(4, 2)).save(sys.argv[1])
+""", str(tmp_path / "a.fsd")], capture_output=True)
+    assert killed.returncode == -9, killed.stderr
+    leftover = [p.name for p in tmp_path.iterdir()]
+    assert len(leftover) == 1 and leftover[0].startswith(".fsd-a.fsd.")
+    an_hour_ago = time.time() - 3700
+    os.utime(tmp_path / leftover[0], (an_hour_ago, an_hour_ago))
+    # a recent one may be another process's save in progress; other targets' are theirs
+    for name in (".fsd-a.fsd.recent.tmp", ".fsd-b.fsd.old.tmp"):
+        (tmp_path / name).write_bytes(b"")
+    os.utime(tmp_path / ".fsd-b.fsd.old.tmp", (an_hour_ago, an_hour_ago))
+    SUMMARIES["ewc"].save(tmp_path / "a.fsd")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".fsd-a.fsd.recent.tmp", ".fsd-b.fsd.old.tmp", "a.fsd"]
+    fsd.load(tmp_path / "a.fsd")
+
+
+def test_save_into_a_folder_it_cannot_write_names_the_path_not_a_temporary(tmp_path,
+                                                                           monkeypatch):
+    import tempfile
+
+    target = tmp_path / "missing" / "a.fsd"
+    with pytest.raises(FileNotFoundError) as info:
+        SUMMARIES["ewc"].save(target)
+    assert str(info.value) == f"cannot save to {target}: its folder {target.parent} does not exist"
+
+    def refuse(*args, **kwargs):  # a read-only folder (root would ignore a chmod)
+        raise PermissionError(13, "Permission denied", str(tmp_path / ".fsd-a.fsd.x.tmp"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    with pytest.raises(PermissionError) as info:
+        SUMMARIES["ewc"].save(tmp_path / "a.fsd")
+    assert str(info.value) == (f"cannot save to {tmp_path / 'a.fsd'}: its folder {tmp_path} "
+                               "cannot be written (Permission denied)")
+
+
 # ----- bad input at fit: one clear error, before any work ---------------------------------
 
 def _mlp():

@@ -11,10 +11,13 @@ with ``torch.load(weights_only=True)``, so loading a file runs no pickled code.
 from __future__ import annotations
 
 import contextlib
+import glob
 import itertools
 import json
 import os
+import stat
 import tempfile
+import time
 from collections.abc import Sized
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
@@ -148,16 +151,65 @@ def evaluation_mode(model: nn.Module) -> Iterator[None]:
             m.training = training
 
 
+# Age after which a temporary file of :func:`atomic_torch_save` is a killed write's leftover.
+# A write takes seconds; an hour leaves room for a slow disk without keeping litter for good.
+_STALE_TEMPORARY_SECONDS = 3600.0
+
+
+def _temporary_prefix(path: str) -> str:
+    """The prefix of the temporary files that saving to ``path`` creates beside it."""
+    # the target's name is part of it, so only leftovers of saves to the same file are
+    # removed; cut so that prefix, random part and suffix stay within a file name's 255 bytes
+    return f".fsd-{os.path.basename(path)[:200]}."
+
+
+def _remove_stale_temporaries(path: str | os.PathLike,
+                             older_than: float = _STALE_TEMPORARY_SECONDS) -> list[str]:
+    """Delete leftovers of earlier saves to ``path`` killed before their rename; return them.
+
+    Only the temporary files that :func:`atomic_torch_save` names after this target
+    (``.fsd-<name>.<random>.tmp`` beside it) and whose last change is more than
+    ``older_than`` seconds old are removed: a younger one may be another process's save in
+    progress.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    pattern = glob.escape(_temporary_prefix(path)) + "*.tmp"
+    removed = []
+    now = time.time()
+    for candidate in glob.glob(os.path.join(glob.escape(directory), pattern)):
+        try:
+            info = os.lstat(candidate)
+            if stat.S_ISREG(info.st_mode) and now - info.st_mtime > older_than:
+                os.remove(candidate)
+                removed.append(candidate)
+        except OSError:  # gone meanwhile, or not ours to remove: leave it
+            continue
+    return removed
+
+
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` to a temporary file in the same folder, then rename it to ``path``.
 
-    A crash never leaves a half-written file at ``path``.
+    A crash never leaves a half-written file at ``path``. A process killed before the rename
+    leaves its temporary file (``.fsd-<name>.<random>.tmp``) behind; the next save to the
+    same ``path`` removes those older than an hour.
+
+    Raises:
+        IsADirectoryError: ``path`` is a directory.
+        OSError: The folder of ``path`` is missing or cannot be written; the message names
+            ``path``, not the temporary file.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(f"{path} is a directory: give the summary a file name")
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fsd-", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=_temporary_prefix(path), suffix=".tmp")
+    except OSError as error:  # mkstemp's message would name a temporary file the user never saw
+        reason = "does not exist" if isinstance(error, FileNotFoundError) else \
+            f"cannot be written ({error.strerror})"
+        raise type(error)(f"cannot save to {path}: its folder {directory} {reason}") from None
     os.close(fd)
     try:
         torch.save(obj, tmp)
@@ -167,6 +219,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+    _remove_stale_temporaries(path)
 
 
 def _umask() -> int:
@@ -309,7 +362,13 @@ class Estimator:
         return sum(t.numel() * t.element_size() for t in self._stored.values())
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the summary to ``path`` atomically (temporary file, then rename)."""
+        """Write the summary to ``path`` atomically (temporary file, then rename).
+
+        Temporary files that earlier saves to the same ``path`` left when killed before their
+        rename, and that are more than an hour old, are removed. Raises ``IsADirectoryError``
+        if ``path`` is a directory and an ``OSError`` naming ``path`` if its folder is missing
+        or cannot be written.
+        """
         atomic_torch_save(self.to_payload(), path)
 
     def to_payload(self) -> dict[str, Any]:

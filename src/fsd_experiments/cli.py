@@ -104,3 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         # bad names, missing files, inconsistent options: a message, not a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:
+        # an --out that is a file or on a read-only disk, a full disk: what and where
+        print(f"error: {_os_error_message(error)}", file=sys.stderr)
+        return 2
+
+
+def _os_error_message(error: OSError) -> str:
+    """One line for an ``OSError``: the path and the reason, without errno's brackets."""
+    if error.filename is None:  # raised with a message of our own, or without a path
+        return str(error) if error.errno is None else f"{error.strerror}"
+    if isinstance(error, FileExistsError):  # what mkdir says of a file in the way
+        return f"{error.filename} exists and is not a directory"
+    return f"{error.filename}: {error.strerror}"

@@ -100,6 +100,8 @@ def exclusive_directory(path: str | os.PathLike) -> Iterator[None]:
     reading and writing checkpoints beside the first.
     """
     directory = Path(path)
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(f"{directory} is a file: give a directory (or a new name)")
     directory.mkdir(parents=True, exist_ok=True)
     handle = open(directory / ".lock", "a+")  # held for the whole block
     try:

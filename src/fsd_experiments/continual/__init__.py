@@ -55,6 +55,7 @@ from .runner import (
     CHECKPOINT_VERSION,
     METHODS,
     CheckpointMismatchError,
+    UnreadableCheckpointError,
     penalty_weights,
     run,
     run_continual,
@@ -72,7 +73,8 @@ from .settings import (
 __all__ = [
     "BENCHMARKS", "CHECKPOINT_VERSION", "METHODS", "OPTIMIZER_MODES", "PAPER", "PENALTY_MODES",
     "PENALTY_OUTPUTS", "CheckpointMismatchError", "Hyperparameters", "RunResults",
-    "RunSettings", "SeedResult", "Task", "accuracy_summary", "add_cli", "average_accuracy",
+    "RunSettings", "SeedResult", "Task", "UnreadableCheckpointError", "accuracy_summary",
+    "add_cli", "average_accuracy",
     "backward_transfer", "default_hyperparameters", "gap_markdown", "make_tasks", "merge_runs",
     "penalty_gap", "penalty_weights", "report", "results_markdown", "run", "run_continual",
     "run_seed", "summary_outputs", "write_results",

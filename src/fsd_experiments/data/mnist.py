@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import math
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -39,6 +41,9 @@ _GZIP_MAGIC = b"\x1f\x8b"
 
 _CHUNK = 1 << 20
 
+#: The largest data size :func:`read_idx` accepts from a header unless told otherwise.
+MAX_IDX_BYTES = 1 << 30
+
 # idx dtype codes; multi-byte types are stored big-endian.
 _IDX_DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype(np.uint8),
@@ -60,52 +65,104 @@ def _mnist_hint(kind: str, data_dir: Path) -> str:
     )
 
 
-def _read_maybe_gzip(path: Path) -> bytes:
-    """Return the content of ``path``, decompressed if it starts with the gzip magic bytes."""
-    with open(path, "rb") as f:
-        head = f.read(2)
-        f.seek(0)
-        if head != _GZIP_MAGIC:
-            return f.read()
-        try:
-            with gzip.GzipFile(fileobj=f) as gz:
-                return gz.read()
-        except (OSError, EOFError) as exc:  # BadGzipFile is an OSError; truncation is EOFError
-            raise ValueError(f"{path}: corrupt or truncated gzip data ({exc})") from exc
+class _Readable(Protocol):
+    def read(self, size: int = -1, /) -> bytes: ...
 
 
-def read_idx(path: PathLike) -> np.ndarray:
+def _read_up_to(stream: _Readable, size: int) -> bytes:
+    """Read ``size`` bytes from ``stream``, fewer only at its end."""
+    parts, left = [], size
+    while left > 0:
+        chunk = stream.read(min(left, _CHUNK))
+        if not chunk:
+            break
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+def _read_idx_stream(path: Path, stream: _Readable, shape: tuple[int | None, ...] | None,
+                     dtype: np.dtype | None, max_bytes: int) -> np.ndarray:
+    """Parse an idx file from ``stream``, reading its body only once the header is checked."""
+    head = _read_up_to(stream, 4)
+    if len(head) < 4:
+        raise ValueError(f"{path}: too short to be an idx file ({len(head)} bytes)")
+    if head[0] != 0 or head[1] != 0:
+        raise ValueError(f"{path}: bad idx magic {head.hex()} (expected two zero bytes first)")
+    code, ndim = head[2], head[3]
+    if code not in _IDX_DTYPES:
+        raise ValueError(f"{path}: unknown idx dtype code 0x{code:02X}")
+    header_len = 4 + 4 * ndim
+    dims = _read_up_to(stream, 4 * ndim)
+    if len(dims) < 4 * ndim:
+        raise ValueError(f"{path}: truncated idx header ({4 + len(dims)} of {header_len} bytes)")
+    found_shape = tuple(int(d) for d in np.frombuffer(dims, dtype=">u4", count=ndim))
+    found_dtype = _IDX_DTYPES[code]
+    if (dtype is not None and found_dtype != dtype) or (shape is not None and (
+            len(found_shape) != len(shape)
+            or any(s is not None and s != f for s, f in zip(shape, found_shape, strict=True)))):
+        wanted = "" if shape is None else " of shape (" + ", ".join(
+            "N" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+        raise ValueError(
+            f"{path}: expected {dtype.name if dtype is not None else 'an idx array'}{wanted}, "
+            f"the header declares {found_dtype.name} {found_shape}")
+    # Python ints: the declared size cannot overflow, however large the header's dimensions
+    expected = math.prod(found_shape) * found_dtype.itemsize
+    if expected > max_bytes:
+        # checked before reading the body: a small .gz can declare and inflate to gigabytes
+        raise ValueError(
+            f"{path}: the header declares {found_dtype.name} {found_shape} ({expected} bytes), "
+            f"more than the {max_bytes} bytes allowed; the file is corrupt or not this data set")
+    # one byte past the declared size is enough to know the body is too long
+    body = _read_up_to(stream, expected + 1)
+    if len(body) < expected:
+        raise ValueError(
+            f"{path}: idx data size {len(body)} bytes does not match header shape "
+            f"{found_shape} of {found_dtype.name} ({expected} bytes); the file is truncated")
+    if len(body) > expected:
+        raise ValueError(
+            f"{path}: idx data longer than its header's shape {found_shape} of "
+            f"{found_dtype.name} ({expected} bytes); the file is corrupt")
+    arr = np.frombuffer(body, dtype=found_dtype).reshape(found_shape)
+    # astype copies, which also gives a writable array (torch.from_numpy warns on read-only).
+    return arr.astype(found_dtype.newbyteorder("="))
+
+
+def read_idx(path: PathLike, *, shape: tuple[int | None, ...] | None = None,
+             dtype: np.dtype | None = None, max_bytes: int = MAX_IDX_BYTES) -> np.ndarray:
     """Parse an idx file (as used by MNIST) into a native-endian, writable numpy array.
 
     The header is two zero bytes, a dtype code (0x08 uint8, 0x09 int8, 0x0B int16, 0x0C int32,
     0x0D float32, 0x0E float64), the number of dimensions and one big-endian uint32 per
     dimension; the data follow in C order, big-endian. gzip compression is detected from the
-    file's magic bytes, not its name. Raises ``ValueError`` naming the file for a bad header or
-    a size that does not match the header.
+    file's magic bytes, not its name, and decompressed as the file is read.
+
+    Args:
+        path: The idx file, raw or gzip-compressed.
+        shape: The shape the header must declare; ``None`` entries match any length.
+        dtype: The element type the header must declare.
+        max_bytes: The largest data size the header may declare.
+
+    Returns:
+        The array, in native byte order.
+
+    Raises:
+        ValueError: Naming the file, for a bad header, a header that declares another shape
+            or dtype or more than ``max_bytes`` (checked before the data are read, so a small
+            gzip file that would inflate to gigabytes is refused without inflating it), or
+            data whose size does not match the header.
     """
     path = Path(path)
-    raw = _read_maybe_gzip(path)
-    if len(raw) < 4:
-        raise ValueError(f"{path}: too short to be an idx file ({len(raw)} bytes)")
-    if raw[0] != 0 or raw[1] != 0:
-        raise ValueError(f"{path}: bad idx magic {raw[:4].hex()} (expected two zero bytes first)")
-    code, ndim = raw[2], raw[3]
-    if code not in _IDX_DTYPES:
-        raise ValueError(f"{path}: unknown idx dtype code 0x{code:02X}")
-    header_len = 4 + 4 * ndim
-    if len(raw) < header_len:
-        raise ValueError(f"{path}: truncated idx header ({len(raw)} of {header_len} bytes)")
-    shape = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
-    dtype = _IDX_DTYPES[code]
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if len(raw) - header_len != expected:
-        raise ValueError(
-            f"{path}: idx data size {len(raw) - header_len} bytes does not match header "
-            f"shape {shape} of {dtype.name} ({expected} bytes); the file is truncated or corrupt"
-        )
-    arr = np.frombuffer(raw, dtype=dtype, offset=header_len).reshape(shape)
-    # astype copies, which also gives a writable array (torch.from_numpy warns on read-only).
-    return arr.astype(dtype.newbyteorder("="))
+    with open(path, "rb") as f:
+        compressed = f.read(2) == _GZIP_MAGIC
+        f.seek(0)
+        if not compressed:
+            return _read_idx_stream(path, f, shape, dtype, max_bytes)
+        try:
+            with gzip.GzipFile(fileobj=f) as gz:
+                return _read_idx_stream(path, gz, shape, dtype, max_bytes)
+        except (OSError, EOFError) as exc:  # BadGzipFile is an OSError; truncation is EOFError
+            raise ValueError(f"{path}: corrupt or truncated gzip data ({exc})") from exc
 
 
 def _find_idx(directory: Path, name: str) -> Path | None:
@@ -164,14 +221,11 @@ def load_mnist(
         )
     img_path, lab_path = paths
     assert img_path is not None and lab_path is not None
-    images, labels = read_idx(img_path), read_idx(lab_path)
-    if images.ndim != 3 or images.shape[1:] != (28, 28) or images.dtype != np.uint8:
-        raise ValueError(
-            f"{img_path}: expected uint8 images of shape (N, 28, 28), "
-            f"got {images.dtype} {images.shape}"
-        )
-    if labels.ndim != 1 or labels.dtype != np.uint8:
-        raise ValueError(f"{lab_path}: expected uint8 labels of shape (N,), got {labels.shape}")
+    # the headers are checked against the split's shapes before any data are read
+    n = _SPLIT_SIZES[split]
+    images = read_idx(img_path, shape=(None, 28, 28), dtype=np.dtype(np.uint8),
+                      max_bytes=n * 28 * 28)
+    labels = read_idx(lab_path, shape=(None,), dtype=np.dtype(np.uint8), max_bytes=n)
     if len(images) != len(labels):
         raise ValueError(
             f"{img_path} has {len(images)} images but {lab_path} has {len(labels)} labels"
@@ -183,16 +237,28 @@ def load_mnist(
     return x, y
 
 
-def _sha256_stream(path: Path) -> str:
-    """sha256 hex digest of the (decompressed if gzip) content of ``path``, streamed."""
+def _official_size(name: str) -> int:
+    """Bytes of the official (uncompressed) MNIST idx file ``name``."""
+    n = _SPLIT_SIZES["train" if name.startswith("train") else "test"]
+    return 16 + n * 28 * 28 if "images" in name else 8 + n
+
+
+def _sha256_stream(path: Path, limit: int) -> str:
+    """sha256 hex digest of the (decompressed if gzip) content of ``path``, streamed.
+
+    At most ``limit`` + 1 bytes are read: a longer file cannot match a digest of ``limit``
+    bytes, and a small .gz could otherwise inflate to gigabytes.
+    """
     h = hashlib.sha256()
     with open(path, "rb") as f:
         gz = f.read(2) == _GZIP_MAGIC
         f.seek(0)
         stream = gzip.GzipFile(fileobj=f) if gz else f
+        left = limit + 1
         try:
-            while chunk := stream.read(_CHUNK):
+            while left > 0 and (chunk := stream.read(min(_CHUNK, left))):
                 h.update(chunk)
+                left -= len(chunk)
         except (OSError, EOFError) as exc:
             raise ValueError(f"{path}: corrupt or truncated gzip data ({exc})") from exc
     return h.hexdigest()
@@ -213,7 +279,7 @@ def verify_mnist(directory: PathLike) -> None:
             raise DataNotFoundError(
                 f"MNIST file {name}[.gz] not found in {directory}. Obtain it with:  {refetch}"
             )
-        got = _sha256_stream(path)
+        got = _sha256_stream(path, _official_size(name))
         if got != expected:
             raise ValueError(
                 f"{path}: sha256 mismatch (expected {expected}, got {got}); the file is corrupt "

@@ -102,6 +102,9 @@ def run_mislabeled(methods: Sequence[str] = ("bgln-d", "ewc", "cg", "random"), *
     methods = _check_methods(methods, MISLABELED_METHODS)
     device = resolve_device(device)
     x_all, y_all = load_mnist(data_dir, "train")
+    if n_train > x_all.shape[0]:  # slicing would silently keep fewer (and index past them)
+        raise ValueError(f"n_train {n_train} is more than the {x_all.shape[0]} MNIST training "
+                         "images")
     generator = torch.Generator().manual_seed(seed)
     keep = torch.randperm(x_all.shape[0], generator=generator)[:n_train]
     x = x_all[keep].reshape(len(keep), -1)
