@@ -19,6 +19,7 @@ from datafiles import write_cifar, write_mnist_like
 from fsd_experiments import continual
 from fsd_experiments.benchmarks import make_tasks
 from fsd_experiments.cli import main
+from fsd_experiments.continual.reporting import penalty_gap
 from fsd_experiments.continual.settings import Hyperparameters
 from fsd_experiments.models import cifar_cnn, conv_net
 from fsd_experiments.presets import CNN_METHODS
@@ -165,24 +166,22 @@ def _check_cifar_run(res: dict, tasks: int, method: str, out: Path) -> None:
 def test_split_cifar100_end_to_end_and_resume(tmp_path, cifar_dir, capsys, method):
     extra = ["--tasks", "2"]
     if method == "bgln-s-cw":
-        # one covariance per class is one 3072 × 3072 eigendecomposition each: two classes
-        extra += ["--train-subset", "3"]
+        # each class's covariance costs 3072 × 3072 eigendecompositions: at most two classes
+        # (the Fashion-MNIST test fits all of them)
+        extra += ["--train-subset", "2"]
     res = _run_and_resume(tmp_path, cifar_dir, "split-cifar100", method, *extra,
                           capsys=capsys)
     _check_cifar_run(res, 2, method, tmp_path)
 
 
-@pytest.mark.parametrize("method", [
-    "finetune", "laftr-coreset",
-    *(pytest.param(m, marks=pytest.mark.slow) for m in ["ntk", *MOMENTS])])
+@pytest.mark.parametrize("method", ["finetune", "laftr-coreset", "ntk"])
 def test_split_cifar100_11_end_to_end_and_resume(tmp_path, cifar_dir, capsys, method):
-    # the whole stream for the coreset-free and coreset methods; two tasks for the others
-    extra = [] if method in ("finetune", "laftr-coreset") else ["--tasks", "2"]
-    if method == "bgln-s-cw":
-        extra += ["--train-subset", "3"]
+    # the whole 11-task stream (110 outputs); the Gaussian-input methods run the same code on
+    # the 6-task benchmark above, as its first two tasks are this one's
+    extra = ["--tasks", "3"] if method == "ntk" else []
     res = _run_and_resume(tmp_path, cifar_dir, "split-cifar100-11", method, *extra,
                           capsys=capsys)
-    _check_cifar_run(res, 11 if not extra else 2, method, tmp_path)
+    _check_cifar_run(res, 3 if extra else 11, method, tmp_path)
 
 
 @pytest.mark.parametrize("method", ["finetune", "bgln-s-cw", "laftr"])
@@ -193,6 +192,9 @@ def test_split_fashion_mnist_with_the_cnn(tmp_path, fashion_dir, capsys, method)
     assert len(matrix) == 3 and res["hyperparameters"]["model"] == "cnn"
     state = torch.load(tmp_path / "checkpoints" / "seed3" / "state.pt", weights_only=True)
     assert state["model"]["13.weight"].shape == (512, 64 * 5 * 5)  # the 1×28×28 CNN
+    if method != "finetune":  # fsd cl gap rebuilds the CNN from the checkpoints
+        rows = penalty_gap(tmp_path, str(fashion_dir), examples=20)
+        assert [r["task"] for r in rows] == [1, 2] and all(r["true_fsd"] > 0 for r in rows)
     # the MLP stays the default on the MNIST benchmarks
     mlp_run = tmp_path / "mlp"
     assert _cl(mlp_run, fashion_dir, "split-fashion-mnist", "finetune", "--tasks", "2") == 0
