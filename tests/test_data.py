@@ -13,12 +13,12 @@ import tarfile
 import tracemalloc
 import warnings
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
 
+from datafiles import IDX_CODES, cifar_archive, cifar_batch, encode_idx, py2_pickle
 from fsd_experiments import data
 from fsd_experiments.data import (
     MNIST_FILES,
@@ -53,23 +53,6 @@ needs_mnist = pytest.mark.skipif(not HAVE_MNIST, reason=f"MNIST not found in {SH
 # idx format: a hand-written encoder, independent of the parser under test
 # --------------------------------------------------------------------------------------------
 
-_CODES = {
-    np.dtype(np.uint8): 0x08,
-    np.dtype(np.int8): 0x09,
-    np.dtype(np.int16): 0x0B,
-    np.dtype(np.int32): 0x0C,
-    np.dtype(np.float32): 0x0D,
-    np.dtype(np.float64): 0x0E,
-}
-
-
-def encode_idx(arr: np.ndarray) -> bytes:
-    """Encode ``arr`` in the idx format: magic, dims as big-endian uint32, big-endian data."""
-    header = bytes([0, 0, _CODES[arr.dtype], arr.ndim])
-    header += b"".join(struct.pack(">I", d) for d in arr.shape)
-    return header + arr.astype(arr.dtype.newbyteorder(">")).tobytes()
-
-
 def _sample(dtype: np.dtype, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     """Random array covering negative and large values where the dtype allows them."""
     rng = np.random.default_rng(seed)
@@ -79,7 +62,7 @@ def _sample(dtype: np.dtype, shape: tuple[int, ...], seed: int = 0) -> np.ndarra
     return rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=dtype)
 
 
-@pytest.mark.parametrize("dtype", list(_CODES), ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", list(IDX_CODES), ids=lambda d: d.name)
 @pytest.mark.parametrize("compress", [False, True], ids=["raw", "gz"])
 def test_idx_round_trip_all_dtypes(tmp_path: Path, dtype: np.dtype, compress: bool) -> None:
     for shape in [(7,), (3, 4, 5), (2, 1, 3, 2), (0, 4)]:
@@ -679,68 +662,27 @@ def test_uci_target_listed_as_a_feature_is_refused(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-class _Py2StylePickler(pickle._Pickler):  # type: ignore[name-defined]
-    """Protocol-2 pickler writing str/bytes as Python 2 ``str`` opcodes, as cPickle did for the
-    official CIFAR files (they come back as ``bytes`` under ``encoding="bytes"``)."""
-
-    dispatch: ClassVar[dict] = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
-
-    def save_py2_str(self, obj) -> None:
-        raw = obj.encode("latin1") if isinstance(obj, str) else obj
-        if len(raw) < 256:
-            self.write(pickle.SHORT_BINSTRING + bytes([len(raw)]) + raw)
-        else:
-            self.write(pickle.BINSTRING + struct.pack("<i", len(raw)) + raw)
-        self.memoize(obj)
-
-    dispatch[str] = save_py2_str
-    dispatch[bytes] = save_py2_str
-
-
-def _py2_pickle(obj: object) -> bytes:
-    buf = io.BytesIO()
-    _Py2StylePickler(buf, protocol=2).dump(obj)
-    # The official files name numpy's pre-2.0 module; emulate that exactly.
-    return buf.getvalue().replace(b"cnumpy._core.multiarray\n", b"cnumpy.core.multiarray\n")
-
-
-def _cifar_batch(n: int, n_classes: int, seed: int, cifar100: bool = False) -> dict:
-    rng = np.random.default_rng(seed)
-    batch: dict = {
-        b"batch_label": b"training batch",
-        b"data": rng.integers(0, 256, size=(n, 3072), dtype=np.uint8),
-        b"filenames": [b"img%d.png" % i for i in range(n)],
-    }
-    labels = rng.integers(0, n_classes, size=n).tolist()
-    if cifar100:
-        batch[b"fine_labels"] = labels
-        batch[b"coarse_labels"] = [v // 5 for v in labels]
-    else:
-        batch[b"labels"] = labels
-    return batch
-
-
 @pytest.fixture
 def cifar_root(tmp_path: Path) -> tuple[Path, dict[str, dict]]:
     batches: dict[str, dict] = {}
     c10 = tmp_path / "cifar-10-batches-py"
     c10.mkdir()
     for i in range(1, 6):
-        batches[f"data_batch_{i}"] = _cifar_batch(3, 10, seed=i)
-        (c10 / f"data_batch_{i}").write_bytes(_py2_pickle(batches[f"data_batch_{i}"]))
-    batches["test_batch"] = _cifar_batch(2, 10, seed=9)
-    (c10 / "test_batch").write_bytes(_py2_pickle(batches["test_batch"]))
+        batches[f"data_batch_{i}"] = cifar_batch(3, 10, seed=i)
+        (c10 / f"data_batch_{i}").write_bytes(py2_pickle(batches[f"data_batch_{i}"]))
+    batches["test_batch"] = cifar_batch(2, 10, seed=9)
+    (c10 / "test_batch").write_bytes(py2_pickle(batches["test_batch"]))
     c100 = tmp_path / "cifar-100-python"
     c100.mkdir()
     for split, n in (("train", 4), ("test", 2)):
-        batches[split] = _cifar_batch(n, 100, seed=n, cifar100=True)
+        batches[split] = cifar_batch(n, 100, seed=n, cifar100=True)
         # A Python 3 pickle (protocol 4) must load too.
         (c100 / split).write_bytes(pickle.dumps(batches[split], protocol=4))
     return tmp_path, batches
 
 
 def test_py2_style_pickle_uses_official_globals() -> None:
-    blob = _py2_pickle(_cifar_batch(1, 10, seed=0))
+    blob = py2_pickle(cifar_batch(1, 10, seed=0))
     assert b"cnumpy.core.multiarray\n_reconstruct" in blob and b"_codecs" not in blob
 
 
@@ -791,7 +733,7 @@ class _Evil:
 def test_cifar_malicious_pickle_refused(cifar_root: tuple[Path, dict[str, dict]]) -> None:
     root, _ = cifar_root
     marker = root / "pwned"
-    evil = _cifar_batch(3, 10, seed=1)
+    evil = cifar_batch(3, 10, seed=1)
     evil[b"labels"] = _Evil(marker)
     (root / "cifar-10-batches-py" / "data_batch_3").write_bytes(pickle.dumps(evil, protocol=2))
     with pytest.raises(pickle.UnpicklingError, match="data_batch_3"):
@@ -811,11 +753,81 @@ def test_restricted_unpickler_allow_list(module: str, name: str) -> None:
 
 def test_cifar_wrong_content(cifar_root: tuple[Path, dict[str, dict]]) -> None:
     root, _ = cifar_root
-    bad = _cifar_batch(3, 10, seed=1)
+    bad = cifar_batch(3, 10, seed=1)
     bad[b"data"] = bad[b"data"][:, :100]
-    (root / "cifar-10-batches-py" / "test_batch").write_bytes(_py2_pickle(bad))
+    (root / "cifar-10-batches-py" / "test_batch").write_bytes(py2_pickle(bad))
     with pytest.raises(ValueError, match="test_batch"):
         load_cifar(root, split="test")
+
+
+# --------------------------------------------------------------------------------------------
+# fsd data fetch cifar10|cifar100 --source ARCHIVE, on tiny archives of the official layout
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cifar_md5_of(monkeypatch: pytest.MonkeyPatch):
+    """Make the given archives the "official" ones (their MD5 replaces the published one)."""
+    def accept(kind: str, archive: Path) -> Path:
+        digest = hashlib.md5(archive.read_bytes(), usedforsecurity=False).hexdigest()
+        monkeypatch.setitem(data.fetching.CIFAR_ARCHIVE_MD5, kind, digest)
+        return archive
+    return accept
+
+
+@pytest.mark.parametrize("kind", ["cifar10", "cifar100"])
+def test_fetch_cifar_unpacks_the_official_archive(tmp_path: Path, cifar_md5_of, kind: str
+                                                  ) -> None:
+    archive = cifar_md5_of(kind, cifar_archive(tmp_path / f"{kind}.tar.gz", kind))
+    out = fetch(kind, tmp_path / "dd", source=archive)
+    assert out == tmp_path / "dd" / data.CIFAR_DIRS[kind]
+    x, y = load_cifar(tmp_path / "dd", split="test", kind=kind)
+    classes = 10 if kind == "cifar10" else 100
+    assert x.shape == (classes, 3, 32, 32) and y.tolist() == list(range(classes))
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        data.cifar.batch_files(kind, "train") + data.cifar.batch_files(kind, "test"))
+    assert fetch(kind, tmp_path / "dd") == out  # present: nothing to do without --source
+
+
+def test_fetch_cifar_refuses_wrong_and_hostile_archives(tmp_path: Path, cifar_md5_of,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    from fsd_experiments.cli import main
+    c100 = cifar_archive(tmp_path / "c100.tar.gz", "cifar100")
+    # not the published MD5: refused before reading, in one line, nothing written
+    assert main(["data", "fetch", "cifar10", "--source", str(c100),
+                 "--data-dir", str(tmp_path / "dd")]) == 2
+    err = capsys.readouterr().err
+    assert "not the official cifar-10-python.tar.gz" in err and err.count("\n") == 1
+    assert not (tmp_path / "dd").exists()
+    # the right MD5 but the other data set's folder
+    cifar_md5_of("cifar10", c100)
+    with pytest.raises(ValueError, match=r"not cifar-10-python\.tar\.gz"):
+        fetch("cifar10", tmp_path / "dd", source=c100)
+    # path traversal and links, even beside valid batches
+    escape = tarfile.TarInfo("cifar-10-batches-py/../../evil")
+    escape.size = 1
+    link = tarfile.TarInfo("cifar-10-batches-py/test_batch")
+    link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+    for name, extra, needle in [("escape", escape, "unsafe member path"),
+                                ("link", link, "not a regular file")]:
+        bad = cifar_archive(tmp_path / f"{name}.tar.gz", "cifar10", extra=[extra])
+        cifar_md5_of("cifar10", bad)
+        with pytest.raises(ValueError, match=needle):
+            fetch("cifar10", tmp_path / "dd", source=bad)
+    # not an archive; not a file
+    junk = tmp_path / "junk.tar.gz"
+    junk.write_bytes(b"no tar here")
+    cifar_md5_of("cifar10", junk)
+    with pytest.raises(ValueError, match="not a readable tar archive"):
+        fetch("cifar10", tmp_path / "dd", source=junk)
+    with pytest.raises(DataNotFoundError, match="is not a file"):
+        fetch("cifar10", tmp_path / "dd", source=tmp_path)
+    assert not (tmp_path / "dd").exists() and not (tmp_path.parent / "evil").exists()
+
+
+def test_cifar_archive_md5_table_is_torchvisions() -> None:
+    assert data.fetching.CIFAR_ARCHIVE_MD5 == {"cifar10": "c58f30108f718f92721af3b95e74349a",
+                                               "cifar100": "eb9058c3a382ffc7106e4002c42a8d85"}
 
 
 # --------------------------------------------------------------------------------------------

@@ -84,6 +84,18 @@ def test_save_load_roundtrip_stochastic_is_seeded(make, tmp_path):
     assert float(make().fit(model, data).distance(other)) == first[0]
 
 
+@pytest.mark.parametrize("classwise", [False, True], ids=["bgln-s", "bgln-s-cw"])
+def test_bgln_s_summary_of_a_cnn_loads_back(classwise, tmp_path):
+    # a conv layer's gate frequencies are stored per unit, shape (groups, C, H, W)
+    model, data = cnn(seed=0), labelled_batches(12, (1, 8, 8), seed=1)
+    est = fsd.BGLN(num_samples=4, classwise=classwise, seed=2).fit(model, data)
+    assert any(v.dim() == 4 for k, v in est._state.items() if k.startswith("gate."))
+    est.save(tmp_path / "s.pt")
+    other = perturbed(model)
+    assert float(fsd.load(tmp_path / "s.pt").distance(other)) == float(
+        fsd.BGLN(num_samples=4, classwise=classwise, seed=2).fit(model, data).distance(other))
+
+
 def test_load_refuses_pickled_objects(tmp_path):
     marker = tmp_path / "pwned"
 

@@ -41,6 +41,7 @@ from .statistics import StatisticsCollector
 from .validation import (
     SummaryFormatError,
     positive_int,
+    require,
     require_nonnegative,
     require_probabilities,
     require_psd,
@@ -256,7 +257,9 @@ class _LinearizedEstimator(Estimator):
             require_shape(stored, cov, [groups, h, h])
             require_psd(stored, cov)
         for key in [k for k in stored if k.startswith("gate.")]:
-            require_shape(stored, key, [groups, None])
+            # one frequency per unit: (groups, h) after a Linear, (groups, C, H, W) after a conv
+            gate = require(stored, key)
+            require_shape(stored, key, [groups] + [None] * max(gate.dim() - 1, 1))
             require_probabilities(stored, key)
 
     # ----- distance ---------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""The benchmarks of the studies: MNIST task streams shared by ``fsd cl`` and ``fsd fidelity``.
+"""The benchmarks of the studies: the task streams shared by ``fsd cl`` and ``fsd fidelity``.
 
 A :class:`Task` is one task's training and test tensors (and, on multi-head benchmarks, the
 output units it uses). :func:`make_tasks` builds the continual-learning streams of ``fsd cl``
-(:data:`CL_BENCHMARKS`); :func:`load_benchmark` the first two tasks of a benchmark, with
+(:data:`CL_BENCHMARKS`: MNIST, Fashion-MNIST and Split CIFAR-100);
+:func:`load_benchmark` the first two MNIST tasks of a benchmark, with
 flattened inputs, that ``fsd fidelity`` compares estimators on (:data:`FIDELITY_BENCHMARKS`).
 Both keep random subsets with :func:`subset`; their seeding is each command's own.
 """
@@ -14,14 +15,25 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .data import load_mnist, resolve_data_dir, split_by_classes
+from .data import CIFAR_DIRS, load_cifar, load_mnist, resolve_data_dir, split_by_classes
 
 #: the continual-learning benchmarks of ``fsd cl``
-CL_BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist", "split-fashion-mnist")
+CL_BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist", "split-fashion-mnist",
+                                  "split-cifar100", "split-cifar100-11")
+#: Split CIFAR-100's benchmarks and their number of tasks: CIFAR-10, then 5 or 10 tasks of 10
+#: CIFAR-100 classes each (classes 0–9, 10–19, … in order)
+CIFAR_BENCHMARKS: dict[str, int] = {"split-cifar100": 6, "split-cifar100-11": 11}
+#: the networks ``fsd cl --model`` trains (:mod:`fsd_experiments.models`)
+MODELS: tuple[str, ...] = ("mlp", "cnn")
 #: the benchmarks whose first two tasks ``fsd fidelity`` uses
 FIDELITY_BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist")
 #: Split MNIST's tasks: digit pairs, in order
 SPLIT_PAIRS: tuple[tuple[int, int], ...] = ((0, 1), (2, 3), (4, 5), (6, 7), (8, 9))
+
+
+def default_model(benchmark: str) -> str:
+    """The network a benchmark trains unless asked otherwise: the CNN on CIFAR, else the MLP."""
+    return "cnn" if benchmark in CIFAR_BENCHMARKS else "mlp"
 
 
 @dataclass
@@ -68,13 +80,37 @@ def _load_cached(data_dir: str | None, split: str, kind: str) -> tuple[Tensor, T
     # The folder's files, sizes and modification times are part of the key, so files that
     # change on disk are read again
     directory = resolve_data_dir(data_dir)
-    folder = directory / ("fashion-mnist" if kind == "fashion-mnist" else "mnist")
+    folder = directory / CIFAR_DIRS.get(
+        kind, "fashion-mnist" if kind == "fashion-mnist" else "mnist")
     stamp = tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
                          for p in folder.glob("*") if p.is_file())) if folder.is_dir() else ()
     key = (str(directory), split, kind, stamp)
     if key not in _LOADED:
-        _LOADED[key] = load_mnist(data_dir, split, kind=kind)
+        _LOADED[key] = (load_cifar(data_dir, split, kind=kind) if kind in CIFAR_DIRS
+                        else load_mnist(data_dir, split, kind=kind))
     return _LOADED[key]
+
+
+def _cifar_tasks(benchmark: str, data_dir: str | None, generator: torch.Generator,
+                 train_subset: int | None, test_subset: int | None,
+                 num_tasks: int | None) -> tuple[list[Task], int]:
+    """Split CIFAR-100: CIFAR-10's 10 classes, then CIFAR-100's classes in blocks of 10.
+
+    Each task has its own head of 10 units (task t: units 10t … 10t + 9) and labels 0–9.
+    """
+    total = CIFAR_BENCHMARKS[benchmark]
+    count = total if num_tasks is None else min(num_tasks, total)
+    tasks: list[Task] = []
+    for i in range(count):
+        kind = "cifar10" if i == 0 else "cifar100"
+        classes = list(range(10)) if i == 0 else list(range(10 * (i - 1), 10 * i))
+        x_tr, y_tr = _load_cached(data_dir, "train", kind)
+        x_te, y_te = _load_cached(data_dir, "test", kind)
+        xa, ya = subset(*split_by_classes(x_tr, y_tr, classes), train_subset, generator)
+        xb, yb = subset(*split_by_classes(x_te, y_te, classes), test_subset, generator)
+        name = "CIFAR-10" if i == 0 else f"CIFAR-100 {classes[0]}–{classes[-1]}"
+        tasks.append(Task(xa, ya, xb, yb, name, list(range(10 * i, 10 * i + 10))))
+    return tasks, 10 * total
 
 
 def make_tasks(benchmark: str, data_dir: str | None, seed: int, *,
@@ -92,11 +128,13 @@ def make_tasks(benchmark: str, data_dir: str | None, seed: int, *,
     """
     if benchmark not in CL_BENCHMARKS:
         raise ValueError(f"unknown benchmark {benchmark!r}; expected one of {CL_BENCHMARKS}")
+    # separate generators so subsets do not depend on how many permutations were drawn
+    sub_gen = torch.Generator().manual_seed(10_000 + seed)
+    if benchmark in CIFAR_BENCHMARKS:
+        return _cifar_tasks(benchmark, data_dir, sub_gen, train_subset, test_subset, num_tasks)
     kind = "fashion-mnist" if benchmark == "split-fashion-mnist" else "mnist"
     x_tr, y_tr = _load_cached(data_dir, "train", kind)
     x_te, y_te = _load_cached(data_dir, "test", kind)
-    # separate generators so subsets do not depend on how many permutations were drawn
-    sub_gen = torch.Generator().manual_seed(10_000 + seed)
     tasks: list[Task] = []
     if benchmark.startswith("split"):
         count = len(SPLIT_PAIRS) if num_tasks is None else min(num_tasks, len(SPLIT_PAIRS))

@@ -57,9 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="obtain and check data sets")
     data_sub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     fetch = data_sub.add_parser("fetch", help="put a data set into the data directory")
-    fetch.add_argument("name", help="mnist, fashion-mnist (cifar10/cifar100/uci: manual steps)")
+    fetch.add_argument("name", help="mnist, fashion-mnist, cifar10, cifar100 (uci: manual "
+                                    "steps)")
     fetch.add_argument("--source", default=None,
-                       help="copy from this folder instead of downloading (e.g. a local mirror)")
+                       help="copy from this folder instead of downloading (e.g. a local "
+                            "mirror); for cifar10/cifar100 the official archive "
+                            "cifar-10-python.tar.gz / cifar-100-python.tar.gz")
     _add_data_dir(fetch)
     fetch.set_defaults(func=_cmd_data_fetch)
 

@@ -7,9 +7,9 @@ here, with what the older version meant.
     results.json files without ``schema_version`` (version 1) may lack ``complete``,
     ``seeds_requested`` and ``device``, and settings added since: ``optimizer`` (before it,
     a fresh Adam per task), ``penalty`` (the plain sum), ``penalty_outputs`` (each summary
-    covered its task's head, which on a single-head benchmark is every logit) and other
-    settings whose default is ``None``. Checkpoints from before ``penalty_outputs`` resume
-    under the same rule.
+    covered its task's head, which on a single-head benchmark is every logit), ``model``
+    (the MLP) and other settings whose default is ``None`` (``first_epochs``: every task
+    trained ``epochs``). Checkpoints from before these settings resume under the same rules.
 
 ``fsd influence``:
     mislabeled results written before the pool's corrupted mask was saved rebuild it from
@@ -34,7 +34,8 @@ from .stats import bootstrap_intervals
 CL_RESULTS_SCHEMA = 2
 
 # cl settings that older results files lack, and what those runs did
-_CL_LEGACY_SETTINGS: dict[str, Any] = {"optimizer": "per-task", "penalty": "sum"}
+_CL_LEGACY_SETTINGS: dict[str, Any] = {"optimizer": "per-task", "penalty": "sum",
+                                        "model": "mlp"}
 
 
 def legacy_penalty_outputs(benchmark: str, method: str) -> str:
@@ -46,9 +47,11 @@ def legacy_penalty_outputs(benchmark: str, method: str) -> str:
 def cl_checkpoint_settings(saved: str, benchmark: str, method: str) -> dict[str, Any]:
     """The settings stored in an ``fsd cl`` checkpoint (JSON text), in today's terms.
 
-    A checkpoint written before ``penalty_outputs`` covered each task's head.
+    A checkpoint written before ``penalty_outputs`` covered each task's head; one written
+    before ``model`` and ``first_epochs`` trained the MLP, every task for ``epochs``.
     """
-    return {"penalty_outputs": legacy_penalty_outputs(benchmark, method), **json.loads(saved)}
+    return {"penalty_outputs": legacy_penalty_outputs(benchmark, method), "model": "mlp",
+            "first_epochs": None, **json.loads(saved)}
 
 
 def cl_hyperparameters(raw: Mapping[str, Any], benchmark: str, method: str) -> dict[str, Any]:

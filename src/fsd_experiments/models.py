@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -16,19 +17,41 @@ def mlp(input_dim: int, width: int, depth: int, outputs: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def cifar_cnn(heads: int = 6, classes_per_head: int = 10) -> nn.Sequential:
-    """The Split CIFAR100 CNN (Zenke et al. 2017, used by FROMP / S-FSVI), P = 1,276,508.
+def conv_net(input_shape: tuple[int, int, int], outputs: int, *,
+             dropout: bool = True) -> nn.Sequential:
+    """The Split CIFAR100 CNN (Zenke et al. 2017, as in FROMP / S-FSVI) for any image shape.
 
-    conv3×3 32 ('same'), conv3×3 32 ('valid'), maxpool 2, conv3×3 64 ('same'),
-    conv3×3 64 ('valid'), maxpool 2, dense 2304→512, and ``heads`` heads of
-    ``classes_per_head`` outputs, stored as one Linear (same parameter count). Dropout is
-    left out: it holds no parameters and no statistics.
+    conv3×3 32 ('same'), conv3×3 32 ('valid'), maxpool 2, [dropout 0.25], conv3×3 64
+    ('same'), conv3×3 64 ('valid'), maxpool 2, [dropout 0.25], dense → 512, [dropout 0.5],
+    and one Linear of ``outputs`` units (all heads of a multi-head benchmark side by side).
+    The dense layer's input size follows from ``input_shape`` (C, H, W): 64·6·6 for 3×32×32,
+    64·5·5 for 1×28×28.
+
+    Dropout is FROMP's. The estimators treat it as the identity: they measure the function
+    at evaluation, where dropout is off (``fsd.rules``).
     """
-    return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
+    channels = input_shape[0]
+
+    def drop(p: float) -> list[nn.Module]:
+        return [nn.Dropout(p)] if dropout else []
+
+    features = nn.Sequential(
+        nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 32, 3), nn.ReLU(), nn.MaxPool2d(2), *drop(0.25),
         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(64, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * 6 * 6, 512), nn.ReLU(),
-        nn.Linear(512, heads * classes_per_head),
-    )
+        nn.Conv2d(64, 64, 3), nn.ReLU(), nn.MaxPool2d(2), *drop(0.25),
+        nn.Flatten())
+    with torch.no_grad():  # the flattened size of one input, whatever its height and width
+        flat = int(features(torch.zeros(1, *input_shape)).shape[1])
+    return nn.Sequential(
+        *features, nn.Linear(flat, 512), nn.ReLU(), *drop(0.5), nn.Linear(512, outputs))
+
+
+def cifar_cnn(heads: int = 6, classes_per_head: int = 10, *,
+              dropout: bool = True) -> nn.Sequential:
+    """The Split CIFAR100 CNN on 3×32×32 inputs with ``heads`` heads: P = 1,276,508 for 6.
+
+    :func:`conv_net` with ``heads × classes_per_head`` outputs, stored as one Linear (same
+    parameter count); dropout holds no parameters.
+    """
+    return conv_net((3, 32, 32), heads * classes_per_head, dropout=dropout)

@@ -20,7 +20,7 @@ from fsd.kfac import KFAC
 from fsd.linearized import BGLN, LAFTR
 from fsd.ntk import NTK
 
-from .benchmarks import CL_BENCHMARKS
+from .benchmarks import CIFAR_BENCHMARKS, CL_BENCHMARKS, default_model
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,24 @@ class Preset:
         return self.estimator is LAFTR and self.options.get("inputs") == "gaussian"
 
     @property
+    def metric_applies(self) -> bool:
+        """The output metric is a setting: LAFTR, BGLN-S and NTK (BGLN-D has only the Euclidean)."""
+        if self.estimator is BGLN:
+            return not self.options.get("deterministic", False)
+        return self.estimator in (LAFTR, NTK)
+
+    @property
+    def convolutional(self) -> bool:
+        """Runs on convolutional networks (``fsd cl --model cnn``).
+
+        All but BGLN-D and its variants, whose moment propagation is implemented for MLPs
+        only, and K-FAC (OSLA), whose factors cover ``nn.Linear`` layers only.
+        """
+        if self.estimator is BGLN:
+            return not self.options.get("deterministic", False)
+        return self.estimator is not KFAC
+
+    @property
     def needs_statistics(self) -> bool:
         """``fit`` reads a :class:`fsd.statistics.StatisticsCollector` (moments or gates)."""
         return self.moments is not None or self.gates
@@ -92,9 +110,7 @@ class Preset:
         options["seed"] = seed
         if self.moments is not None and hp.get("rank") is not None:
             options.update(covariance="lowrank", rank=hp["rank"])
-        metric_applies = self.estimator is LAFTR or (
-            self.estimator is BGLN and not self.options.get("deterministic", False))
-        if metric_applies and hp.get("metric") is not None:
+        if self.metric_applies and hp.get("metric") is not None:
             options["metric"] = hp["metric"]
         return self.make(**options)
 
@@ -153,6 +169,8 @@ _ROWS: tuple[Preset, ...] = (
 PRESETS: dict[str, Preset] = {p.name: p for p in _ROWS}
 #: the methods of ``fsd cl`` (in the order ``--method`` lists them)
 CL_METHODS: tuple[str, ...] = tuple(p.name for p in _ROWS if p.name != "bgln-d-exact-layerwise")
+#: the methods of ``fsd cl`` that run on the CNN (``--model cnn``)
+CNN_METHODS: tuple[str, ...] = tuple(m for m in CL_METHODS if PRESETS[m].convolutional)
 _BY_TITLE: dict[str, Preset] = {p.title: p for p in _ROWS}
 
 
@@ -172,17 +190,31 @@ ALL_LOGIT_FAMILIES: tuple[str, ...] = ("bgln-d", "bgln-d-cw")
 # Families the tables do not list take the closest listed method's values: the -var and
 # -coreset and LAFTR variants those of BGLN-S / BGLN-D; exact-coreset those of NTK (coreset).
 # finetune and EWC are not in the tables: BGLN-S's epochs and batch size, λ = 1 for EWC
-# (not tuned).
+# (not tuned). Split CIFAR-100 has no BGLN-D column (BGLN-D does not run on the CNN): its
+# families take BGLN-S's row there. The epochs on CIFAR are those of tasks 2 onwards; the
+# first task trains 200 (_CIFAR_FIRST_EPOCHS).
 _TABLE = {
-    #            (epochs, λ, batch)  split-mnist     permuted-mnist
-    "ntk":       {"split": (15, 1.0, 256), "permuted": (5, 1.0, 256)},
-    "bgln-s":    {"split": (15, 5.0, 32), "permuted": (15, 1.0, 128)},
-    "bgln-d":    {"split": (15, 0.1, 32), "permuted": (15, 0.005, 128)},
-    "bgln-s-cw": {"split": (15, 2.0, 32), "permuted": (15, 1.0, 128)},
-    "bgln-d-cw": {"split": (15, 0.1, 32), "permuted": (15, 0.005, 128)},
-    "ewc":       {"split": (15, 1.0, 32), "permuted": (15, 1.0, 128)},
-    "finetune":  {"split": (15, 0.0, 32), "permuted": (15, 0.0, 128)},
+    #            (epochs, λ, batch)  split-mnist  permuted-mnist  split-cifar100 (6 and 11)
+    "ntk":       {"split": (15, 1.0, 256), "permuted": (5, 1.0, 256), "cifar": (80, 0.005, 512)},
+    "bgln-s":    {"split": (15, 5.0, 32), "permuted": (15, 1.0, 128), "cifar": (80, 1.0, 512)},
+    "bgln-d":    {"split": (15, 0.1, 32), "permuted": (15, 0.005, 128), "cifar": (80, 1.0, 512)},
+    "bgln-s-cw": {"split": (15, 2.0, 32), "permuted": (15, 1.0, 128), "cifar": (50, 10.0, 512)},
+    "bgln-d-cw": {"split": (15, 0.1, 32), "permuted": (15, 0.005, 128), "cifar": (50, 10.0, 512)},
+    "ewc":       {"split": (15, 1.0, 32), "permuted": (15, 1.0, 128), "cifar": (80, 1.0, 512)},
+    "finetune":  {"split": (15, 0.0, 32), "permuted": (15, 0.0, 128), "cifar": (80, 0.0, 512)},
 }
+_CIFAR_FIRST_EPOCHS = 200
+# Split CIFAR-100's output metric per method: the row of the paper's kl_cifar table (the
+# better of its two where it has both): KL for NTK, the LAFTR methods and BGLN-S (coreset),
+# softmax-Euclidean for BGLN-S and BGLN-S-CW; methods without a row there keep the
+# softmax-Euclidean of the appendix text.
+_CIFAR_METRIC = {"ntk": "kl", "laftr": "kl", "laftr-coreset": "kl", "bgln-s-coreset": "kl"}
+
+
+def _column(benchmark: str) -> str:
+    if benchmark in CIFAR_BENCHMARKS:
+        return "cifar"
+    return "permuted" if benchmark == "permuted-mnist" else "split"
 
 
 def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
@@ -190,28 +222,41 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
 
     Learning rate 0.001 everywhere except BGLN-S on Split MNIST and BGLN-D on Permuted MNIST
     (0.0001), as the paper states. Gate frequencies: running mean (the paper's momentum
-    1/batch_size is exactly a simple moving average). Split Fashion-MNIST uses Split MNIST's
-    values (the paper has no Fashion-MNIST experiment).
+    1/batch_size is exactly a simple moving average), 0.99 for BGLN-S-CW on Split CIFAR-100.
+    Split Fashion-MNIST uses Split MNIST's values (the paper has no Fashion-MNIST
+    experiment), with the MLP or the CNN. Split CIFAR-100 (6 or 11 tasks) trains the CNN,
+    200 epochs on the first task and the table's epochs on the others, coresets of 200.
     """
     if benchmark not in CL_BENCHMARKS:
         raise ValueError(f"unknown benchmark {benchmark!r}; expected one of {CL_BENCHMARKS}")
     if method not in CL_METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {', '.join(CL_METHODS)}")
-    column = "permuted" if benchmark == "permuted-mnist" else "split"
+    column = _column(benchmark)
+    cifar = column == "cifar"
     family = PRESETS[method].family
     epochs, scale, batch = _TABLE[family][column]
     lr = 1e-3
     if (column, method) in (("split", "bgln-s"), ("permuted", "bgln-d"),
                             ("permuted", "bgln-d-exact"), ("permuted", "bgln-d-layerwise")):
         lr = 1e-4
+    metric = "softmax_euclidean" if family in SOFTMAX_FAMILIES else None
+    if cifar and PRESETS[method].metric_applies:
+        metric = _CIFAR_METRIC.get(method, "softmax_euclidean")
     return {
-        "epochs": epochs, "fsd_scale": scale, "batch_size": batch, "lr": lr,
+        # first_epochs: epochs on the first task (None: ``epochs``, as on MNIST)
+        "epochs": epochs, "first_epochs": _CIFAR_FIRST_EPOCHS if cifar else None,
+        "fsd_scale": scale, "batch_size": batch, "lr": lr,
+        # the network: the MLP (width and depth apply to it) or the CNN of models.conv_net
+        "model": default_model(benchmark),
         # permuted: the authors' example settings (512); split: FROMP's 256 (docs/results.md)
         "width": 512 if column == "permuted" else 256, "depth": 2,
         # Monte Carlo samples per BGLN-S/LAFTR distance call: the paper does not say
         # (its Algorithm 1 draws one); 32 keeps the penalty's cost near BGLN-D's while its
-        # gradient noise stays well below the minibatch loss's
-        "momentum": None, "coreset_size": 40, "num_samples": 32,
+        # gradient noise stays well below the minibatch loss's.
+        # momentum: the paper's 0.99 for BGLN-S-CW on CIFAR, read as the weight kept on the
+        # past (its NTK keeps no gate statistics)
+        "momentum": 0.99 if cifar and family == "bgln-s-cw" else None,
+        "coreset_size": 200 if cifar else 40, "num_samples": 32,
         "fisher_samples": 1000, "train_subset": None, "test_subset": None, "tasks": None,
         # the authors' code: one Adam for the stream, penalty averaged over previous tasks
         "optimizer": "shared", "penalty": "mean",
@@ -219,8 +264,8 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
         # covariance as its top-r eigenpairs plus a diagonal (BGLN methods with full moments)
         "rank": None,
         # output metric of the Monte Carlo (LAFTR / BGLN-S) penalties (the authors' BGLN-S
-        # code measures softmax outputs)
-        "metric": "softmax_euclidean" if family in SOFTMAX_FAMILIES else None,
+        # code measures softmax outputs) and of NTK on CIFAR
+        "metric": metric,
         # multi-head benchmarks: the logits each task's summary covers. The authors' BGLN-D
         # (``determ_fsd``) is never given the task's label set, so it covers all of them;
         # their sampled and coreset penalties are restricted to the task's head

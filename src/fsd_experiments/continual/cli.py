@@ -18,7 +18,9 @@ from ..argtypes import (
     positive_float,
     positive_int,
 )
+from ..benchmarks import MODELS
 from ..io import DirectoryInUseError, atomic_write_text
+from ..presets import CNN_METHODS
 from .reporting import gap_markdown, merge_runs, penalty_gap, report
 from .results import results_markdown
 from .runner import BENCHMARKS, METHODS, CheckpointMismatchError, run
@@ -107,13 +109,18 @@ def _add_run_options(parser: argparse.ArgumentParser, *, enforce_required: bool)
     paper = "(default: the paper's for the benchmark and method)"
     for name, kind, what in [
             ("--epochs", positive_int, f"epochs per task {paper}"),
+            ("--first-epochs", positive_int, "epochs on the first task (default: the paper's, "
+             "200 on Split CIFAR-100; elsewhere --epochs)"),
             ("--lr", positive_float, f"Adam learning rate {paper}"),
             ("--batch-size", positive_int, f"batch size {paper}"),
             ("--fsd-scale", nonnegative_float, f"penalty weight λ {paper}"),
-            ("--width", positive_int, "hidden width (default: split 256, permuted 512)"),
+            ("--width", positive_int, "hidden width of the MLP (default: split 256, "
+             "permuted 512)"),
             ("--momentum", momentum, "EMA momentum of the gate frequencies, the weight kept on "
-             "the past (default: running mean, which is the paper's 1/batch_size)"),
-            ("--coreset-size", positive_int, "coreset points per task (default 40)"),
+             "the past (default: running mean, which is the paper's 1/batch_size; 0.99 for "
+             "bgln-s-cw on Split CIFAR-100)"),
+            ("--coreset-size", positive_int, "coreset points per task (default 40; 200 on "
+             "Split CIFAR-100)"),
             ("--num-samples", positive_int, "Monte Carlo samples per BGLN-S/LAFTR distance call "
              "(default 32)"),
             ("--train-subset", positive_int, "random training examples kept per task (tiny runs)"),
@@ -124,6 +131,11 @@ def _add_run_options(parser: argparse.ArgumentParser, *, enforce_required: bool)
              "a diagonal (BGLN methods with full moments; default: full covariance, "
              "64 for bgln-d-exact)")]:
         parser.add_argument(name, type=kind, default=None, help=what)
+    parser.add_argument("--model", choices=MODELS, default=None,
+                        help="the network: mlp (2 hidden ReLU layers) or cnn (the paper's "
+                             "Split CIFAR-100 CNN, 4 conv + 2 dense layers, for any image "
+                             "shape; runs " + ", ".join(CNN_METHODS) + ") (default: cnn on "
+                             "Split CIFAR-100, else mlp)")
     parser.add_argument("--optimizer", choices=OPTIMIZER_MODES, default=None,
                     help="shared: one Adam for the whole stream (default, the authors' code); "
                          "per-task: a fresh Adam at every task")
@@ -135,8 +147,9 @@ def _add_run_options(parser: argparse.ArgumentParser, *, enforce_required: bool)
                          "logits (default: all for the paper's BGLN-D and its variants, as the "
                          "authors' code; head for the others, bgln-d-exact included)")
     parser.add_argument("--metric", default=None, choices=list(METRICS),
-                    help="output metric of the Monte Carlo penalties (laftr, bgln-s...; "
-                         "default: softmax_euclidean, as the authors' BGLN-S code)")
+                    help="output metric of the Monte Carlo and NTK penalties (laftr, bgln-s, "
+                         "ntk...; default: softmax_euclidean, as the authors' BGLN-S code; "
+                         "on Split CIFAR-100 the paper's per method, kl for ntk and laftr)")
     add_threads_option(parser)
     parser.add_argument("--device", default="cpu", type=device)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -146,7 +159,8 @@ def _add_run_options(parser: argparse.ArgumentParser, *, enforce_required: bool)
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add ``fsd cl`` (run a benchmark) and ``fsd cl report`` to the ``fsd`` command."""
     cl = subparsers.add_parser(
-        "cl", help="continual learning benchmarks (Split/Permuted MNIST) with FSD penalties",
+        "cl", help="continual learning benchmarks (Split/Permuted MNIST, Split Fashion-MNIST, "
+                   "Split CIFAR-100) with FSD penalties",
         usage="fsd cl --benchmark B --method M --out DIR [options]\n"
               "       fsd cl {report,gap,merge,tune} ...",
         description="Run a continual-learning benchmark, or `fsd cl report DIR...`. "

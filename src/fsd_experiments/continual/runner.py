@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -22,7 +23,7 @@ from ..compat import cl_checkpoint_settings
 from ..data import TensorBatches
 from ..devices import resolve_device
 from ..io import exclusive_directory, remove_stale_temporaries
-from ..models import mlp
+from ..models import conv_net, mlp
 from ..presets import CL_METHODS, PRESETS, Preset
 from ..training import LossFn, train
 from .results import RunResults, SeedResult, write_results
@@ -121,6 +122,18 @@ def penalty_weights(num_previous: int, mode: str) -> list[float]:
     return ContinualRegularizer.reduction_weights(num_previous, mode)
 
 
+def build_model(hp: Hyperparameters, input_shape: Sequence[int], outputs: int) -> nn.Sequential:
+    """The network of ``hp.model`` for inputs of ``input_shape`` (C, H, W) and ``outputs`` units.
+
+    ``"mlp"``: :func:`~fsd_experiments.models.mlp` of ``hp.width`` and ``hp.depth`` on the
+    flattened input; ``"cnn"``: :func:`~fsd_experiments.models.conv_net`.
+    """
+    if hp.model == "cnn":
+        channels, height, width = (int(d) for d in input_shape)
+        return conv_net((channels, height, width), outputs)
+    return mlp(math.prod(int(d) for d in input_shape), hp.width, hp.depth, outputs)
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -138,7 +151,7 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state_path = ckpt_dir / "state.pt"
     torch.manual_seed(seed)
-    model = mlp(28 * 28, hp.width, hp.depth, n_out).to(dev)
+    model = build_model(hp, tasks[0].x_train.shape[1:], n_out).to(dev)
     optimizer = torch.optim.Adam(model.parameters(), lr=hp.lr)
     shuffle = torch.Generator().manual_seed(seed)
     result = SeedResult(seed)
@@ -207,8 +220,10 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
             optimizer = torch.optim.Adam(model.parameters(), lr=hp.lr)
         batches = TensorBatches(task.x_train, task.y_train, hp.batch_size, shuffle=True,
                                 generator=shuffle)
-        recording = _LastEpochRecorder(collector, hp.epochs, spec.classwise)
-        train(model, batches, recording.head_loss(task), optimizer, epochs=hp.epochs,
+        epochs = hp.epochs_of_task(t)
+        # with dropout, the gate frequencies are those of the training passes (masks on)
+        recording = _LastEpochRecorder(collector, epochs, spec.classwise)
+        train(model, batches, recording.head_loss(task), optimizer, epochs=epochs,
               penalty=penalty.penalty if previous else None,
               weight=1.0 if hp.fsd_scale else 0.0,
               on_epoch=recording.start_epoch, device=dev, progress=progress,

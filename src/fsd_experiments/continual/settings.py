@@ -11,7 +11,8 @@ from typing import Any
 
 from fsd.metrics import check_metric
 
-from ..presets import CL_METHODS, PRESETS, SOFTMAX_FAMILIES, default_hyperparameters
+from ..benchmarks import MODELS
+from ..presets import CL_METHODS, CNN_METHODS, PRESETS, default_hyperparameters
 
 OPTIMIZER_MODES: tuple[str, ...] = ("shared", "per-task")
 PENALTY_MODES: tuple[str, ...] = ("mean", "sum")
@@ -28,9 +29,11 @@ class Hyperparameters:
     """
 
     epochs: int
+    first_epochs: int | None
     fsd_scale: float
     batch_size: int
     lr: float
+    model: str
     width: int
     depth: int
     momentum: float | None
@@ -68,6 +71,10 @@ class Hyperparameters:
             raise ValueError(f"unknown hyper-parameters {sorted(unknown)}")
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
+    def epochs_of_task(self, task: int) -> int:
+        """Epochs on task ``task`` (0-based): ``first_epochs`` on the first, else ``epochs``."""
+        return self.first_epochs if task == 0 and self.first_epochs is not None else self.epochs
+
     def to_dict(self) -> dict[str, Any]:
         """The fields as a dictionary, in declaration order."""
         return asdict(self)
@@ -82,12 +89,19 @@ class Hyperparameters:
         if self.penalty_outputs not in PENALTY_OUTPUTS:
             raise ValueError(f"penalty_outputs must be one of {PENALTY_OUTPUTS}, "
                              f"got {self.penalty_outputs!r}")
-        if self.metric is not None and self.metric != default_hyperparameters(
-                benchmark, method)["metric"]:
-            sampled = [m for m in CL_METHODS if PRESETS[m].family in SOFTMAX_FAMILIES]
-            if method not in sampled:
-                raise ValueError(f"metric applies to the Monte Carlo methods {sorted(sampled)}, "
-                                 f"not {method!r}")
+        paper = default_hyperparameters(benchmark, method)
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+        if self.model == "cnn" and method not in CNN_METHODS:
+            raise ValueError(f"{method} does not run on the CNN; the methods that do: "
+                             f"{', '.join(CNN_METHODS)}")
+        if self.model == "cnn" and self.width != paper["width"]:
+            raise ValueError("width applies to the MLP (--model mlp), not the CNN")
+        if self.metric is not None and self.metric != paper["metric"]:
+            takes = [m for m in CL_METHODS if PRESETS[m].metric_applies]
+            if method not in takes:
+                raise ValueError(f"metric applies to the Monte Carlo and NTK methods "
+                                 f"{sorted(takes)}, not {method!r}")
             check_metric(self.metric)
         if self.rank is not None:
             preset = PRESETS[method]
@@ -100,9 +114,9 @@ class Hyperparameters:
 
 #: the ``fsd cl`` options that override a hyper-parameter of the same name
 OVERRIDABLE: tuple[str, ...] = (
-    "epochs", "lr", "batch_size", "fsd_scale", "width", "momentum", "coreset_size",
-    "num_samples", "train_subset", "test_subset", "tasks", "optimizer", "penalty", "rank",
-    "metric", "penalty_outputs")
+    "epochs", "first_epochs", "model", "lr", "batch_size", "fsd_scale", "width", "momentum",
+    "coreset_size", "num_samples", "train_subset", "test_subset", "tasks", "optimizer",
+    "penalty", "rank", "metric", "penalty_outputs")
 
 
 @dataclass(frozen=True)

