@@ -196,7 +196,7 @@ def test_architecture_mismatch_after_load_and_conv_hyperparameters(tmp_path):
 # bad input
 # ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad, name", [(nn.Tanh, "Tanh"),
-                                       (lambda: nn.BatchNorm1d(4), "BatchNorm1d")])
+                                       (lambda: nn.LayerNorm(4), "LayerNorm")])
 @pytest.mark.parametrize("make", [p for p in LINEARIZED if p.id.startswith("bgln")])
 def test_unsupported_module_names_class_and_path(make, bad, name):
     # BGLN needs a rule for every layer; LAFTR linearizes any operation (test_linearize.py)

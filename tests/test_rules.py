@@ -12,8 +12,9 @@ import fsd
 from conftest import DTYPE, labelled_batches, linear_net, perturbed, stack
 from fsd import rules
 
-SUPPORTED = {nn.Linear, nn.Conv2d, nn.ReLU, nn.LeakyReLU, nn.MaxPool2d, nn.AvgPool2d, nn.Flatten,
-             nn.Dropout, nn.Identity}
+# BatchNorm's rule is checked against the module and hand-folded twins in test_batch_norm.py
+SUPPORTED = {nn.Linear, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.ReLU, nn.LeakyReLU,
+             nn.MaxPool2d, nn.AvgPool2d, nn.Flatten, nn.Dropout, nn.Identity}
 
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
