@@ -244,6 +244,8 @@ COMMANDS: list[tuple[str, list[str]]] = [
     ("`fsd cl ... --device bogus`", [*CL, "--device", "bogus"]),
     ("`fsd influence uci --removals -3`",
      ["influence", "uci", "--dataset", "boston", "--out", "OUT", "--removals", "-3"]),
+    ("`fsd influence uci --removals 2`",
+     ["influence", "uci", "--dataset", "boston", "--out", "OUT", "--removals", "2"]),
     ("`fsd influence uci --cg-iters 0`",
      ["influence", "uci", "--dataset", "boston", "--out", "OUT", "--cg-iters", "0"]),
     ("`fsd influence uci --damping -1`",

@@ -30,7 +30,8 @@ BAD = {
     "cl gap --examples -5": ["cl", "gap", "{out}", "--examples", "-5"],
     "cl report of a missing directory": ["cl", "report", "{out}/missing"],
     **{f"influence uci {option} {value}": [*UCI, option, value] for option, value in [
-        ("--removals", "-3"), ("--removals", "0"), ("--cg-iters", "0"), ("--damping", "-1"),
+        ("--removals", "-3"), ("--removals", "0"), ("--removals", "2"), ("--cg-iters", "0"),
+        ("--damping", "-1"),
         ("--subset", "0"), ("--epochs", "0"), ("--pbrf-lr", "0"), ("--lrs", "-0.1"),
         ("--bgln-clusters", "0"), ("--threads", "0"), ("--points-per-solve", "0")]},
     **{f"influence mislabeled {option} {value}": [*MISLABELED, option, value]

@@ -31,6 +31,15 @@ def positive_int(text: str) -> int:
     return value
 
 
+def correlation_count(text: str) -> int:
+    """An integer ≥ 3: a number of scored points that correlations are computed over."""
+    value = _number(text, int)
+    if value < 3:
+        raise argparse.ArgumentTypeError(
+            f"must be at least 3 (the correlations need 3 points), got {text!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0."""
     value = _number(text, float)

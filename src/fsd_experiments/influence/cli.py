@@ -10,6 +10,7 @@ from pathlib import Path
 from ..argtypes import (
     add_threads_option,
     apply_threads,
+    correlation_count,
     device,
     nonnegative_float,
     positive_float,
@@ -100,7 +101,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     uci.add_argument("--dataset", nargs="+", required=True,
                      help=f"one or more of {', '.join(UCI_DATASETS)}, or 'all'")
     uci.add_argument("--methods", nargs="+", default=list(UCI_METHODS), choices=UCI_METHODS)
-    uci.add_argument("--removals", type=positive_int, default=50,
+    uci.add_argument("--removals", type=correlation_count, default=50,
                      help="training points scored (50)")
     uci.add_argument("--epochs", type=positive_int, default=200, help="base training epochs (200)")
     uci.add_argument("--pbrf-epochs", type=positive_float, default=20,
