@@ -47,6 +47,14 @@ def _float64(value: Any) -> Tensor:
     return torch.as_tensor(value).to(torch.float64)
 
 
+def _linear64(layer: nn.Linear) -> tuple[Tensor, Tensor]:
+    """A Linear layer's weight and bias in float64 (a zero bias when it has none)."""
+    weight = _float64(layer.weight)
+    bias = torch.zeros(weight.shape[0], dtype=torch.float64) if layer.bias is None \
+        else _float64(layer.bias)
+    return weight, bias
+
+
 def dense_algorithm2(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,
                      gate_means: Sequence[Any], outputs: Sequence[int] | None = None
                      ) -> Tensor:
@@ -76,11 +84,7 @@ def dense_algorithm2(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,
     e_a0, c_a0 = _float64(mean), _float64(cov)
     e_da, c_da = torch.zeros_like(e_a0), torch.zeros_like(c_a0)
     for index, (l0, l1) in enumerate(zip(linear0, linear1, strict=True)):
-        w0, w1 = _float64(l0.weight), _float64(l1.weight)
-        b0 = torch.zeros(w0.shape[0], dtype=torch.float64) if l0.bias is None \
-            else _float64(l0.bias)
-        b1 = torch.zeros(w1.shape[0], dtype=torch.float64) if l1.bias is None \
-            else _float64(l1.bias)
+        (w0, b0), (w1, b1) = _linear64(l0), _linear64(l1)
         dw, db = w1 - w0, b1 - b0
         e_s0, e_ds = w0 @ e_a0 + b0, dw @ e_a0 + w1 @ e_da + db
         c_s0, c_ds = w0 @ c_a0 @ w0.T, dw @ c_a0 @ dw.T + w1 @ c_da @ w1.T
@@ -140,11 +144,7 @@ def enumerated_gates(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,
         d_map, d_off = torch.zeros(d, d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
         start = 0
         for index, (l0, l1) in enumerate(zip(linear0, linear1, strict=True)):
-            w0, w1 = _float64(l0.weight), _float64(l1.weight)
-            b0 = torch.zeros(w0.shape[0], dtype=torch.float64) if l0.bias is None \
-                else _float64(l0.bias)
-            b1 = torch.zeros(w1.shape[0], dtype=torch.float64) if l1.bias is None \
-                else _float64(l1.bias)
+            (w0, b0), (w1, b1) = _linear64(l0), _linear64(l1)
             # Δs = (W1 − W0) a0 + W1 Δa + (b1 − b0)
             d_map, d_off = ((w1 - w0) @ a_map + w1 @ d_map,
                             (w1 - w0) @ a_off + w1 @ d_off + (b1 - b0))
