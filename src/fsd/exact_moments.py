@@ -197,9 +197,10 @@ def delta_second_moment(
             block = reference[index]
             index += 1
             w0, b0 = layer.rule.affine_matrix(layer.module, params0, layer.path)
-            w1, b1 = layer.rule.affine_matrix(layer.module, params1, layer.path)
+            w1 = layer.rule.affine_matrix(layer.module, params1, layer.path)[0]
             w0h = _homogeneous(w0, b0)
-            dwh = _homogeneous(w1, b1) - w0h
+            dwh = _homogeneous(*layer.rule.affine_delta_matrix(layer.module, params0, params1,
+                                                                layer.path))
             if "factor" in block:
                 projected = dwh @ block["factor"]
                 s0d = block["p0"] @ projected.transpose(-1, -2)
@@ -534,8 +535,9 @@ def delta_second_moment_adjoint(
         elif kind == "affine":
             index -= 1
             w0, b0 = layer.rule.affine_matrix(layer.module, params0, layer.path)
-            w1, b1 = layer.rule.affine_matrix(layer.module, params1, layer.path)
-            dwh = _homogeneous(w1 - w0, None if b1 is None or b0 is None else b1 - b0)
+            w1 = layer.rule.affine_matrix(layer.module, params1, layer.path)[0]
+            dwh = _homogeneous(*layer.rule.affine_delta_matrix(layer.module, params0, params1,
+                                                                layer.path))
             total = total + adjoint.source(reference[index], dwh)
             if index > 0:
                 adjoint = adjoint.through(_homogeneous(w0, b0), dwh, w1)

@@ -163,9 +163,9 @@ def propagate_linearized(
             w0, b0 = rule.affine_parameters(module, params0, layer.path)
             s0 = rule.apply(module, a0, w0, b0)
             if params1 is not None:
-                w1, b1 = rule.affine_parameters(module, params1, layer.path)
-                db = None if b0 is None or b1 is None else b1 - b0
-                ds = rule.apply(module, a0, w1 - w0, db)
+                w1 = rule.affine_parameters(module, params1, layer.path)[0]
+                dw, db = rule.affine_delta(module, params0, params1, layer.path)
+                ds = rule.apply(module, a0, dw, db)
                 if da is not None:
                     ds = ds + rule.apply(module, da, w1, None)
                 da = ds
@@ -256,16 +256,16 @@ def _composed_delta(run: tuple[TracedLayer, ...], params0: Mapping[str, Tensor],
     """
     first = run[0]
     w0, b0 = first.rule.affine_matrix(first.module, params0, first.path)
-    w1, b1 = first.rule.affine_matrix(first.module, params1, first.path)
-    dw = w1 - w0  # (o, in), or (G, o, in) for stacked reference networks
-    db = None if b0 is None or b1 is None else b1 - b0
+    w1 = first.rule.affine_matrix(first.module, params1, first.path)[0]
+    # (o, in), or (G, o, in) for stacked reference networks
+    dw, db = first.rule.affine_delta_matrix(first.module, params0, params1, first.path)
     for layer in run[1:]:
         v0, c0 = layer.rule.affine_matrix(layer.module, params0, layer.path)
-        v1, c1 = layer.rule.affine_matrix(layer.module, params1, layer.path)
-        dv = v1 - v0
+        v1 = layer.rule.affine_matrix(layer.module, params1, layer.path)[0]
+        dv, dc = layer.rule.affine_delta_matrix(layer.module, params0, params1, layer.path)
         db = (torch.einsum("...oi,...i->...o", dv, _bias(b0, w0))
               + (0 if db is None else torch.einsum("...oi,...i->...o", v1, db))
-              + (0 if c0 is None or c1 is None else c1 - c0))
+              + (0 if dc is None else dc))
         dw = dv @ w0 + v1 @ dw
         b0 = torch.einsum("...oi,...i->...o", v0, _bias(b0, w0)) + _bias(c0, v0)
         w0, w1 = v0 @ w0, v1 @ w1

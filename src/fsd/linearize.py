@@ -158,10 +158,10 @@ def _module(node: fx.Node, module: nn.Module, reference: Mapping[str, Tensor],
         (a0,) = _arguments(node, value, {})[0]
         da = delta[node.all_input_nodes[0]]
         w0, b0 = rule.affine_parameters(module, state0, "")
-        w1, b1 = rule.affine_parameters(module, state1, "")
+        w1 = rule.affine_parameters(module, state1, "")[0]
         out0 = rule.apply(module, a0, w0, b0)
-        db = None if b0 is None or b1 is None else b1 - b0
-        d = rule.apply(module, a0, w1 - w0, db)  # ΔW first: no cancellation as θ → θ0
+        dw, db = rule.affine_delta(module, state0, state1, "")
+        d = rule.apply(module, a0, dw, db)  # ΔW first: no cancellation as θ → θ0
         if da is not None:
             d = d + rule.apply(module, da, w1, None)
         return out0, d

@@ -51,6 +51,9 @@ class LayerRule:
             parameters and buffers by name (``None``: :func:`weight_bias`).
         dense: ``affine`` rules whose W is not already the (out, in) matrix of a flat
             layer: W as that matrix, for BGLN-D's moment propagation.
+        delta: ``affine`` rules whose (ΔW, Δb) between two states is better computed than
+            as the difference of two ``parameters`` results (which loses digits in float32
+            near θ0): ``delta(module, state0, state1, path) -> (ΔW, Δb)``.
 
     The callables receive a module of exactly the registered type, so they may use its own
     attributes (annotated ``Any``: the type checker cannot tie a rule to its type).
@@ -64,6 +67,8 @@ class LayerRule:
     parameters: Callable[[Any, Mapping[str, Tensor], str],
                          tuple[Tensor, Tensor | None]] | None = None
     dense: Callable[[Tensor], Tensor] = field(default=lambda weight: weight)
+    delta: Callable[[Any, Mapping[str, Tensor], Mapping[str, Tensor], str],
+                    tuple[Tensor, Tensor | None]] | None = None
 
     def affine_parameters(self, module: nn.Module, state: Mapping[str, Tensor], path: str
                           ) -> tuple[Tensor, Tensor | None]:
@@ -71,6 +76,25 @@ class LayerRule:
         if self.parameters is None:
             return weight_bias(state, path)
         return self.parameters(module, state, path)
+
+    def affine_delta(self, module: nn.Module, state0: Mapping[str, Tensor],
+                     state1: Mapping[str, Tensor], path: str) -> tuple[Tensor, Tensor | None]:
+        """(ΔW, Δb) of an ``affine`` rule's layer from state0 to state1, formed first.
+
+        ``None`` for Δb when the layer has no bias.
+        """
+        if self.delta is not None:
+            return self.delta(module, state0, state1, path)
+        w0, b0 = self.affine_parameters(module, state0, path)
+        w1, b1 = self.affine_parameters(module, state1, path)
+        return w1 - w0, None if b0 is None or b1 is None else b1 - b0
+
+    def affine_delta_matrix(self, module: nn.Module, state0: Mapping[str, Tensor],
+                            state1: Mapping[str, Tensor], path: str
+                            ) -> tuple[Tensor, Tensor | None]:
+        """:meth:`affine_delta` with ΔW as a dense (…, out, in) matrix."""
+        dw, db = self.affine_delta(module, state0, state1, path)
+        return self.dense(dw), db
 
     def affine_matrix(self, module: nn.Module, state: Mapping[str, Tensor], path: str
                       ) -> tuple[Tensor, Tensor | None]:
@@ -195,6 +219,29 @@ def _batch_norm_parameters(m: nn.modules.batchnorm._BatchNorm, state: Mapping[st
     return scale, shift
 
 
+def _batch_norm_delta(m: nn.modules.batchnorm._BatchNorm, state0: Mapping[str, Tensor],
+                      state1: Mapping[str, Tensor], path: str) -> tuple[Tensor, Tensor]:
+    """(Δscale, Δshift) of a BatchNorm, without subtracting two rescaled values.
+
+    With r = 1/√(v + ε): r1 − r0 = −(v1 − v0)·r0·r1 / (√(v1 + ε) + √(v0 + ε)), then
+    Δscale = Δγ·r1 + γ0·Δr and Δshift = Δβ − (Δscale·m0 + scale1·Δm).
+    """
+    prefix = f"{path}." if path else ""
+    m0, v0 = state0[prefix + "running_mean"], state0[prefix + "running_var"]
+    m1, v1 = state1[prefix + "running_mean"], state1[prefix + "running_var"]
+    root0, root1 = torch.sqrt(v0 + m.eps), torch.sqrt(v1 + m.eps)
+    r0, r1 = 1 / root0, 1 / root1
+    dr = -(v1 - v0) * r0 * r1 / (root0 + root1)
+    scale1, dscale = r1, dr
+    if m.affine:
+        g0, g1 = state0[prefix + "weight"], state1[prefix + "weight"]
+        scale1, dscale = g1 * r1, (g1 - g0) * r1 + g0 * dr
+    dshift = -(dscale * m0 + scale1 * (m1 - m0))
+    if m.affine:
+        dshift = (state1[prefix + "bias"] - state0[prefix + "bias"]) + dshift
+    return dscale, dshift
+
+
 def _batch_norm(m: nn.Module, x: Tensor, scale: Tensor, shift: Tensor | None) -> Tensor:
     # channels are dimension 1: (n, C) or (n, C, L) or (n, C, H, W)
     shape = (-1,) + (1,) * (x.dim() - 2)
@@ -211,7 +258,7 @@ for _batch_norm_type in (nn.BatchNorm1d, nn.BatchNorm2d):
     register_rule(_batch_norm_type, LayerRule(
         kind="affine", apply=_batch_norm, hyper=_batch_norm_hyper,
         flat_moments=lambda m: isinstance(m, nn.BatchNorm1d),
-        parameters=_batch_norm_parameters, dense=torch.diag_embed))
+        parameters=_batch_norm_parameters, dense=torch.diag_embed, delta=_batch_norm_delta))
 register_rule(nn.ReLU, LayerRule(kind="gate", apply=lambda m, x: F.relu(x), flat_moments=_always))
 register_rule(nn.LeakyReLU, LayerRule(
     kind="gate", apply=lambda m, x: F.leaky_relu(x, m.negative_slope),
