@@ -504,6 +504,14 @@ def test_merge_combines_seeds_run_separately(tmp_path, capsys):
     per_seed = [one["avg_accuracy"]["mean"], two["avg_accuracy"]["mean"]]
     assert merged["avg_accuracy"] == continual.accuracy_summary(per_seed)
     assert merged["devices"] == {"1": "cpu", "2": "cpu"}
+    # the runs' thread count is kept, not the merging process's
+    assert merged["torch_threads"] == one["torch_threads"] == two["torch_threads"]
+    three = {**two, "torch_threads": one["torch_threads"] + 3}
+    (tmp_path / "2" / "results.json").write_text(json.dumps(three))
+    mixed = continual.merge_runs([tmp_path / "1", tmp_path / "2"], tmp_path / "mixed",
+                                 plots=False)
+    assert mixed.torch_threads is None  # the runs differ: no single count to report
+    (tmp_path / "2" / "results.json").write_text(json.dumps(two))
     # a seed twice, or other settings, are refused
     with pytest.raises(ValueError, match="seed 1 appears twice"):
         continual.merge_runs([tmp_path / "1", tmp_path / "both"], tmp_path / "x")

@@ -36,7 +36,7 @@ def _float32_pair(seed=0, d=20, width=48, outputs=5, batch_norm=False):
     with torch.no_grad():
         for p in moved.parameters():
             p.add_(EPS * p.abs() * torch.randn(p.shape, generator=g))
-        for name, b in moved.named_buffers():  # BatchNorm's running statistics move too
+        for _, b in moved.named_buffers():  # BatchNorm's running statistics move too
             if b.is_floating_point():
                 b.add_(EPS * b.abs() * torch.randn(b.shape, generator=g))
     return model, moved

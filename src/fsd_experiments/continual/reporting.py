@@ -67,9 +67,13 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
             done.append(SeedResult(seed, results.accuracy_matrix[str(seed)], float(wall),
                                    [int(bytes_per_task)] if bytes_per_task else []))
             devices.append(results.device)
+    # the runs' own thread count (the merging process's says nothing about them); None
+    # when they differ or did not record it
+    threads = {results.torch_threads for _, results in runs}
     merged = replace(
         RunResults.collect(first.benchmark, first.method, first.hyperparameters,
                            [r.seed for r in done], done, "cpu"),
+        torch_threads=threads.pop() if len(threads) == 1 else None,
         device=" + ".join(sorted(set(devices))),
         devices={str(r.seed): d for r, d in zip(done, devices, strict=True)},
         merged_from=[str(Path(p)) for p in paths])
