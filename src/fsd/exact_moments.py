@@ -285,7 +285,23 @@ def _factor_source_parts(bx: Tensor, cy: Tensor, dwh: Tensor, factor: Tensor, p0
     return value + _dot(b1 + b2, dwh), n, a1, a2, b1, b2, scaled
 
 
-class _FactorSource(torch.autograd.Function):
+class _SourceFunction(torch.autograd.Function):
+    """The setup both source Functions share.
+
+    ``forward`` returns the value, then the products its ``backward`` reuses; those are
+    saved and are not differentiable.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, ...], output: tuple[Tensor, ...]) -> None:
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # no zero gradients for the non-differentiable parts
+        ctx.save_for_backward(*inputs, *output[1:])
+
+
+class _FactorSource(_SourceFunction):
     """⟨Bx, W̃0ext R00 ΔW̃ᵀ⟩ + ⟨Cy, ΔW̃ R00 ΔW̃ᵀ⟩ at the first layer, R00 = ΦΦᵀ + diag(D).
 
     The value is ⟨A, N⟩ + ⟨B, ΔW̃⟩ with A = Bsᵀp0 + Cy N, B = Bsᵀ W̃0 D + Cy ΔW̃ D: the
@@ -295,18 +311,11 @@ class _FactorSource(torch.autograd.Function):
     when there is no diagonal part.
     """
 
-    generate_vmap_rule = True
 
     @staticmethod
     def forward(bx: Tensor, cy: Tensor, dwh: Tensor, factor: Tensor, p0: Tensor, w0d: Tensor,
                 residual: Tensor) -> tuple[Tensor, ...]:
         return _factor_source_parts(bx, cy, dwh, factor, p0, w0d, residual)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Tensor, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.mark_non_differentiable(*output[1:])
-        ctx.set_materialize_grads(False)  # no zero gradients for the non-differentiable parts
-        ctx.save_for_backward(*inputs, *output[1:])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, *unused: Tensor) -> tuple[Tensor | None, ...]:
@@ -348,7 +357,7 @@ def _dense_source_parts(bx: Tensor, cy: Tensor, dwh: Tensor, r00: Tensor, w0r00:
     return (be * m[..., -1]).sum(-1) + _dot(a1 + a2, dwh), m, a1, a2
 
 
-class _DenseSource(torch.autograd.Function):
+class _DenseSource(_SourceFunction):
     """The source with a dense R00 (hidden layers; a first layer with a wide factor).
 
     The gradient in ΔW̃ is Bsᵀ W̃0 R00 + 2 Cy ΔW̃ R00 (+ the mean term), reusing the value's
@@ -356,18 +365,11 @@ class _DenseSource(torch.autograd.Function):
     than autograd.
     """
 
-    generate_vmap_rule = True
 
     @staticmethod
     def forward(bx: Tensor, cy: Tensor, dwh: Tensor, r00: Tensor, w0r00: Tensor
                 ) -> tuple[Tensor, ...]:
         return _dense_source_parts(bx, cy, dwh, r00, w0r00)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Tensor, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.mark_non_differentiable(*output[1:])
-        ctx.set_materialize_grads(False)  # no zero gradients for the non-differentiable parts
-        ctx.save_for_backward(*inputs, *output[1:])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, *unused: Tensor) -> tuple[Tensor | None, ...]:
