@@ -20,11 +20,11 @@ EPS = 1e-4  # relative perturbation of every parameter
 TOLERANCE = 1e-4  # relative error allowed in float32 (value, and each gradient's norm)
 
 
-def _float32_pair(seed=0, d=20, width=48, outputs=5, batch_norm=False):
+def _float32_pair(seed=0, d=20, width=48, outputs=5, batch_norm=False, activation=nn.ReLU):
     torch.manual_seed(seed)
     norm = (lambda: nn.BatchNorm1d(width)) if batch_norm else nn.Identity
-    model = nn.Sequential(nn.Linear(d, width), norm(), nn.ReLU(), nn.Linear(width, width),
-                          norm(), nn.ReLU(), nn.Linear(width, outputs)).eval()
+    model = nn.Sequential(nn.Linear(d, width), norm(), activation(), nn.Linear(width, width),
+                          norm(), activation(), nn.Linear(width, outputs)).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, b in model.named_buffers():  # running statistics that are not (0, 1)
@@ -79,12 +79,17 @@ def _value_and_grads(estimator, model):
     return value, torch.autograd.grad(value, list(model.parameters()))
 
 
-@pytest.mark.parametrize("batch_norm", [False, True], ids=["mlp", "batch-norm-mlp"])
+# a Sigmoid is a smooth gate with φ(0) = 1/2, which BGLN folds into the next layer's bias
+VARIANTS = {"mlp": {}, "batch-norm-mlp": {"batch_norm": True},
+            "sigmoid-mlp": {"activation": nn.Sigmoid}}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("name", list(ESTIMATORS))
-def test_float32_matches_float64_near_the_reference(name, batch_norm):
-    if batch_norm and name in ("ntk", "ewc"):
-        pytest.skip("NTK and EWC do not walk the layers; BatchNorm adds nothing to check")
-    model32, moved32 = _float32_pair(batch_norm=batch_norm)
+def test_float32_matches_float64_near_the_reference(name, variant):
+    if variant != "mlp" and name in ("ntk", "ewc"):
+        pytest.skip("NTK and EWC do not walk the layers; the variant adds nothing to check")
+    model32, moved32 = _float32_pair(**VARIANTS[variant])
     model64, moved64 = copy.deepcopy(model32).double(), copy.deepcopy(moved32).double()
     estimator = ESTIMATORS[name]().fit(model64, _data())
     value64, grads64 = _value_and_grads(estimator, moved64)

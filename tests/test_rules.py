@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from fsd import rules
 
 # BatchNorm's rule is checked against the module and hand-folded twins in test_batch_norm.py
 SUPPORTED = {nn.Linear, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.ReLU, nn.LeakyReLU,
-             nn.MaxPool2d, nn.AvgPool2d, nn.Flatten, nn.Dropout, nn.Identity}
+             nn.MaxPool2d, nn.AvgPool2d, nn.Flatten, nn.Dropout, nn.Identity,
+             nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.ELU, nn.Softplus}
 
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -142,10 +144,98 @@ def test_gate_rules_are_the_activation_and_their_gate_moments_are_enumerated(mod
     values = [slope, 1.0]
     mean = (1 - firing) * values[0] + firing * values[1]
     second = (1 - firing) * values[0] ** 2 + firing * values[1] ** 2
-    got_mean, got_variance = rule.gate_moments(module, firing)
-    torch.testing.assert_close(got_mean, mean, rtol=1e-14, atol=0)
-    torch.testing.assert_close(got_variance, second - mean**2, rtol=1e-12, atol=1e-15)
+    moments = rule.gate_moments(module, firing)
+    for got in (moments.reference_mean, moments.delta_mean):  # r = g
+        torch.testing.assert_close(got, mean, rtol=1e-14, atol=0)
+    for got in (moments.reference_variance, moments.covariance, moments.delta_variance):
+        torch.testing.assert_close(got, second - mean**2, rtol=1e-12, atol=1e-15)
+    assert moments.offset == 0.0 and not rule.smooth
     assert rule.hyper(module) == ({} if slope == 0.0 else {"negative_slope": slope})
+
+
+def _normal_cdf(x):
+    return 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+
+
+def _tanh_gelu(x):
+    inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)
+    return 0.5 * x * (1 + torch.tanh(inner))
+
+
+def _tanh_gelu_slope(x):
+    inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)
+    return (0.5 * (1 + torch.tanh(inner)) + 0.5 * x * (1 - torch.tanh(inner) ** 2)
+            * math.sqrt(2 / math.pi) * (1 + 3 * 0.044715 * x**2))
+
+
+def _softplus(x, beta=2.0):  # threshold 20: linear above βx = 20
+    return torch.where(beta * x > 20, x, torch.log1p(torch.exp(beta * x)) / beta)
+
+
+# each smooth activation φ with φ and φ' written out from their definitions
+SMOOTH = [
+    (nn.GELU(), lambda x: x * _normal_cdf(x),
+     lambda x: _normal_cdf(x) + x * torch.exp(-x**2 / 2) / math.sqrt(2 * math.pi)),
+    (nn.GELU(approximate="tanh"), _tanh_gelu, _tanh_gelu_slope),
+    (nn.SiLU(), lambda x: x / (1 + torch.exp(-x)),
+     lambda x: 1 / (1 + torch.exp(-x)) * (1 + x * (1 - 1 / (1 + torch.exp(-x))))),
+    (nn.Tanh(), lambda x: (torch.exp(2 * x) - 1) / (torch.exp(2 * x) + 1),
+     lambda x: 4 / (torch.exp(x) + torch.exp(-x)) ** 2),
+    (nn.Sigmoid(), lambda x: 1 / (1 + torch.exp(-x)),
+     lambda x: torch.exp(-x) / (1 + torch.exp(-x)) ** 2),
+    (nn.ELU(0.7), lambda x: torch.where(x > 0, x, 0.7 * (torch.exp(x) - 1)),
+     lambda x: torch.where(x > 0, 1.0, 0.7 * torch.exp(x))),
+    (nn.Softplus(beta=2.0), _softplus,
+     lambda x: torch.where(2 * x > 20, 1.0, 1 / (1 + torch.exp(-2 * x)))),
+]
+
+
+@pytest.mark.parametrize("module, phi, slope", SMOOTH, ids=[repr(m) for m, _, _ in SMOOTH])
+def test_smooth_gate_rules_against_their_written_out_definitions(module, phi, slope):
+    x = torch.cat([_randn(200, seed=10) * 3, torch.tensor([0.0, 11.0, -11.0], dtype=DTYPE)])
+    rule = rules.rule_for(module, "")
+    assert rule.kind == "gate" and rule.smooth and rule.flat_moments(module)
+    torch.testing.assert_close(rule.apply(module, x), phi(x), rtol=1e-12, atol=1e-14)
+    a0, g = rule.reference_gates(module, x)
+    torch.testing.assert_close(a0, phi(x), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(g, slope(x), rtol=1e-10, atol=1e-14)
+    # the gate pair: a0 = r·s + φ(0) with the secant r (the slope at s = 0), Δa = g·Δs
+    offset = rule.gate_offset(module)
+    assert offset == pytest.approx(float(phi(torch.zeros((), dtype=DTYPE))), abs=1e-15)
+    r, g = rule.gate_pair(module, x)
+    torch.testing.assert_close(r * x + offset, phi(x), rtol=1e-12, atol=1e-14)
+    assert float(r[200]) == pytest.approx(float(slope(x[200])), rel=1e-12)
+    torch.testing.assert_close(g, slope(x), rtol=1e-10, atol=1e-14)
+    # the fit averages [r, g, r², rg, g²]; the moments are the sample moments of the pair
+    statistics = rule.gate_statistics(module, x.reshape(-1, 1)).mean(0)
+    moments = rule.gate_moments(module, statistics)
+    centred_r, centred_g = r - r.mean(), g - g.mean()
+    for got, expected in [(moments.reference_mean, r.mean()), (moments.delta_mean, g.mean()),
+                          (moments.reference_variance, centred_r.pow(2).mean()),
+                          (moments.covariance, (centred_r * centred_g).mean()),
+                          (moments.delta_variance, centred_g.pow(2).mean())]:
+        torch.testing.assert_close(got.squeeze(), expected, rtol=1e-9, atol=1e-14)
+    assert moments.offset == offset
+
+
+def test_smooth_gate_draws_have_the_stored_moments():
+    # the bivariate normal BGLN-S draws: its sample moments converge to the stored ones
+    module = nn.GELU()
+    rule = rules.rule_for(module, "")
+    s = _randn(500, 3, seed=11) * torch.tensor([0.5, 2.0, 4.0], dtype=DTYPE) + 0.3
+    statistics = rule.gate_statistics(module, s).mean(0)
+    moments = rule.gate_moments(module, statistics)
+    n = 200_000
+    r, g = rule.sample_gates(module, statistics.expand(n, 3, 5),
+                             torch.Generator().manual_seed(12))
+    # within 5 standard errors of each sample moment
+    for sample, expected in [(r, moments.reference_mean), (g, moments.delta_mean)]:
+        error = sample.std(0) / math.sqrt(n)
+        assert bool(((sample.mean(0) - expected).abs() < 5 * error).all())
+    cov = ((r - r.mean(0)) * (g - g.mean(0))).mean(0)
+    torch.testing.assert_close(cov, moments.covariance, rtol=0.03, atol=1e-4)
+    torch.testing.assert_close(r.var(0), moments.reference_variance, rtol=0.03, atol=1e-4)
+    torch.testing.assert_close(g.var(0), moments.delta_variance, rtol=0.03, atol=1e-4)
 
 
 @pytest.mark.parametrize("k, s, p", [(2, 2, 0), (3, 1, 1), (2, 1, 0)])
@@ -196,12 +286,12 @@ def test_dropout_and_identity_are_the_identity_even_in_training_mode(module):
 
 def test_unsupported_module_error_names_class_path_and_the_supported_types():
     with pytest.raises(fsd.UnsupportedModuleError) as info:
-        rules.rule_for(nn.Tanh(), "encoder.3")
+        rules.rule_for(nn.Softmax(dim=-1), "encoder.3")
     message = str(info.value)
-    assert "Tanh" in message and "'encoder.3'" in message
+    assert "Softmax" in message and "'encoder.3'" in message
     assert all(t.__name__ in message for t in SUPPORTED)
     with pytest.raises(fsd.UnsupportedModuleError, match="'<root>'"):
-        rules.rule_for(nn.GELU(), "")
+        rules.rule_for(nn.LayerNorm(3), "")
 
 
 def test_subclasses_of_supported_types_are_not_matched():

@@ -13,6 +13,11 @@ homogeneous reference activations ã0 = [a0; 1] and of Δa propagate *exactly*:
 with R00 = E[ã0 ã0ᵀ], R0Δ = E[ã0 Δaᵀ], RΔΔ = E[Δa Δaᵀ]. The result, ½ tr E[Δz Δzᵀ], equals
 the expectation of BGLN-S with Gaussian inputs to machine precision, with no sampling.
 
+A smooth activation's gate is a pair (r, g) — a0 = r·s0 + φ(0), Δa = g·Δs
+(:class:`fsd.rules.GateMoments`) — and gates R00, R0Δ, RΔΔ by Q_rr, Q_rg, Q_gg; for a ReLU
+all three are Q. The constant φ(0) is folded into the next affine layer's bias column
+(W̃ → [W, b + φ(0)·W1], and ΔW̃ likewise), so the recursion itself is unchanged.
+
 The reference blocks R00 depend only on θ0 and the stored statistics — computed once. With
 ``layerwise`` statistics they are not propagated at all but the reference network's real
 input moments at every affine layer, collected at ``fit``.
@@ -27,7 +32,7 @@ from torch import Tensor
 
 from .covariance import Covariance, sampling_factor
 from .interpreter import TracedLayer
-from .rules import UnsupportedModuleError
+from .rules import GateMoments, UnsupportedModuleError
 
 
 def _homogeneous(weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -36,18 +41,47 @@ def _homogeneous(weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.cat([weight, column.unsqueeze(-1)], dim=-1)
 
 
-def gate_second_moment(mean: Tensor, variance: Tensor) -> Tensor:
-    """Q = E[g gᵀ] = E[g]E[g]ᵀ + diag(Var g) for independent gates, (G, o, o).
-
-    A ReLU's Bernoulli(μ) gate has mean μ and variance μ(1 − μ)
-    (:meth:`fsd.rules.LayerRule.gate_moments`).
-    """
-    return mean.unsqueeze(-1) * mean.unsqueeze(-2) + torch.diag_embed(variance)
-
-
-def _gate(layer: TracedLayer, gate_means: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """(E[g], Var g) of the gate layer ``layer`` from its stored firing frequencies."""
+def _gate(layer: TracedLayer, gate_means: Mapping[str, Tensor]) -> GateMoments:
+    """The moments of the gate layer ``layer``'s gate pair from its stored statistics."""
     return layer.rule.gate_moments(layer.module, gate_means[layer.path])
+
+
+def input_offsets(layers: list[TracedLayer]) -> list[float]:
+    """Per layer, the constant φ(0) that a smooth gate adds to the input of an affine layer.
+
+    0 everywhere except at the affine layer after a gate with φ(0) ≠ 0 (Sigmoid, Softplus),
+    with only parameter-free layers (the identity on flat vectors) in between.
+    """
+    offsets, pending = [], 0.0
+    for layer in layers:
+        kind = layer.rule.kind
+        offsets.append(pending if kind == "affine" else 0.0)
+        if kind == "gate":
+            pending = layer.rule.gate_offset(layer.module)
+        elif kind == "affine":
+            pending = 0.0
+    return offsets
+
+
+def _homogeneous_layer(layer: TracedLayer, params: Mapping[str, Tensor], offset: float
+                       ) -> tuple[Tensor, Tensor]:
+    """(W̃, W) of an affine layer whose input is shifted by ``offset``: W̃ = [W, b + offset·W1]."""
+    weight, bias = layer.rule.affine_matrix(layer.module, params, layer.path)
+    return _shifted(_homogeneous(weight, bias), weight, offset), weight
+
+
+def _homogeneous_delta(layer: TracedLayer, params0: Mapping[str, Tensor],
+                       params1: Mapping[str, Tensor], offset: float) -> Tensor:
+    """ΔW̃ = [ΔW, Δb + offset·ΔW1], with ΔW formed first (:meth:`LayerRule.affine_delta`)."""
+    dw, db = layer.rule.affine_delta_matrix(layer.module, params0, params1, layer.path)
+    return _shifted(_homogeneous(dw, db), dw, offset)
+
+
+def _shifted(homogeneous: Tensor, weight: Tensor, offset: float) -> Tensor:
+    if offset == 0.0:
+        return homogeneous
+    column = homogeneous[..., -1:] + offset * weight.sum(-1, keepdim=True)
+    return torch.cat([homogeneous[..., :-1], column], dim=-1)
 
 
 def input_factor(mean: Tensor, cov: Covariance) -> tuple[Tensor, Tensor | None]:
@@ -82,14 +116,14 @@ def raw_second_moment(mean: Tensor, cov: Tensor) -> Tensor:
     return torch.cat([top, bottom], dim=1)
 
 
-def _gated_homogeneous(second: Tensor, mean: Tensor, gate: tuple[Tensor, Tensor] | None
-                       ) -> Tensor:
-    """R00 after a gate ((E[g], Var g)), or directly after an affine layer (``None``).
+def _gated_homogeneous(second: Tensor, mean: Tensor, gate: GateMoments | None) -> Tensor:
+    """R00 of [r ⊙ s; 1] after a gate, or of [s; 1] directly after an affine layer (``None``).
 
-    R00 = [[Q ⊙ E[s sᵀ], E[g] ⊙ E s], [(E[g] ⊙ E s)ᵀ, 1]].
+    R00 = [[Q_rr ⊙ E[s sᵀ], E[r] ⊙ E s], [(E[r] ⊙ E s)ᵀ, 1]]; a smooth gate's φ(0) is
+    added by the next layer (:func:`input_offsets`).
     """
     if gate is not None:
-        second, mean = gate_second_moment(*gate) * second, gate[0] * mean
+        second, mean = gate.second_moments()[0] * second, gate.reference_mean * mean
     return raw_second_moment(mean, second - mean.unsqueeze(-1) * mean.unsqueeze(-2))
 
 
@@ -108,7 +142,8 @@ def reference_blocks(
         params0: reference parameters θ0 by name.
         mean: input means, (G, d) for G mixture components.
         cov: input covariances in any form of :mod:`fsd.covariance`.
-        gate_means: firing frequencies μ per gate path, each (G, units).
+        gate_means: stored gate statistics per gate path (firing frequencies μ (G, units),
+            or a smooth gate's moments (G, units, 5)).
         layer_moments: optional real (mean, covariance) of the reference network's input to
             each affine layer after the first (``reference="layerwise"``); without it the
             reference moments are propagated through the Bernoulli-gated network.
@@ -123,14 +158,16 @@ def reference_blocks(
     phi, residual = input_factor(mean, cov)
     r00: Tensor | None = None
     pending: tuple[Tensor, Tensor] | None = None  # (E[s0 s0ᵀ], E[s0]) not yet gated
-    for layer in layers:
+    for layer, offset in zip(layers, input_offsets(layers), strict=True):
         kind = layer.rule.kind
         if kind == "affine":
             if pending is not None:  # affine after affine: no gate in between
                 r00, pending = _gated_homogeneous(*pending, None), None
             if out and layer_moments is not None:
-                r00 = raw_second_moment(*layer_moments[layer.path])
-            w0 = _homogeneous(*layer.rule.affine_matrix(layer.module, params0, layer.path))
+                # the real input a0 = r·s0 + φ(0); the layer adds φ(0) back (W̃ shifted)
+                real_mean, real_cov = layer_moments[layer.path]
+                r00 = raw_second_moment(real_mean - offset, real_cov)
+            w0 = _homogeneous_layer(layer, params0, offset)[0]
             if phi is not None:
                 p0 = w0 @ phi
                 # Φ = [[L, m], [0, 1]]: its last column is E[ã0] = [m; 1]
@@ -178,29 +215,27 @@ def delta_second_moment(
     mean_d: Tensor | None = None  # E[Δa]
     pending: tuple[Tensor, Tensor, Tensor] | None = None  # (E[s0 Δsᵀ], E[Δs Δsᵀ], E[Δs])
 
-    def gated(gate: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
+    def gated(gate: GateMoments | None) -> tuple[Tensor, Tensor, Tensor]:
         assert pending is not None  # called right after an affine layer
         s0d, sdd, ed = pending
         if gate is None:
             mean = ed
         else:
-            q = gate_second_moment(*gate)
-            s0d, sdd, mean = q * s0d, q * sdd, gate[0] * ed
+            _, q_rg, q_gg = gate.second_moments()
+            s0d, sdd, mean = q_rg * s0d, q_gg * sdd, gate.delta_mean * ed
         return torch.cat([s0d, mean.unsqueeze(-2)], dim=-2), sdd, mean
 
     index = 0
-    for layer in layers:
+    for layer, offset in zip(layers, input_offsets(layers), strict=True):
         kind = layer.rule.kind
         if kind == "affine":
             if pending is not None:  # affine after affine: no gate in between
                 r0d, rdd, mean_d = gated(None)
             block = reference[index]
             index += 1
-            w0, b0 = layer.rule.affine_matrix(layer.module, params0, layer.path)
             w1 = layer.rule.affine_matrix(layer.module, params1, layer.path)[0]
-            w0h = _homogeneous(w0, b0)
-            dwh = _homogeneous(*layer.rule.affine_delta_matrix(layer.module, params0, params1,
-                                                                layer.path))
+            w0h = _homogeneous_layer(layer, params0, offset)[0]
+            dwh = _homogeneous_delta(layer, params0, params1, offset)
             if "factor" in block:
                 projected = dwh @ block["factor"]
                 s0d = block["p0"] @ projected.transpose(-1, -2)
@@ -401,31 +436,31 @@ class _Adjoint:
         assert self.u is not None
         return self.u
 
-    def gated(self, mu: Tensor, variance: Tensor) -> "_Adjoint":
-        """Hadamard by Q = μμᵀ + diag(v) (Cy, Bx's top block) and by μᵀ (Bx's last row).
+    def gated(self, gate: GateMoments) -> "_Adjoint":
+        """Hadamard by Q_gg (Cy), Q_rg (Bx's top block) and E[g]ᵀ (Bx's last row).
 
-        μ, v: the gate's mean and variance (a ReLU's: the firing frequency and μ(1 − μ)).
+        For a ReLU, Q_rg = Q_gg = μμᵀ + diag(μ(1 − μ)) and E[g] = μ.
         """
+        mu_r, mu_g = gate.reference_mean, gate.delta_mean
         if self.bx is not None and self.cy is not None:
-            q = gate_second_moment(mu, variance)
-            bx = torch.cat([q * self.bx[..., :-1, :], mu.unsqueeze(-2) * self.bx[..., -1:, :]],
+            _, q_rg, q_gg = gate.second_moments()
+            bx = torch.cat([q_rg * self.bx[..., :-1, :], mu_g.unsqueeze(-2) * self.bx[..., -1:, :]],
                            dim=-2)
-            return _Adjoint(bx=bx, cy=q * self.cy)
+            return _Adjoint(bx=bx, cy=q_gg * self.cy)
         u = self._structured()
-        scale = mu.unsqueeze(-1)
-        # Q ⊙ UUᵀ = (μU)(μU)ᵀ + diag(v ‖U_i‖²);  Q ⊙ diag(c) = diag((μ² + v) c), and
-        # μ² + v = μ for a ReLU
-        diagonal = mu.pow(2) + variance
-        c = variance * u.pow(2).sum(-1)
+        # Q_gg ⊙ UUᵀ = (μ_g U)(μ_g U)ᵀ + diag(Var g ‖U_i‖²);  Q_gg ⊙ diag(c) =
+        # diag((μ_g² + Var g) c);  Q_rg ⊙ diag(β) = diag((μ_r μ_g + Cov(r, g)) β)
+        c = gate.delta_variance * u.pow(2).sum(-1)
         if self.c is not None:
-            c = c + diagonal * self.c
-        beta = None if self.beta is None else diagonal * self.beta
+            c = c + (mu_g.pow(2) + gate.delta_variance) * self.c
+        beta = None if self.beta is None else (mu_r * mu_g + gate.covariance) * self.beta
         v = None
         if self.v is not None:
+            # Q_rg ⊙ V_top Uᵀ = (μ_r V_top)(μ_g U)ᵀ + diag(Cov(r, g) Σ_k V_ik U_ik)
             top = self.v[..., :-1, :]
-            beta = variance * (top * u).sum(-1) + (0 if beta is None else beta)
-            v = torch.cat([scale * top, self.v[..., -1:, :]], dim=-2)
-        return _Adjoint(u=scale * u, v=v, c=c, beta=beta)
+            beta = gate.covariance * (top * u).sum(-1) + (0 if beta is None else beta)
+            v = torch.cat([mu_r.unsqueeze(-1) * top, self.v[..., -1:, :]], dim=-2)
+        return _Adjoint(u=mu_g.unsqueeze(-1) * u, v=v, c=c, beta=beta)
 
     def source(self, block: dict[str, Tensor], dwh: Tensor) -> Tensor:
         """⟨Bx, W̃0ext R00 ΔW̃ᵀ⟩ + ⟨Cy, ΔW̃ R00 ΔW̃ᵀ⟩ per component, from the cached block."""
@@ -529,18 +564,18 @@ def delta_second_moment_adjoint(
     adjoint = _Adjoint(u=rows.expand(groups, *rows.shape[-2:]).mT)
     total = mean.new_zeros(groups)
     index = len(reference)
+    offsets = input_offsets(layers)
     for position in range(len(layers) - 1, affine[0] - 1, -1):
         layer = layers[position]
         kind = layer.rule.kind
         if kind == "gate":
-            adjoint = adjoint.gated(*_gate(layer, gate_means))
+            adjoint = adjoint.gated(_gate(layer, gate_means))
         elif kind == "affine":
             index -= 1
-            w0, b0 = layer.rule.affine_matrix(layer.module, params0, layer.path)
             w1 = layer.rule.affine_matrix(layer.module, params1, layer.path)[0]
-            dwh = _homogeneous(*layer.rule.affine_delta_matrix(layer.module, params0, params1,
-                                                                layer.path))
+            dwh = _homogeneous_delta(layer, params0, params1, offsets[position])
             total = total + adjoint.source(reference[index], dwh)
             if index > 0:
-                adjoint = adjoint.through(_homogeneous(w0, b0), dwh, w1)
+                adjoint = adjoint.through(_homogeneous_layer(layer, params0, offsets[position])[0],
+                                          dwh, w1)
     return total

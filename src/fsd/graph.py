@@ -8,6 +8,9 @@ so that every step has a rule and a path:
 
 - ``F.relu(x)``, ``torch.relu(x)``, ``x.relu()`` → ``nn.ReLU``;
 - ``F.leaky_relu(x, slope)`` → ``nn.LeakyReLU(slope)``;
+- smooth activations: ``F.gelu``, ``F.silu``, ``torch.tanh``/``x.tanh()``,
+  ``torch.sigmoid``/``x.sigmoid()``, ``F.elu``, ``F.softplus`` → their modules (constant
+  hyper-parameters only);
 - ``torch.flatten(x, 1)``, ``x.flatten(1)``, ``x.view(x.size(0), -1)``,
   ``x.reshape(len(x), -1)`` → ``nn.Flatten``.
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +38,31 @@ from .rules import UnsupportedModuleError
 
 _RELU_FUNCTIONS = (F.relu, torch.relu)
 _FLATTEN_FUNCTIONS = (torch.flatten,)
+
+
+def _constant(node: fx.Node, position: int, name: str, default: Any) -> Any:
+    """Argument ``name`` of a call (at ``position`` or as a keyword), if it is a constant."""
+    value = node.kwargs.get(name, node.args[position] if len(node.args) > position else default)
+    return None if isinstance(value, fx.Node) else value
+
+
+# elementwise activations with a rule, by the function (or tensor method) that computes them:
+# the module that does the same, given the call (None: an argument is not a constant)
+_SMOOTH_FUNCTIONS: dict[Any, Callable[[fx.Node], nn.Module | None]] = {
+    F.gelu: lambda n: nn.GELU(approximate=str(_constant(n, 1, "approximate", "none"))),
+    F.silu: lambda n: nn.SiLU(),
+    torch.tanh: lambda n: nn.Tanh(),
+    F.tanh: lambda n: nn.Tanh(),
+    torch.sigmoid: lambda n: nn.Sigmoid(),
+    F.sigmoid: lambda n: nn.Sigmoid(),
+    F.elu: lambda n: None if _constant(n, 1, "alpha", 1.0) is None
+    else nn.ELU(float(_constant(n, 1, "alpha", 1.0))),
+    F.softplus: lambda n: None if None in (_constant(n, 1, "beta", 1.0),
+                                           _constant(n, 2, "threshold", 20.0))
+    else nn.Softplus(float(_constant(n, 1, "beta", 1.0)),
+                     float(_constant(n, 2, "threshold", 20.0))),
+}
+_SMOOTH_METHODS: dict[str, Callable[[], nn.Module]] = {"tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -170,14 +198,20 @@ def _step(name: str, node: fx.Node, modules: dict[str, nn.Module]) -> ChainStep:
         slope = node.kwargs.get("negative_slope", node.args[1] if len(node.args) > 1 else 0.01)
         if isinstance(slope, (int, float)):  # a constant, not a traced value
             return ChainStep(node.name, nn.LeakyReLU(float(slope)), True)
+    if node.op == "call_function" and node.target in _SMOOTH_FUNCTIONS and not _inplace(node):
+        module = _SMOOTH_FUNCTIONS[node.target](node)
+        if module is not None:
+            return ChainStep(node.name, module, True)
+    if node.op == "call_method" and node.target in _SMOOTH_METHODS:
+        return ChainStep(node.name, _SMOOTH_METHODS[str(node.target)](), True)
     flatten = _flatten_start(node)
     if flatten is not None:
         return ChainStep(node.name, nn.Flatten(flatten), True)
     what = getattr(node.target, "__name__", str(node.target))
     raise UnsupportedModuleError(
         f"operation {what} ({node.op}) at graph node '{node.name}' of {name}.forward has no "
-        f"rule; LAFTR and BGLN support the modules of fsd.rules.RULES, F.relu, F.leaky_relu "
-        f"and flattening. "
+        f"rule; LAFTR and BGLN support the modules of fsd.rules.RULES, their functional "
+        f"forms (F.relu, F.leaky_relu, F.gelu, torch.tanh, …) and flattening. "
         f"Use the module form (e.g. nn.ReLU()) or register a rule for a module that does it "
         f"(fsd.register_rule); ExactFSD, NTK, EWC and KFAC take any model")
 

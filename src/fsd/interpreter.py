@@ -123,16 +123,16 @@ def layer_signature(layers: list[TracedLayer]) -> list[dict]:
     ]
 
 
-GateFn = Callable[[str, Tensor], Tensor]
-"""``gate(path, s0) -> u``: which units of the gate layer at ``path`` are on their positive
-side (1) or not (0), given the reference pre-activation ``s0`` (u broadcastable to ``s0``).
-The layer's rule turns u into its gate α + (1 − α)u (:meth:`fsd.rules.LayerRule.gate_values`).
+GateFn = Callable[[TracedLayer, Tensor], tuple[Tensor, Tensor]]
+"""``gate(layer, s0) -> (a0, g)``: at the gate layer ``layer``, given the reference
+pre-activation ``s0``, the reference activation a0 and the gate g that multiplies the
+differences (Δa = g·Δs), both broadcastable to ``s0``.
 """
 
 
-def true_gates(path: str, s0: Tensor) -> Tensor:
-    """LAFTR's gates: the reference network's own 1{s0 > 0}, so the gate is φ'(s0)."""
-    return (s0 > 0).to(s0.dtype)
+def true_gates(layer: TracedLayer, s0: Tensor) -> tuple[Tensor, Tensor]:
+    """LAFTR's gates: (φ(s0), φ'(s0)) of the reference network itself."""
+    return layer.rule.reference_gates(layer.module, s0)
 
 
 def propagate_linearized(
@@ -149,12 +149,12 @@ def propagate_linearized(
         params0: reference parameters θ0 (detached).
         params1: parameters θ of the other network, or ``None`` to run the reference only.
         x: inputs, shape (n, *input_shape).
-        gate: which side of every gate layer each unit is on (see :data:`GateFn`).
+        gate: the reference activation and the gate at every gate layer (:data:`GateFn`).
 
     Returns:
         ``(z0, dz)``: reference outputs and output differences z1 − z0 (``None`` when
-        ``params1`` is ``None``). With ``true_gates`` and a ReLU network, z0 is exactly
-        f(x, θ0), and dz is exact for networks without nonlinearities.
+        ``params1`` is ``None``). With ``true_gates``, z0 is f(x, θ0), and dz is exact for
+        networks without nonlinearities.
     """
     a0, da = x, None
     for layer in layers:
@@ -174,9 +174,8 @@ def propagate_linearized(
             a0 = rule.apply(module, a0)
             da = None if da is None else rule.apply(module, da)
         elif rule.kind == "gate":
-            mask = rule.gate_values(module, gate(layer.path, a0))
-            a0 = a0 * mask
-            da = None if da is None else da * mask
+            a0, slope = gate(layer, a0)
+            da = None if da is None else da * slope
         elif rule.kind == "maxpool":
             # The reference's argmax routes the differences too: linearization of max().
             a0, indices = rule.apply(module, a0)
@@ -192,8 +191,18 @@ def propagate_linearized(
 def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]) -> None:
     """Raise ``NotImplementedError`` unless BGLN-D's flat moment propagation covers the model."""
     flat = len(input_shape) == 1
+    previous: TracedLayer | None = None  # the last layer that is not parameter-free
     for layer in layers:
         name = f"{type(layer.module).__name__} at '{layer.path}'"
+        if layer.rule.kind == "gate" and (previous is None or previous.rule.kind != "affine"):
+            after = "the input" if previous is None else \
+                f"{type(previous.module).__name__} at '{previous.path}'"
+            raise NotImplementedError(
+                f"BGLN-D needs an affine layer (Linear, BatchNorm1d) before every "
+                f"activation; {name} follows {after}. Use fsd.BGLN(deterministic=False) "
+                f"(BGLN-S).")
+        if layer.rule.kind != "fixed":
+            previous = layer
         if not layer.rule.flat_moments(layer.module):
             raise NotImplementedError(
                 f"BGLN-D (deterministic moment propagation) is implemented for MLPs only; "
@@ -287,7 +296,8 @@ def reference_moments(
         params0: reference parameters θ0 (and buffers) by name.
         mean: input means, (G, d) for G mixture components.
         cov: input covariances in any form of :mod:`fsd.covariance`.
-        gate_means: firing frequencies μ per gate path, each (G, units).
+        gate_means: stored gate statistics per gate path: firing frequencies μ (G, units),
+            or a smooth gate's moments (G, units, 5) (:meth:`fsd.rules.LayerRule.gate_moments`).
         layer_moments: optional real (mean, covariance) at each affine layer after the
             first, used instead of propagating (``reference="layerwise"``).
 
@@ -307,10 +317,13 @@ def reference_moments(
             out.append((mean, cov, s0_mean))
             mean, cov = s0_mean, sandwich(w0, cov)
         else:
-            # Algorithm 2 gates means by E[g] (μ for a ReLU) and covariances by E[g]E[g]ᵀ
-            g = step.rule.gate_moments(step.module, gate_means[step.path])[0]
+            # Algorithm 2 gates means by E[r] (μ for a ReLU) and covariances by E[r]E[r]ᵀ; a
+            # smooth gate's a0 = r·s0 + φ(0) also shifts the mean
+            moments = step.rule.gate_moments(step.module, gate_means[step.path])
+            r = moments.reference_mean
             # a gate follows an affine layer, whose sandwich() made the covariance full
-            mean, cov = mean * g, gate_covariance(cov, g)  # pyright: ignore[reportArgumentType]
+            mean = mean * r + moments.offset
+            cov = gate_covariance(cov, r)  # pyright: ignore[reportArgumentType]
     return out
 
 
@@ -339,8 +352,9 @@ def delta_moments(
             batched pass.
         params1: parameters θ (and buffers) of the other network (differentiable).
         reference: output of :func:`reference_moments` (fixed after fit).
-        gate_means: firing frequencies μ per gate path, each (G, units); a gate is scaled
-            by its mean E[g] (μ for a ReLU).
+        gate_means: stored gate statistics per gate path (firing frequencies μ (G, units),
+            or a smooth gate's moments); a difference is scaled by the mean slope E[g]
+            (μ for a ReLU).
         output_rows: (k', k) or per component (G, k', k) matrix selecting outputs (rows of
             the identity; zero rows pad components with fewer outputs).
 
@@ -355,7 +369,8 @@ def delta_moments(
     # gradient). ΔW is exactly 0 at θ = θ0.
     steps = _moment_steps(layers)
     deltas: dict[int, tuple[Tensor, Tensor]] = {}
-    gate_mean = {layer.path: layer.rule.gate_moments(layer.module, gate_means[layer.path])[0]
+    gate_mean = {layer.path: layer.rule.gate_moments(layer.module,
+                                                     gate_means[layer.path]).delta_mean
                  for layer in layers if layer.rule.kind == "gate"}
     mean_d: Tensor | None = None
     index = 0

@@ -3,9 +3,11 @@
 Both store θ0 plus a summary of the inputs — a coreset, or the data's mean and covariance —
 and evaluate the network linearized around the reference at every nonlinearity:
 
-- :class:`LAFTR` uses the reference network's true gates 1{s0 > 0} at every input.
+- :class:`LAFTR` uses the reference network's true gates 1{s0 > 0} (a smooth activation's
+  slope φ'(s0)) at every input.
 - :class:`BGLN` replaces each gate by an independent Bernoulli(μ), μ the unit's firing
-  frequency on the data. BGLN-S draws inputs and gates (one gate draw per sample);
+  frequency on the data (a smooth activation by a random secant/slope pair with the data's
+  moments, :mod:`fsd.rules`). BGLN-S draws inputs and gates (one gate draw per sample);
   BGLN-D (``deterministic=True``) propagates means and covariances (paper Algorithm 2).
 """
 
@@ -35,13 +37,14 @@ from .interpreter import (
 )
 from .linearize import linearized_outputs
 from .metrics import check_metric, pointwise_distance
-from .rules import UnsupportedModuleError
+from .rules import SMOOTH_MOMENTS, UnsupportedModuleError
 from .signature import parameter_signature
 from .statistics import StatisticsCollector
 from .validation import (
     SummaryFormatError,
     positive_int,
     require,
+    require_gate_moments,
     require_nonnegative,
     require_probabilities,
     require_psd,
@@ -163,8 +166,9 @@ class _LinearizedEstimator(Estimator):
             groups = self._store_statistics(collector, gaussian, dtype, device)
         if self.bernoulli:
             assert layers is not None  # BGLN: _chain raised otherwise
+            stored = self._gate_means()
             missing = [layer.path for layer in layers
-                       if layer.rule.kind == "gate" and f"gate.{layer.path}" not in self._state]
+                       if layer.rule.kind == "gate" and layer.path not in stored]
             if missing:
                 raise ValueError(f"the statistics hold no gate frequencies for the gate layers at "
                                  f"{missing} (a collector made with gates=False?)")
@@ -215,8 +219,9 @@ class _LinearizedEstimator(Estimator):
                 self._state[f"layer.{path}.mean"] = mean.to(device=device, dtype=dtype)
                 self._state[f"layer.{path}.cov"] = cov.to(device=device, dtype=dtype)
         if self.bernoulli:
-            for path, mu in stats.gate_means.items():
-                self._state[f"gate.{path}"] = mu.to(device=device, dtype=dtype)
+            for path, values in stats.gate_means.items():
+                prefix = "gate_moments" if path in stats.smooth_gates else "gate"
+                self._state[f"{prefix}.{path}"] = values.to(device=device, dtype=dtype)
         return stats.groups
 
     def _check_summary(self) -> None:
@@ -261,10 +266,17 @@ class _LinearizedEstimator(Estimator):
             gate = require(stored, key)
             require_shape(stored, key, [groups] + [None] * max(gate.dim() - 1, 1))
             require_probabilities(stored, key)
+        for key in [k for k in stored if k.startswith("gate_moments.")]:
+            gate = require(stored, key)
+            require_shape(stored, key, [groups] + [None] * max(gate.dim() - 2, 1)
+                          + [SMOOTH_MOMENTS])
+            require_gate_moments(stored, key)
 
     # ----- distance ---------------------------------------------------------------------
     def _gate_means(self) -> dict[str, Tensor]:
-        return {k[len("gate."):]: v for k, v in self._state.items() if k.startswith("gate.")}
+        """Stored gate statistics by path: firing frequencies, or a smooth gate's moments."""
+        return {k.split(".", 1)[1]: v for k, v in self._state.items()
+                if k.startswith(("gate.", "gate_moments."))}
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if "generator" not in self._cache:
@@ -326,9 +338,11 @@ class _LinearizedEstimator(Estimator):
             gate_means = self._gate_means()
             generator = self._generator(x.device)
 
-            def gate(path: str, s0: Tensor) -> Tensor:
+            def gate(layer: TracedLayer, s0: Tensor) -> tuple[Tensor, Tensor]:
                 # one independent draw per sample and unit, from that sample's component
-                return torch.bernoulli(gate_means[path][group], generator=generator)
+                rule, module = layer.rule, layer.module
+                r, g = rule.sample_gates(module, gate_means[layer.path][group], generator)
+                return r * s0 + rule.gate_offset(module), g
         else:
             gate = true_gates
         z0, dz = propagate_linearized(layers, params0, params1, x, gate)
@@ -421,6 +435,9 @@ class LAFTR(_LinearizedEstimator):
 
 class BGLN(_LinearizedEstimator):
     """Bernoulli-gated linear network (paper §3.2–3.5): BGLN-S and BGLN-D.
+
+    ReLU-family activations get Bernoulli gates; smooth ones (GELU, SiLU, Tanh, Sigmoid, ELU,
+    Softplus) a random secant/slope pair with the moments measured at fit (:mod:`fsd.rules`).
 
     Args:
         deterministic: ``False`` — BGLN-S, Monte Carlo over inputs and gates;

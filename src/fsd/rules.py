@@ -15,6 +15,14 @@ parameters passed in (so the same module can be evaluated at θ0, at θ, or with
   g = α + (1 − α)·u, u = 1{s > 0}. LAFTR uses the reference's own u = 1{s0 > 0}; BGLN draws
   u ~ Bernoulli(μ), μ the unit's firing frequency on the data, so the gate has mean
   α + (1 − α)μ and variance (1 − α)²μ(1 − μ) (:meth:`LayerRule.gate_moments`).
+- ``gate`` with ``smooth=True``: any other elementwise activation φ (GELU, SiLU, Tanh,
+  Sigmoid, ELU, Softplus). LAFTR uses a0 = φ(s0) and Δa = φ'(s0)·Δs. BGLN generalises the
+  Bernoulli gate to a per-unit random pair (r, g): a0 = r·s0 + φ(0), Δa = g·Δs, where on the
+  data r = (φ(s) − φ(0))/s is the secant through (0, φ(0)) and g = φ'(s) the slope. The fit
+  stores their first and second moments E[r], E[g], E[r²], E[rg], E[g²] per unit; BGLN-D
+  with exact moments needs nothing else, and BGLN-S draws (r, g) from the normal
+  distribution with those moments. For a ReLU the pair is r = g = u ~ Bernoulli(μ), so
+  the two forms agree (:class:`GateMoments`).
 - ``maxpool``: MaxPool2d, linearized around the reference: the reference's argmax routes the
   differences too.
 
@@ -29,8 +37,47 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.func import jvp
 
 RuleKind = Literal["affine", "fixed", "gate", "maxpool"]
+
+SMOOTH_MOMENTS = 5
+"""Moments a smooth gate stores per unit: E[r], E[g], E[r²], E[rg], E[g²] (last dimension)."""
+
+
+@dataclass(frozen=True)
+class GateMoments:
+    """Per-unit moments of a gate layer's random gate pair (r, g) under BGLN.
+
+    BGLN's activation is a0 = r·s0 + offset on the reference side and Δa = g·Δs on the
+    difference side, with the pairs of different units independent of each other and of the
+    inputs. Then E[(r⊙u)(g⊙v)ᵀ] = Q_rg ⊙ E[u vᵀ] with Q_rg = E[r]E[g]ᵀ + diag(Cov(r, g)),
+    and likewise Q_rr, Q_gg: these moments are all that BGLN-D needs. A ReLU-family gate has
+    r = g (all three variances equal).
+
+    Attributes:
+        reference_mean: E[r], (…, units).
+        delta_mean: E[g].
+        reference_variance: Var r.
+        covariance: Cov(r, g).
+        delta_variance: Var g.
+        offset: φ(0), the same for every unit (0 for the ReLU family).
+    """
+
+    reference_mean: Tensor
+    delta_mean: Tensor
+    reference_variance: Tensor
+    covariance: Tensor
+    delta_variance: Tensor
+    offset: float = 0.0
+
+    def second_moments(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(Q_rr, Q_rg, Q_gg) = E[r rᵀ], E[r gᵀ], E[g gᵀ] over units, each (…, units, units)."""
+        def outer(a: Tensor, b: Tensor, diagonal: Tensor) -> Tensor:
+            return a.unsqueeze(-1) * b.unsqueeze(-2) + torch.diag_embed(diagonal)
+        return (outer(self.reference_mean, self.reference_mean, self.reference_variance),
+                outer(self.reference_mean, self.delta_mean, self.covariance),
+                outer(self.delta_mean, self.delta_mean, self.delta_variance))
 
 
 @dataclass(frozen=True)
@@ -46,6 +93,9 @@ class LayerRule:
         flat_moments: whether BGLN-D's moment propagation (which works on flattened
             feature vectors) supports this particular module.
         negative_slope: ``gate`` rules: the slope α for s ≤ 0 (0 for ReLU).
+        smooth: ``gate`` rules for an elementwise activation that is not piecewise linear
+            through 0 (``apply(module, s)`` is φ; its slope comes from forward-mode
+            differentiation of ``apply``); see the module docstring.
         parameters: ``affine`` rules whose W and b are not the module's ``weight`` and
             ``bias``: ``parameters(module, state, path) -> (W, b)`` from the model's
             parameters and buffers by name (``None``: :func:`weight_bias`).
@@ -64,6 +114,7 @@ class LayerRule:
     hyper: Callable[[Any], dict] = field(default=lambda m: {})
     flat_moments: Callable[[Any], bool] = field(default=lambda m: False)
     negative_slope: Callable[[Any], float] = field(default=lambda m: 0.0)
+    smooth: bool = False
     parameters: Callable[[Any, Mapping[str, Tensor], str],
                          tuple[Tensor, Tensor | None]] | None = None
     dense: Callable[[Tensor], Tensor] = field(default=lambda weight: weight)
@@ -103,19 +154,89 @@ class LayerRule:
         return self.dense(weight), bias
 
     def gate_values(self, module: nn.Module, on: Tensor) -> Tensor:
-        """The gate α + (1 − α)·u of a ``gate`` rule, given u (1 above 0, 0 below, or a draw)."""
+        """The gate α + (1 − α)·u of a ReLU-family rule, given u (1 above 0, 0 below, or a draw)."""
         slope = self.negative_slope(module)
         return on if slope == 0.0 else slope + (1.0 - slope) * on
 
-    def gate_moments(self, module: nn.Module, firing: Tensor) -> tuple[Tensor, Tensor]:
-        """Mean and variance of a ``gate`` rule's gate when u ~ Bernoulli(``firing``).
+    def gate_offset(self, module: nn.Module) -> float:
+        """φ(0): what a smooth gate adds to r·s0 on the reference side (0 for the ReLU family)."""
+        if not self.smooth:
+            return 0.0
+        return float(self.apply(module, torch.zeros((), dtype=torch.float64)))
 
-        ReLU: (μ, μ(1 − μ)); with slope α: (α + (1 − α)μ, (1 − α)²μ(1 − μ)). Independent
-        units have E[g gᵀ] = mean meanᵀ + diag(variance), all that BGLN-D needs.
+    def slope(self, module: nn.Module, s: Tensor) -> Tensor:
+        """φ'(s), elementwise: the gate LAFTR uses at the reference pre-activation s."""
+        if not self.smooth:
+            return self.gate_values(module, (s > 0).to(s.dtype))
+        s = s.contiguous()  # forward-mode AD refuses expanded (overlapping) memory
+        return jvp(lambda x: self.apply(module, x), (s,), (torch.ones_like(s),))[1]
+
+    def reference_gates(self, module: nn.Module, s0: Tensor) -> tuple[Tensor, Tensor]:
+        """(φ(s0), φ'(s0)): the reference activation and LAFTR's gate at ``s0``."""
+        if not self.smooth:
+            gate = self.slope(module, s0)
+            return gate * s0, gate
+        return self.apply(module, s0), self.slope(module, s0)
+
+    def gate_pair(self, module: nn.Module, s: Tensor) -> tuple[Tensor, Tensor]:
+        """(r, g) at pre-activations ``s``: the secant (φ(s) − φ(0))/s and the slope φ'(s).
+
+        At s = 0 the secant is the slope. For the ReLU family both are the gate α + (1 − α)u.
         """
-        slope = self.negative_slope(module)
-        variance = (1.0 - slope) ** 2 * firing * (1 - firing)
-        return self.gate_values(module, firing), variance
+        g = self.slope(module, s)
+        if not self.smooth:
+            return g, g
+        nonzero = s != 0
+        secant = (self.apply(module, s) - self.gate_offset(module)) / torch.where(nonzero, s, 1)
+        return torch.where(nonzero, secant, g), g
+
+    def gate_statistics(self, module: nn.Module, s: Tensor) -> Tensor:
+        """What the fit averages over examples, per example, in float64.
+
+        ReLU family: u = 1{s > 0}, shape of ``s``. Smooth: [r, g, r², rg, g²]
+        stacked on a new last dimension of size :data:`SMOOTH_MOMENTS`.
+        """
+        s = s.detach().to(torch.float64)
+        if not self.smooth:
+            return (s > 0).to(torch.float64)
+        r, g = self.gate_pair(module, s)
+        return torch.stack([r, g, r * r, r * g, g * g], dim=-1)
+
+    def gate_moments(self, module: nn.Module, statistics: Tensor) -> GateMoments:
+        """The moments of the gate pair from the stored averages of :meth:`gate_statistics`.
+
+        ReLU family (``statistics`` = firing frequencies μ): u ~ Bernoulli(μ) and the gate
+        α + (1 − α)u has mean α + (1 − α)μ and variance (1 − α)²μ(1 − μ); r = g.
+        """
+        if not self.smooth:
+            slope = self.negative_slope(module)
+            variance = (1.0 - slope) ** 2 * statistics * (1 - statistics)
+            mean = self.gate_values(module, statistics)
+            return GateMoments(mean, mean, variance, variance, variance)
+        r, g, rr, rg, gg = statistics.unbind(-1)
+        return GateMoments(r, g, rr - r * r, rg - r * g, gg - g * g, self.gate_offset(module))
+
+    def sample_gates(self, module: nn.Module, statistics: Tensor, generator: torch.Generator
+                     ) -> tuple[Tensor, Tensor]:
+        """One draw of (r, g) per unit given the stored statistics (one row per example).
+
+        ReLU family: u ~ Bernoulli(μ), r = g = α + (1 − α)u. Smooth: the bivariate normal
+        with the stored means and covariance (any law with these moments has the same
+        BGLN-D; the normal needs no more parameters).
+        """
+        if not self.smooth:
+            gate = self.gate_values(module, torch.bernoulli(statistics, generator=generator))
+            return gate, gate
+        moments = self.gate_moments(module, statistics)
+        noise = torch.randn((2, *moments.reference_mean.shape), generator=generator,
+                            dtype=statistics.dtype, device=statistics.device)
+        # Cholesky factor of [[Var r, Cov], [Cov, Var g]], clamped against round-off
+        root = moments.reference_variance.clamp_min(0).sqrt()
+        lower = torch.where(root > 0, moments.covariance / torch.where(root > 0, root, 1), 0)
+        rest = (moments.delta_variance - lower * lower).clamp_min(0).sqrt()
+        r = moments.reference_mean + root * noise[0]
+        g = moments.delta_mean + lower * noise[0] + rest * noise[1]
+        return r, g
 
 
 RULES: dict[type, LayerRule] = {}
@@ -273,3 +394,17 @@ register_rule(nn.Flatten, LayerRule(
 # Dropout is the identity at evaluation, which is where FSD is measured.
 register_rule(nn.Dropout, LayerRule(kind="fixed", apply=lambda m, x: x, flat_moments=_always))
 register_rule(nn.Identity, LayerRule(kind="fixed", apply=lambda m, x: x, flat_moments=_always))
+
+# Smooth activations: elementwise, so flat moments hold; the hyper-parameters that change φ
+# are part of the signature
+for _smooth_type, _smooth_apply, _smooth_hyper in (
+        (nn.GELU, lambda m, x: F.gelu(x, approximate=m.approximate),
+         lambda m: {"approximate": m.approximate}),
+        (nn.SiLU, lambda m, x: F.silu(x), lambda m: {}),
+        (nn.Tanh, lambda m, x: torch.tanh(x), lambda m: {}),
+        (nn.Sigmoid, lambda m, x: torch.sigmoid(x), lambda m: {}),
+        (nn.ELU, lambda m, x: F.elu(x, m.alpha), lambda m: {"alpha": m.alpha}),
+        (nn.Softplus, lambda m, x: F.softplus(x, m.beta, m.threshold),
+         lambda m: {"beta": m.beta, "threshold": m.threshold})):
+    register_rule(_smooth_type, LayerRule(kind="gate", apply=_smooth_apply, hyper=_smooth_hyper,
+                                          flat_moments=_always, smooth=True))

@@ -3,8 +3,9 @@
 - :class:`MomentAccumulator`: mean and (full or diagonal) covariance of flattened inputs,
   accumulated in float64 with Chan et al.'s pairwise update, so batches and shards merge exactly.
 - :class:`GateAccumulator`: Bernoulli means μ = fraction of examples for which each unit's
-  pre-activation is > 0 (per unit; for conv, per channel × position), as a running mean or
-  an exponential moving average.
+  pre-activation is > 0 (per unit; for conv, per channel × position) — or, for a smooth
+  activation, the means of its gate pair's moments (:meth:`fsd.rules.LayerRule.gate_statistics`)
+  — as a running mean or an exponential moving average.
 - :class:`StatisticsCollector`: hooks a model so both are collected while it runs — during
   :meth:`fsd.BGLN.fit` or during the last epoch of training, as the paper does — optionally
   per class.
@@ -103,10 +104,14 @@ class GateAccumulator:
 
     def update(self, preactivation: Tensor) -> None:
         """Add a batch of pre-activations, shape (n, *units)."""
-        n = preactivation.shape[0]
+        self.add((preactivation.detach() > 0).to(torch.float64))
+
+    def add(self, values: Tensor) -> None:
+        """Add per-example values to average, shape (n, …) (e.g. a smooth gate's moments)."""
+        n = values.shape[0]
         if n == 0:
             return
-        batch = (preactivation.detach() > 0).to(torch.float64).mean(0)
+        batch = values.detach().to(torch.float64).mean(0)
         if self._value is None:
             self._value = batch
         elif self.momentum is None:
@@ -131,7 +136,7 @@ class GateAccumulator:
 
     @property
     def value(self) -> Tensor:
-        """The Bernoulli means μ, float64, shape (*units)."""
+        """The averages: Bernoulli means μ, float64, shape (*units) (or what :meth:`add` got)."""
         if self._value is None:
             raise ValueError("no pre-activations were accumulated")
         return self._value
@@ -145,7 +150,9 @@ class Statistics:
         weights: mixing weights (G,), the components' shares of the data.
         means: input means (G, d) of flattened inputs, or ``None``.
         covariances: (G, d, d), or variances (G, d) for a diagonal model, or ``None``.
-        gate_means: Bernoulli means per ReLU path, each (G, *units), or empty.
+        gate_means: per gate path, Bernoulli means (G, *units) — or for the paths in
+            ``smooth_gates`` the moments E[r], E[g], E[r²], E[rg], E[g²] (G, *units, 5) —
+            or empty.
         groups: for each component, the class labels it pools (empty when not class-wise).
         input_shape: shape of one input example.
         layer_moments: per affine layer after the first, the (means (G, o), covariances
@@ -159,6 +166,7 @@ class Statistics:
     groups: list[list[int]]
     input_shape: tuple[int, ...]
     layer_moments: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    smooth_gates: list[str] = field(default_factory=list)
 
 
 def group_classes(classes: Sequence[int], classwise: bool | int) -> list[list[int]]:
@@ -182,7 +190,7 @@ _POOLED = -1  # key for examples recorded without labels
 
 
 class StatisticsCollector:
-    """Collect data moments and ReLU gate frequencies from a model's own forward passes.
+    """Collect data moments and gate statistics from a model's own forward passes.
 
     Hooks are installed on construction and only record inside :meth:`record`, so other
     forward passes (evaluation, penalties) are not counted. Typical use, during the last
@@ -198,7 +206,7 @@ class StatisticsCollector:
     Args:
         model: the network (nested ``nn.Sequential`` of supported layers).
         moments: collect input moments (``"full"``, ``"diag"``) or not (``None``).
-        gates: collect ReLU gate frequencies.
+        gates: collect gate statistics (ReLU-family firing frequencies, smooth gates' moments).
         momentum: ``None`` (running mean) or EMA momentum for the gates.
         layer_moments: also collect the mean and covariance of the input to every affine
             layer after the first (for ``BGLN(reference="layerwise")``).
@@ -219,8 +227,10 @@ class StatisticsCollector:
         self._handles = []
         # moments alone need no layers (any model: LAFTR with Gaussian inputs)
         layers = trace(model) if gates or layer_moments else []
-        self.gate_paths = [layer.path for layer in layers if layer.rule.kind == "gate"] \
-            if gates else []
+        gate_layers = [layer for layer in layers if layer.rule.kind == "gate"] if gates else []
+        self.gate_paths = [layer.path for layer in gate_layers]
+        self.smooth_gates = [layer.path for layer in gate_layers if layer.rule.smooth]
+        self._gate_rules = {layer.path: layer.rule for layer in gate_layers}
         if moments is not None:
             self._handles.append(model.register_forward_pre_hook(
                 recording_hook(self._input_hook_fn())))
@@ -303,12 +313,15 @@ class StatisticsCollector:
             acc.update(part)
 
     def _gate_hook(self, path: str):
+        rule = self._gate_rules[path]
+
         def hook(module: nn.Module, args: tuple) -> None:
             if not self._active:
                 return
             for key, part in self._split(args[0]):
                 per_path = self._gate_acc.setdefault(key, {})
-                per_path.setdefault(path, GateAccumulator(self.momentum)).update(part)
+                per_path.setdefault(path, GateAccumulator(self.momentum)).add(
+                    rule.gate_statistics(module, part))
         return recording_hook(hook)
 
     def _layer_hook(self, path: str):
@@ -404,4 +417,5 @@ class StatisticsCollector:
             input_shape=input_shape or (),
             layer_moments={p: (torch.stack([m for m, _ in v]), torch.stack([c for _, c in v]))
                            for p, v in layers.items()},
+            smooth_gates=list(self.smooth_gates),
         )

@@ -6,10 +6,11 @@ error in the library cannot hide in its reference:
 
 - :func:`dense_algorithm2` — BGLN-D, paper Algorithm 2, line by line in float64 with the
   covariances pushed forwards as dense matrices.
-- :func:`enumerated_gates` — the exact expectation of BGLN's ½‖Δz‖² (what BGLN-S estimates
-  and exact-moment BGLN-D computes), by enumerating every configuration of the gates of a
-  small network: with the gates fixed the network is affine in x, so the expectation over
-  Gaussian-moment inputs is a closed form.
+- :func:`enumerated_gates` / :func:`enumerated_gate_pairs` — the exact expectation of BGLN's
+  ½‖Δz‖² (what BGLN-S estimates and exact-moment BGLN-D computes), by enumerating every
+  configuration of the gates of a small network (Bernoulli gates, or any discrete law of a
+  smooth activation's gate pairs): with the gates fixed the network is affine in x, so the
+  expectation over Gaussian-moment inputs is a closed form.
 - :func:`linearized_outputs` — LAFTR's linearized network (paper eqs. 4–7) for one example:
   the reference network θ0 runs as usual; the network θ runs with every ReLU replaced by the
   reference's gate 1{s0 > 0} and every max-pool routed by the reference's argmax, window by
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -70,7 +72,8 @@ def dense_algorithm2(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,
         mean: mean of the (flattened) inputs, shape (d,).
         cov: their covariance, shape (d, d).
         gate_means: Bernoulli means μ of the hidden ReLUs, one (units,) vector per hidden
-            layer.
+            layer; for a smooth activation a triple (E[r], E[g], φ(0)): the reference side
+            is gated by E[r] and shifted by φ(0), the difference side gated by E[g].
         outputs: restrict Δz to these output units.
 
     Returns:
@@ -93,22 +96,24 @@ def dense_algorithm2(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,
                 rows = torch.as_tensor(list(outputs), dtype=torch.long)
                 e_ds, c_ds = e_ds[rows], c_ds[rows][:, rows]
             return 0.5 * e_ds @ e_ds + 0.5 * torch.trace(c_ds)
-        mu = _float64(gate_means[index])
-        outer = torch.outer(mu, mu)
-        e_a0, e_da, c_a0, c_da = mu * e_s0, mu * e_ds, outer * c_s0, outer * c_ds
+        gate = gate_means[index]
+        if isinstance(gate, tuple):  # a smooth gate: (E[r], E[g], φ(0))
+            r, g, offset = _float64(gate[0]), _float64(gate[1]), float(gate[2])
+        else:
+            r = g = _float64(gate)
+            offset = 0.0
+        e_a0, c_a0 = r * e_s0 + offset, torch.outer(r, r) * c_s0
+        e_da, c_da = g * e_ds, torch.outer(g, g) * c_ds
     raise ValueError("the models have no nn.Linear layer")
 
 
 def enumerated_gates(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,
                      firing: Sequence[Any], outputs: Sequence[int] | None = None) -> Tensor:
-    """E[½‖Δz‖²] of the gated linear network (BGLN), by enumerating all gate configurations.
+    """E[½‖Δz‖²] of the Bernoulli-gated linear network (BGLN), by enumerating all gates.
 
     Reads the models' ``nn.Linear`` layers and, between consecutive ones, one ``nn.ReLU`` or
     ``nn.LeakyReLU`` (slope α): unit i's gate is 1 with probability ``firing[l][i]`` and α
-    otherwise, independently. For one configuration the gated network is affine in x,
-    Δz = D x + e, so E_x[½‖Δz‖²] = ½ tr(D Σ Dᵀ) + ½‖D m + e‖² with the input mean m and
-    covariance Σ; the result is the probability-weighted sum over the 2^H configurations
-    (H hidden units in all, so keep H small).
+    otherwise, independently (:func:`enumerated_gate_pairs` with r = g on two points).
 
     Args:
         model0: the reference network θ0.
@@ -121,24 +126,67 @@ def enumerated_gates(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,
     Returns:
         A 0-dim float64 tensor.
     """
-    leaves0, leaves1 = list(_leaves(model0)), list(_leaves(model1))
-    linear0 = [m for m in leaves0 if isinstance(m, nn.Linear)]
-    linear1 = [m for m in leaves1 if isinstance(m, nn.Linear)]
-    slopes = [float(getattr(m, "negative_slope", 0.0)) for m in leaves0
+    slopes = [float(getattr(m, "negative_slope", 0.0)) for m in _leaves(model0)
               if isinstance(m, (nn.ReLU, nn.LeakyReLU))]
-    if len(linear0) != len(linear1) or len(slopes) != len(linear0) - 1 \
-            or len(firing) != len(slopes):
+    if len(slopes) != len(firing):
         raise ValueError("expected L Linear layers in each model with one ReLU or LeakyReLU "
                          "and one firing vector between consecutive ones")
-    probabilities = [_float64(f) for f in firing]
-    units = [int(f.numel()) for f in probabilities]
+    laws = []
+    for slope, on in zip(slopes, firing, strict=True):
+        on = _float64(on)
+        points = torch.tensor([slope, 1.0], dtype=torch.float64).expand(len(on), 2)
+        laws.append(GateLaw(points, points, torch.stack([1 - on, on], dim=-1)))
+    return enumerated_gate_pairs(model0, model1, mean, cov, laws, outputs)
+
+
+@dataclass(frozen=True)
+class GateLaw:
+    """A discrete law of one hidden layer's gate pairs (r, g), a0 = r·s0 + offset, Δa = g·Δs.
+
+    Unit i takes the pair (``reference[i, k]``, ``delta[i, k]``) with probability
+    ``probabilities[i, k]``, independently of the other units.
+    """
+
+    reference: Tensor
+    delta: Tensor
+    probabilities: Tensor
+    offset: float = 0.0
+
+
+def enumerated_gate_pairs(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,
+                          laws: Sequence[GateLaw], outputs: Sequence[int] | None = None
+                          ) -> Tensor:
+    """E[½‖Δz‖²] of a gated linear network with discrete gate pairs, by enumeration.
+
+    Reads the models' ``nn.Linear`` layers; between consecutive ones the activation is
+    replaced by the gates of ``laws[l]``. For one configuration the gated network is affine
+    in x, Δz = D x + e, so E_x[½‖Δz‖²] = ½ tr(D Σ Dᵀ) + ½‖D m + e‖² with the input mean m
+    and covariance Σ; the result is the probability-weighted sum over every configuration
+    (Π K_i of them: keep the network small).
+
+    Args:
+        model0: the reference network θ0.
+        model1: the network θ (the result is differentiable in its parameters).
+        mean: mean of the (flattened) inputs, shape (d,).
+        cov: their covariance, shape (d, d).
+        laws: one :class:`GateLaw` per hidden layer.
+        outputs: restrict Δz to these output units.
+
+    Returns:
+        A 0-dim float64 tensor.
+    """
+    linear0 = [m for m in _leaves(model0) if isinstance(m, nn.Linear)]
+    linear1 = [m for m in _leaves(model1) if isinstance(m, nn.Linear)]
+    if len(linear0) != len(linear1) or len(laws) != len(linear0) - 1:
+        raise ValueError(f"{len(linear0)} and {len(linear1)} Linear layers with "
+                         f"{len(laws)} gate laws: expected L, L and L - 1")
+    choices = [range(law.probabilities.shape[-1]) for law in laws
+               for _ in range(law.probabilities.shape[0])]
     m, sigma = _float64(mean), _float64(cov)
     d = m.shape[0]
     total = torch.zeros((), dtype=torch.float64)
-    for config in itertools.product((0, 1), repeat=sum(units)):
-        on = torch.tensor(config, dtype=torch.float64)
-        weight = torch.prod(torch.cat(probabilities) * on
-                            + (1 - torch.cat(probabilities)) * (1 - on))
+    for config in itertools.product(*choices):
+        weight = torch.ones((), dtype=torch.float64)
         # a0 = A x + c (reference), Δa = D x + e (difference), starting from a0 = x, Δa = 0
         a_map, a_off = torch.eye(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
         d_map, d_off = torch.zeros(d, d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
@@ -151,11 +199,15 @@ def enumerated_gates(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,
             a_map, a_off = w0 @ a_map, w0 @ a_off + b0
             if index == len(linear0) - 1:
                 break
-            u = on[start:start + units[index]]
-            start += units[index]
-            gate = slopes[index] + (1 - slopes[index]) * u
-            a_map, a_off = gate[:, None] * a_map, gate * a_off
-            d_map, d_off = gate[:, None] * d_map, gate * d_off
+            law = laws[index]
+            units = law.probabilities.shape[0]
+            pick = torch.tensor(config[start:start + units]).unsqueeze(-1)
+            start += units
+            weight = weight * _float64(law.probabilities).gather(-1, pick).prod()
+            r = _float64(law.reference).gather(-1, pick).squeeze(-1)
+            g = _float64(law.delta).gather(-1, pick).squeeze(-1)
+            a_map, a_off = r[:, None] * a_map, r * a_off + law.offset
+            d_map, d_off = g[:, None] * d_map, g * d_off
         if outputs is not None:
             rows = torch.as_tensor(list(outputs), dtype=torch.long)
             d_map, d_off = d_map[rows], d_off[rows]

@@ -127,3 +127,20 @@ def require_probabilities(stored: Mapping[str, Tensor], key: str) -> None:
     value = require(stored, key)
     if bool(((value < 0) | (value > 1)).any()):
         raise SummaryFormatError(f"field {key!r}: values outside [0, 1]")
+
+
+def require_gate_moments(stored: Mapping[str, Tensor], key: str) -> None:
+    """``stored[key]`` (…, 5) holds moments E[r], E[g], E[r²], E[rg], E[g²] of a gate pair.
+
+    Their covariance matrix [[Var r, Cov], [Cov, Var g]] must be positive semi-definite up
+    to round-off.
+    """
+    value = require(stored, key).to(torch.float64)
+    r, g, rr, rg, gg = value.unbind(-1)
+    var_r, cov, var_g = rr - r * r, rg - r * g, gg - g * g
+    tolerance = 1e-5 * (rr.abs() + gg.abs()).clamp_min(1e-12)
+    if bool(((var_r < -tolerance) | (var_g < -tolerance)).any()) or bool(
+            (cov * cov > var_r.clamp_min(0) * var_g.clamp_min(0) + tolerance * tolerance
+             + tolerance * (var_r.abs() + var_g.abs())).any()):
+        raise SummaryFormatError(f"field {key!r}: not the moments of a gate pair (a negative "
+                                 f"variance or |Cov(r, g)| above √(Var r · Var g))")
