@@ -322,12 +322,13 @@ def test_statistics_must_be_a_collector():
     fsd.LAFTR().fit(model, data, statistics={"means": None})
 
 
-def test_bgln_d_on_cnn_is_not_implemented():
+def test_bgln_d_on_cnn_runs_algorithm2_and_refuses_exact_moments():
     model, data = cnn(seed=0), labelled_batches(6, (1, 8, 8), seed=1)
-    with pytest.raises(NotImplementedError):
-        fsd.BGLN(deterministic=True).fit(model, data)
-    # BGLN-S handles it
-    assert float(fsd.BGLN(num_samples=4).fit(model, data).distance(perturbed(model))) > 0
+    with pytest.raises(NotImplementedError, match="moments='exact'"):
+        fsd.BGLN(deterministic=True, moments="exact").fit(model, data)
+    # Algorithm 2 (fsd.conv_moments, checked in test_conv_moments.py) and BGLN-S handle it
+    for est in (fsd.BGLN(deterministic=True), fsd.BGLN(num_samples=4)):
+        assert float(est.fit(model, data).distance(perturbed(model))) > 0
 
 
 @pytest.mark.parametrize("make", [

@@ -174,17 +174,18 @@ def test_moments_of_two_components_each_match_dense_algorithm2():
     assert float(mean_0.abs().max()) == 0.0 and float(trace_0.abs().max()) == 0.0
 
 
-def test_check_moment_support_names_what_bgln_d_cannot_do():
-    with pytest.raises(NotImplementedError, match="Conv2d at '0'"):
-        interpreter.check_moment_support(fsd.trace(cnn(seed=0)), (1, 8, 8))
+def test_check_moment_support_chooses_the_flat_or_the_convolutional_path():
+    # convolutions, or a Linear on unflattened images: fsd.conv_moments (Algorithm 2 only)
     image_mlp = nn.Sequential(nn.Linear(4, 3))
-    with pytest.raises(NotImplementedError, match=r"nn\.Flatten\(\) first"):
-        interpreter.check_moment_support(fsd.trace(image_mlp), (1, 2, 4))
     partial = nn.Sequential(nn.Flatten(2), nn.Linear(4, 3))
-    with pytest.raises(NotImplementedError, match="Flatten at '0'"):
-        interpreter.check_moment_support(fsd.trace(partial), (1, 2, 4))
+    for model, shape in ((cnn(seed=0), (1, 8, 8)), (image_mlp, (1, 2, 4)), (partial, (1, 2, 4))):
+        assert interpreter.check_moment_support(fsd.trace(model), shape) is False
+        with pytest.raises(NotImplementedError, match=r"moments='exact'.*MLPs only"):
+            interpreter.check_moment_support(fsd.trace(model), shape, exact=True)
+        with pytest.raises(NotImplementedError, match="reference='layerwise'"):
+            interpreter.check_moment_support(fsd.trace(model), shape, layerwise=True)
     flat = nn.Sequential(nn.Flatten(), nn.Linear(8, 3), nn.ReLU(), nn.Dropout(), nn.Linear(3, 2))
-    interpreter.check_moment_support(fsd.trace(flat), (1, 2, 4))  # supported: no error
+    assert interpreter.check_moment_support(fsd.trace(flat), (1, 2, 4), exact=True) is True
 
 
 def test_delta_moments_needs_a_parameterized_layer():

@@ -188,33 +188,53 @@ def propagate_linearized(
     return a0, da
 
 
-def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]) -> None:
-    """Raise ``NotImplementedError`` unless BGLN-D's flat moment propagation covers the model."""
+def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...],
+                         exact: bool = False, layerwise: bool = False) -> bool:
+    """Whether BGLN-D takes the flat (MLP) path; raise ``NotImplementedError`` if it cannot run.
+
+    The flat path (:func:`reference_moments`, :mod:`fsd.exact_moments`) needs flat feature
+    vectors at every affine layer; anything else with convolutions, pooling or images takes
+    :mod:`fsd.conv_moments` (Algorithm 2 only: exact moments and layer-wise statistics would
+    carry (C·H·W)² second moments). Exact moments need an affine layer before every gate.
+    """
     flat = len(input_shape) == 1
-    previous: TracedLayer | None = None  # the last layer that is not parameter-free
+    supported = True
     for layer in layers:
-        name = f"{type(layer.module).__name__} at '{layer.path}'"
-        if layer.rule.kind == "gate" and (previous is None or previous.rule.kind != "affine"):
-            after = "the input" if previous is None else \
-                f"{type(previous.module).__name__} at '{previous.path}'"
-            raise NotImplementedError(
-                f"BGLN-D needs an affine layer (Linear, BatchNorm1d) before every "
-                f"activation; {name} follows {after}. Use fsd.BGLN(deterministic=False) "
-                f"(BGLN-S).")
-        if layer.rule.kind != "fixed":
-            previous = layer
         if not layer.rule.flat_moments(layer.module):
-            raise NotImplementedError(
-                f"BGLN-D (deterministic moment propagation) is implemented for MLPs only; "
-                f"it does not support {name}. Use fsd.BGLN(deterministic=False) (BGLN-S)."
-            )
+            supported = False
         if isinstance(layer.module, nn.Flatten):
             flat = True
         elif layer.rule.kind == "affine" and not flat:
+            supported = False
+    if not supported:
+        what = "moments='exact'" if exact else "reference='layerwise'" if layerwise else None
+        if what is not None:
             raise NotImplementedError(
-                f"BGLN-D needs flat inputs before {name}: inputs of shape {input_shape} must "
-                f"go through nn.Flatten() first"
-            )
+                f"BGLN-D with {what} is implemented for MLPs only: on convolutional layers it "
+                f"would carry (C·H·W)² second moments. Use moments='paper' with "
+                f"reference='propagated' (Algorithm 2 without them) or "
+                f"fsd.BGLN(deterministic=False) (BGLN-S).")
+        for layer in layers:
+            if isinstance(layer.module, nn.MaxPool2d) and layer.module.ceil_mode:
+                raise NotImplementedError(
+                    f"BGLN-D does not support MaxPool2d with ceil_mode=True (at "
+                    f"'{layer.path}'); use ceil_mode=False or BGLN-S")
+        return False
+    if exact:
+        previous: TracedLayer | None = None  # the last layer that is not parameter-free
+        for layer in layers:
+            if layer.rule.kind == "gate" and (previous is None
+                                              or previous.rule.kind != "affine"):
+                name = f"{type(layer.module).__name__} at '{layer.path}'"
+                after = "the input" if previous is None else \
+                    f"{type(previous.module).__name__} at '{previous.path}'"
+                raise NotImplementedError(
+                    f"BGLN-D with exact moments needs an affine layer (Linear, BatchNorm1d) "
+                    f"before every activation; {name} follows {after}. Use moments='paper' "
+                    f"or fsd.BGLN(deterministic=False) (BGLN-S).")
+            if layer.rule.kind != "fixed":
+                previous = layer
+    return True
 
 
 def _moment_steps(layers: list[TracedLayer]) -> list[TracedLayer | tuple[TracedLayer, ...]]:

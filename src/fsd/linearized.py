@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from . import conv_moments
 from .coreset import Reservoir
 from .covariance import Covariance, low_rank_plus_diagonal, sample, sampling_factor
 from .estimator import Data, Estimator, iter_batches
@@ -187,7 +188,16 @@ class _LinearizedEstimator(Estimator):
             self._meta["input_shape"] = list(xs.shape[1:])
         if self._deterministic:
             assert layers is not None
-            check_moment_support(layers, tuple(self._meta["input_shape"]))
+            flat = check_moment_support(layers, tuple(self._meta["input_shape"]),
+                                        exact=self.config.get("moments") == "exact",
+                                        layerwise=self.config.get("reference") == "layerwise")
+            if not flat:  # fsd.conv_moments: max-pools need their routing frequencies
+                self._meta["convolutional"] = True
+                pools = [layer.path for layer in layers if layer.rule.kind == "maxpool"]
+                missing = [p for p in pools if f"routing.{p}" not in self._state]
+                if missing:
+                    raise ValueError(f"the statistics hold no max-pool routing for {missing} "
+                                     f"(a collector made with gates=False?)")
 
     def _store_statistics(self, collector: StatisticsCollector, gaussian: bool,
                           dtype: torch.dtype, device: torch.device) -> list[list[int]]:
@@ -222,6 +232,9 @@ class _LinearizedEstimator(Estimator):
             for path, values in stats.gate_means.items():
                 prefix = "gate_moments" if path in stats.smooth_gates else "gate"
                 self._state[f"{prefix}.{path}"] = values.to(device=device, dtype=dtype)
+        if self._deterministic:  # BGLN-D on a CNN routes each max-pool by these
+            for path, values in stats.routing.items():
+                self._state[f"routing.{path}"] = values.to(device=device, dtype=dtype)
         return stats.groups
 
     def _check_summary(self) -> None:
@@ -266,6 +279,14 @@ class _LinearizedEstimator(Estimator):
             gate = require(stored, key)
             require_shape(stored, key, [groups] + [None] * max(gate.dim() - 1, 1))
             require_probabilities(stored, key)
+        for key in [k for k in stored if k.startswith("routing.")]:
+            # (groups, C, H', W', k·k): each window's routing frequencies sum to 1
+            require_shape(stored, key, [groups, None, None, None, None])
+            require_probabilities(stored, key)
+            total = stored[key].to(torch.float64).sum(-1)
+            if bool(((total - 1).abs() > 1e-4).any()):
+                raise SummaryFormatError(f"field {key!r}: a window's routing frequencies do "
+                                         f"not sum to 1")
         for key in [k for k in stored if k.startswith("gate_moments.")]:
             gate = require(stored, key)
             require_shape(stored, key, [groups] + [None] * max(gate.dim() - 2, 1)
@@ -277,6 +298,11 @@ class _LinearizedEstimator(Estimator):
         """Stored gate statistics by path: firing frequencies, or a smooth gate's moments."""
         return {k.split(".", 1)[1]: v for k, v in self._state.items()
                 if k.startswith(("gate.", "gate_moments."))}
+
+    def _routing(self) -> dict[str, Tensor]:
+        """Stored max-pool routing frequencies by path (BGLN-D on CNNs)."""
+        return {k[len("routing."):]: v for k, v in self._state.items()
+                if k.startswith("routing.")}
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if "generator" not in self._cache:
@@ -376,22 +402,36 @@ class _LinearizedEstimator(Estimator):
         if "moment_parts" not in self._cache:
             gate_means = self._gate_means()
             mean = self._state["input.mean"]
-            propagate = reference_blocks if self.config.get("moments") == "exact" \
-                else reference_moments
-            with torch.no_grad():
-                reference = propagate(layers, params0, mean, self.input_covariance(),
-                                      gate_means, self._layer_moments())
             eye = torch.eye(self._output_size(layers, params0), dtype=mean.dtype,
                             device=mean.device)
-            self._cache["moment_parts"] = {
-                "reference": reference, "gate_means": gate_means,
-                "output_rows": self._select(eye).T.contiguous(),
-                "weights": self._state["weights"]}
+            parts: dict[str, Any] = {"gate_means": gate_means,
+                                     "output_rows": self._select(eye).T.contiguous(),
+                                     "weights": self._state["weights"]}
+            with torch.no_grad():
+                if self._meta.get("convolutional"):
+                    steps = conv_moments.moment_steps(layers)
+                    statistics = {**gate_means, **self._routing()}
+                    parts.update(steps=steps, statistics=statistics,
+                                 reference=conv_moments.reference_side(
+                                     steps, params0, mean, self.input_covariance(),
+                                     statistics, tuple(self._meta["input_shape"])))
+                else:
+                    propagate = reference_blocks if self.config.get("moments") == "exact" \
+                        else reference_moments
+                    parts["reference"] = propagate(layers, params0, mean,
+                                                   self.input_covariance(), gate_means,
+                                                   self._layer_moments())
+            self._cache["moment_parts"] = parts
         return self._cache["moment_parts"]
 
     def _moment_distance(self, layers, params0, params1) -> Tensor:
         parts = self.moment_parts(layers, params0)
-        if self.config.get("moments") == "exact":
+        if "steps" in parts:  # a convolutional network (fsd.conv_moments)
+            mean_d, trace = conv_moments.delta_side(
+                parts["steps"], params0, params1, parts["reference"], parts["statistics"],
+                parts["output_rows"], tuple(self._meta["input_shape"]))
+            per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace
+        elif self.config.get("moments") == "exact":
             per_group = 0.5 * delta_second_moment_adjoint(
                 layers, params0, params1, parts["reference"], parts["gate_means"],
                 parts["output_rows"])
@@ -401,8 +441,13 @@ class _LinearizedEstimator(Estimator):
             per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace
         return (parts["weights"] * per_group).sum()
 
-    @staticmethod
-    def _output_size(layers, params0) -> int:
+    def _output_size(self, layers, params0) -> int:
+        if self._meta.get("convolutional"):  # the output's size, from a probe
+            probe = torch.zeros((1, *self._meta["input_shape"]),
+                                dtype=self._state["input.mean"].dtype,
+                                device=self._state["input.mean"].device)
+            z0, _ = propagate_linearized(layers, params0, None, probe)
+            return z0[0].numel()
         last = [layer for layer in layers if layer.rule.kind == "affine"][-1]
         return last.rule.affine_matrix(last.module, params0, last.path)[0].shape[-2]
 
@@ -441,7 +486,8 @@ class BGLN(_LinearizedEstimator):
 
     Args:
         deterministic: ``False`` — BGLN-S, Monte Carlo over inputs and gates;
-            ``True`` — BGLN-D, moment propagation (Euclidean metric, MLPs, Gaussian inputs).
+            ``True`` — BGLN-D, moment propagation (Euclidean metric, Gaussian inputs; on
+            convolutional networks Algorithm 2 only, :mod:`fsd.conv_moments`).
         inputs: ``"gaussian"`` (stored mean/covariance) or ``"coreset"`` (stored inputs with
             Bernoulli gates; BGLN-S only).
         covariance: ``"lowrank"`` (the default: top-``rank`` eigenpairs plus a diagonal

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from . import distributed
+from .conv_moments import routing_statistics
 from .graph import unwrap
 from .hooks import recording_hook
 from .interpreter import trace
@@ -157,6 +158,9 @@ class Statistics:
         input_shape: shape of one input example.
         layer_moments: per affine layer after the first, the (means (G, o), covariances
             (G, o, o)) of the reference network's real inputs to it (``layer_moments=True``).
+        smooth_gates: the gate paths whose ``gate_means`` are a smooth gate's moments.
+        routing: per MaxPool2d path, how often each position of each window was its argmax,
+            (G, C, H', W', k·k) (:func:`fsd.conv_moments.routing_statistics`; with gates).
     """
 
     weights: Tensor
@@ -167,6 +171,7 @@ class Statistics:
     input_shape: tuple[int, ...]
     layer_moments: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
     smooth_gates: list[str] = field(default_factory=list)
+    routing: dict[str, Tensor] = field(default_factory=dict)
 
 
 def group_classes(classes: Sequence[int], classwise: bool | int) -> list[list[int]]:
@@ -231,13 +236,17 @@ class StatisticsCollector:
         self.gate_paths = [layer.path for layer in gate_layers]
         self.smooth_gates = [layer.path for layer in gate_layers if layer.rule.smooth]
         self._gate_rules = {layer.path: layer.rule for layer in gate_layers}
+        # max-pools are BGLN-D's other gate: how each window routes, on the data
+        self.pool_paths = [layer.path for layer in layers
+                           if layer.rule.kind == "maxpool"] if gates else []
         if moments is not None:
             self._handles.append(model.register_forward_pre_hook(
                 recording_hook(self._input_hook_fn())))
         modules = dict(unwrap(model).named_modules())
         self.layer_paths = [layer.path for layer in layers
                             if layer.rule.kind == "affine"][1:] if layer_moments else []
-        functional = [p for p in self.gate_paths + self.layer_paths if p not in modules]
+        functional = [p for p in self.gate_paths + self.layer_paths + self.pool_paths
+                      if p not in modules]
         if functional:
             raise UnsupportedModuleError(
                 f"the layer at '{functional[0]}' is a function call in "
@@ -249,6 +258,8 @@ class StatisticsCollector:
         # trace() has refused module objects used at two positions, so one hook = one layer
         for path in self.gate_paths:
             self._handles.append(modules[path].register_forward_pre_hook(self._gate_hook(path)))
+        for path in self.pool_paths:
+            self._handles.append(modules[path].register_forward_pre_hook(self._pool_hook(path)))
 
     @contextlib.contextmanager
     def record(self, labels: Tensor | None = None) -> Iterator[None]:
@@ -324,13 +335,24 @@ class StatisticsCollector:
                     rule.gate_statistics(module, part))
         return recording_hook(hook)
 
+    def _pool_hook(self, path: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            if not self._active:
+                return
+            for key, part in self._split(args[0]):
+                per_path = self._gate_acc.setdefault(key, {})
+                per_path.setdefault(path, GateAccumulator(self.momentum)).add(
+                    routing_statistics(module, part))  # type: ignore[arg-type]
+        return recording_hook(hook)
+
     def _layer_hook(self, path: str):
         def hook(module: nn.Module, args: tuple) -> None:
             if not self._active:
                 return
             for key, part in self._split(args[0].detach()):
                 per_path = self._layer_acc.setdefault(key, {})
-                per_path.setdefault(path, MomentAccumulator()).update(part)
+                per_path.setdefault(path, MomentAccumulator()).update(
+                    part.reshape(part.shape[0], -1))
         return recording_hook(hook)
 
     @property
@@ -379,15 +401,16 @@ class StatisticsCollector:
                              "(or record(labels=y))")
         groups = group_classes([] if keys == [_POOLED] else keys, classwise) \
             if keys != [_POOLED] else [[_POOLED]]
-        counts, means, covs, gates = [], [], [], {p: [] for p in self.gate_paths}
+        counts, means, covs = [], [], []
+        gates: dict[str, list[Tensor]] = {p: [] for p in self.gate_paths + self.pool_paths}
         layers: dict[str, list[tuple[Tensor, Tensor]]] = {p: [] for p in self.layer_paths}
         for group in groups:
             moment = MomentAccumulator(self.moments == "diag") if self.moments else None
-            gate = {p: GateAccumulator(self.momentum) for p in self.gate_paths}
+            gate = {p: GateAccumulator(self.momentum) for p in gates}
             for key in group:
                 if moment is not None and key in moment_acc:
                     moment.merge(moment_acc[key])
-                for p in self.gate_paths:
+                for p in gates:
                     if p in gate_acc.get(key, {}):
                         gate[p].merge(gate_acc[key][p])
             if moment is not None:
@@ -396,7 +419,7 @@ class StatisticsCollector:
                 covs.append(moment.covariance())
             else:
                 counts.append(next(iter(gate.values())).count if gate else 0)
-            for p in self.gate_paths:
+            for p in gates:
                 gates[p].append(gate[p].value)
             for p in self.layer_paths:
                 merged = MomentAccumulator()
@@ -412,10 +435,11 @@ class StatisticsCollector:
             weights=weights,
             means=torch.stack(means) if means else None,
             covariances=torch.stack(covs) if covs else None,
-            gate_means={p: torch.stack(v) for p, v in gates.items()},
+            gate_means={p: torch.stack(gates[p]) for p in self.gate_paths},
             groups=[] if groups == [[_POOLED]] else groups,
             input_shape=input_shape or (),
             layer_moments={p: (torch.stack([m for m, _ in v]), torch.stack([c for _, c in v]))
                            for p, v in layers.items()},
             smooth_gates=list(self.smooth_gates),
+            routing={p: torch.stack(gates[p]) for p in self.pool_paths},
         )

@@ -34,7 +34,9 @@ def _form(estimator: BGLN) -> tuple:
 
 def _batch_key(estimator: Estimator) -> tuple | None:
     """Summaries with equal keys are evaluated in one pass; ``None``: one by one."""
-    if isinstance(estimator, BGLN) and estimator.config["deterministic"]:
+    # convolutional BGLN-D (fsd.conv_moments) is evaluated summary by summary
+    if isinstance(estimator, BGLN) and estimator.config["deterministic"] \
+            and not estimator._meta.get("convolutional"):
         return (estimator.config["moments"], *_form(estimator))
     return None
 

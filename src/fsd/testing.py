@@ -6,6 +6,9 @@ error in the library cannot hide in its reference:
 
 - :func:`dense_algorithm2` — BGLN-D, paper Algorithm 2, line by line in float64 with the
   covariances pushed forwards as dense matrices.
+- :func:`dense_algorithm2_cnn` — the same for any chain (convolutions, BatchNorm, pooling,
+  smooth activations) with every layer as a dense matrix built from torch's own functional
+  form, for tiny networks.
 - :func:`enumerated_gates` / :func:`enumerated_gate_pairs` — the exact expectation of BGLN's
   ½‖Δz‖² (what BGLN-S estimates and exact-moment BGLN-D computes), by enumerating every
   configuration of the gates of a small network (Bernoulli gates, or any discrete law of a
@@ -105,6 +108,155 @@ def dense_algorithm2(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,
         e_a0, c_a0 = r * e_s0 + offset, torch.outer(r, r) * c_s0
         e_da, c_da = g * e_ds, torch.outer(g, g) * c_ds
     raise ValueError("the models have no nn.Linear layer")
+
+
+def _dense_layer(module: nn.Module, shape: tuple[int, ...]
+                 ) -> tuple[str, Tensor | None, Tensor | None, tuple[int, ...]]:
+    """(kind, matrix, bias, output shape) of one layer on flattened float64 vectors.
+
+    Convolutions and average pools become dense matrices by applying torch's own functional
+    form to every basis vector; BatchNorm (evaluation) is a diagonal.
+    """
+    d = int(np.prod(shape))
+    basis = torch.eye(d, dtype=torch.float64).reshape(d, *shape)
+    if isinstance(module, nn.Linear):
+        weight, bias = _linear64(module)
+        return "affine", weight, bias, (weight.shape[0],)
+    if isinstance(module, nn.Conv2d):
+        weight = _float64(module.weight)
+        out = torch.nn.functional.conv2d(basis, weight, None, module.stride, module.padding,
+                                         module.dilation, module.groups)
+        bias = torch.zeros(out.shape[1], dtype=torch.float64) if module.bias is None \
+            else _float64(module.bias)
+        return ("affine", out.reshape(d, -1).T,
+                bias.repeat_interleave(out[0, 0].numel()), tuple(out.shape[1:]))
+    if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)):
+        assert module.running_var is not None and module.running_mean is not None
+        scale = 1 / torch.sqrt(_float64(module.running_var) + module.eps)
+        if module.affine:
+            scale = _float64(module.weight) * scale
+        shift = -scale * _float64(module.running_mean)
+        if module.affine:
+            shift = _float64(module.bias) + shift
+        per_unit = d // scale.numel()
+        return ("affine", torch.diag(scale.repeat_interleave(per_unit)),
+                shift.repeat_interleave(per_unit), shape)
+    if isinstance(module, nn.AvgPool2d):
+        out = torch.nn.functional.avg_pool2d(basis, module.kernel_size, module.stride,
+                                             module.padding, module.ceil_mode,
+                                             module.count_include_pad, module.divisor_override)
+        return "fixed", out.reshape(d, -1).T, None, tuple(out.shape[1:])
+    if isinstance(module, nn.MaxPool2d):
+        out = torch.nn.functional.max_pool2d(basis[:1], module.kernel_size, module.stride,
+                                             module.padding, module.dilation)
+        return "maxpool", None, None, tuple(out.shape[1:])
+    if isinstance(module, (nn.Flatten, nn.Dropout, nn.Identity)):
+        return "fixed", torch.eye(d, dtype=torch.float64), None, (d,) if isinstance(
+            module, nn.Flatten) else shape
+    return "gate", None, None, shape
+
+
+def _routing_matrix(module: nn.MaxPool2d, shape: tuple[int, ...], frequencies: Tensor
+                    ) -> Tensor:
+    """The expected routing of a max-pool as a dense matrix, window by window.
+
+    Output cell (c, i, j) takes input (c, i·s − p + a·d, j·s − p + b·d) with the frequency of
+    kernel position t = a·k + b.
+    """
+    def pair(v: Any) -> tuple[int, int]:
+        return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+    (kh, kw), (sh, sw) = pair(module.kernel_size), pair(module.stride or module.kernel_size)
+    (ph, pw), (dh, dw) = pair(module.padding), pair(module.dilation)
+    channels, height, width = shape
+    pi = _float64(frequencies)
+    out_h, out_w = pi.shape[1:3]
+    matrix = torch.zeros(channels * out_h * out_w, channels * height * width,
+                         dtype=torch.float64)
+    for c, i, j, a, b in itertools.product(range(channels), range(out_h), range(out_w),
+                                           range(kh), range(kw)):
+        h, w = i * sh - ph + a * dh, j * sw - pw + b * dw
+        if 0 <= h < height and 0 <= w < width:
+            matrix[(c * out_h + i) * out_w + j, (c * height + h) * width + w] += \
+                pi[c, i, j, a * kw + b]
+    return matrix
+
+
+def dense_algorithm2_cnn(model0: nn.Module, model1: nn.Module, input_shape: Sequence[int],
+                         mean: Any, cov: Any, gates: Sequence[tuple[Any, Any, float]],
+                         routings: Sequence[Any], outputs: Sequence[int] | None = None
+                         ) -> Tensor:
+    """BGLN-D (paper Algorithm 2) of any chain of layers, with dense matrices, in float64.
+
+    Every layer of the (nested ``nn.Sequential``) models is written as a dense matrix on
+    flattened vectors (:func:`_dense_layer`); consecutive affine and parameter-free layers
+    are multiplied into one affine map (Algorithm 2 drops Cov(a0, Δa) at gates only), and
+    means and covariances are pushed forwards as in :func:`dense_algorithm2`. Activations
+    scale the reference side by E[r] (plus φ(0)) and the difference side by E[g]; max-pools
+    route both by their expected routing. Feasible only for tiny networks (an 8×8 image).
+
+    Args:
+        model0: the reference network θ0.
+        model1: the network θ (the result is differentiable in its parameters).
+        input_shape: shape of one input.
+        mean: (d,) mean of the flattened inputs.
+        cov: (d, d) their covariance.
+        gates: per activation, in order, (E[r], E[g], φ(0)) over its flattened units (a
+            ReLU: (μ, μ, 0)).
+        routings: per MaxPool2d, in order, its routing frequencies (C, H', W', k·k).
+        outputs: restrict Δz to these output units.
+
+    Returns:
+        A 0-dim float64 tensor.
+    """
+    leaves0, leaves1 = list(_leaves(model0)), list(_leaves(model1))
+    shape = tuple(input_shape)
+    e_a0, c_a0 = _float64(mean), _float64(cov)
+    e_da, c_da = torch.zeros_like(e_a0), torch.zeros_like(c_a0)
+    gate_index = pool_index = 0
+    run: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # (W0, b0, W1, b1) not yet applied
+
+    def apply_run() -> None:
+        nonlocal e_a0, c_a0, e_da, c_da
+        w0 = w1 = torch.eye(e_a0.shape[0], dtype=torch.float64)
+        b0 = b1 = torch.zeros(e_a0.shape[0], dtype=torch.float64)
+        for v0, c0, v1, c1 in run:
+            w0, b0, w1, b1 = v0 @ w0, v0 @ b0 + c0, v1 @ w1, v1 @ b1 + c1
+        dw, db = w1 - w0, b1 - b0
+        e_a0, e_da = w0 @ e_a0 + b0, dw @ e_a0 + w1 @ e_da + db
+        c_a0, c_da = w0 @ c_a0 @ w0.T, dw @ c_a0 @ dw.T + w1 @ c_da @ w1.T
+        run.clear()
+
+    for m0, m1 in zip(leaves0, leaves1, strict=True):
+        kind, matrix0, bias0, out_shape = _dense_layer(m0, shape)
+        if kind in ("affine", "fixed"):
+            assert matrix0 is not None
+            _, matrix1, bias1, _ = _dense_layer(m1, shape)
+            assert matrix1 is not None
+            zero = torch.zeros(matrix0.shape[0], dtype=torch.float64)
+            run.append((matrix0, zero if bias0 is None else bias0,
+                        matrix1, zero if bias1 is None else bias1))
+        else:
+            if run:
+                apply_run()
+            if kind == "maxpool":
+                route = _routing_matrix(m0, shape, routings[pool_index])  # type: ignore[arg-type]
+                pool_index += 1
+                e_a0, e_da = route @ e_a0, route @ e_da
+                c_a0, c_da = route @ c_a0 @ route.T, route @ c_da @ route.T
+            else:
+                r, g, offset = gates[gate_index]
+                gate_index += 1
+                r, g = _float64(r).reshape(-1), _float64(g).reshape(-1)
+                e_a0, c_a0 = r * e_a0 + offset, torch.outer(r, r) * c_a0
+                e_da, c_da = g * e_da, torch.outer(g, g) * c_da
+        shape = out_shape
+    if run:
+        apply_run()
+    if outputs is not None:
+        rows = torch.as_tensor(list(outputs), dtype=torch.long)
+        e_da, c_da = e_da[rows], c_da[rows][:, rows]
+    return 0.5 * e_da @ e_da + 0.5 * torch.trace(c_da)
 
 
 def enumerated_gates(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,

@@ -74,11 +74,14 @@ class Preset:
     def convolutional(self) -> bool:
         """Runs on convolutional networks (``fsd cl --model cnn``).
 
-        All but BGLN-D and its variants, whose moment propagation is implemented for MLPs
-        only, and K-FAC (OSLA), whose factors cover ``nn.Linear`` layers only.
+        All but BGLN-D with exact moments or layer-wise statistics (which would carry
+        (C·H·W)² second moments; Algorithm 2 runs, :mod:`fsd.conv_moments`) and K-FAC (OSLA),
+        whose factors cover ``nn.Linear`` layers only.
         """
         if self.estimator is BGLN:
-            return not self.options.get("deterministic", False)
+            return not self.options.get("deterministic", False) or (
+                self.options.get("moments", "paper") == "paper"
+                and self.options.get("reference", "propagated") == "propagated")
         return self.estimator is not KFAC
 
     @property
@@ -190,9 +193,10 @@ ALL_LOGIT_FAMILIES: tuple[str, ...] = ("bgln-d", "bgln-d-cw")
 # Families the tables do not list take the closest listed method's values: the -var and
 # -coreset and LAFTR variants those of BGLN-S / BGLN-D; exact-coreset those of NTK (coreset).
 # finetune and EWC are not in the tables: BGLN-S's epochs and batch size, λ = 1 for EWC
-# (not tuned). Split CIFAR-100 has no BGLN-D column (BGLN-D does not run on the CNN): its
-# families take BGLN-S's row there. The epochs on CIFAR are those of tasks 2 onwards; the
-# first task trains 200 (_CIFAR_FIRST_EPOCHS).
+# (not tuned). Split CIFAR-100 has no BGLN-D column (the paper has no BGLN-D for CNNs): its
+# families take BGLN-S's row there, with a rank-64 input covariance (a full 3072² one would
+# send 3072 factor images through the network at every step). The epochs on CIFAR are those
+# of tasks 2 onwards; the first task trains 200 (_CIFAR_FIRST_EPOCHS).
 _TABLE = {
     #            (epochs, λ, batch)  split-mnist  permuted-mnist  split-cifar100 (6 and 11)
     "ntk":       {"split": (15, 1.0, 256), "permuted": (5, 1.0, 256), "cifar": (80, 0.005, 512)},
@@ -262,7 +266,7 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
         "optimizer": "shared", "penalty": "mean",
         # None: the method's input covariance (full, or diagonal for -var); r: store the data
         # covariance as its top-r eigenpairs plus a diagonal (BGLN methods with full moments)
-        "rank": None,
+        "rank": 64 if cifar and family in ("bgln-d", "bgln-d-cw") else None,
         # output metric of the Monte Carlo (LAFTR / BGLN-S) penalties (the authors' BGLN-S
         # code measures softmax outputs) and of NTK on CIFAR
         "metric": metric,

@@ -1,0 +1,146 @@
+"""BGLN-D on the paper's CIFAR CNN: one penalty's cost beside BGLN-S's and a plain step's.
+
+Run:  .venv/bin/python benchmarks/conv_moments.py [--threads 1] [--repeats 5] [--device cpu]
+
+Model: the Split CIFAR-100 CNN (``fsd_experiments.models.cifar_cnn``: conv 32-32, max-pool,
+conv 64-64, max-pool, FC 512, six 10-way heads; P = 1,276,508) at initialisation, float32.
+Inputs: 2,000 random 3×32×32 images with a rank-64 covariance plus noise — CIFAR is not on
+this machine, and the cost depends on the shapes, not the values. Prints, side by side in
+one process, medians of distance + backward for BGLN-D (Algorithm 2 on the CNN,
+:mod:`fsd.conv_moments`) with low-rank (r = 32, 64) and diagonal input covariances, over one
+head (10 logits) and all 60; BGLN-S with 200 samples; and a plain training step (forward,
+cross-entropy, backward) at batch 512 (the paper's) and 128. Peak memory of one call: on
+CPU, the growth of the largest resident set size of a fresh child process that loads the
+summary and makes the call (the first call, which also computes the summary's cached
+reference side); on CUDA, ``torch.cuda.max_memory_allocated`` above the allocation before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import platform
+import resource
+import tempfile
+
+import torch
+from torch import nn
+
+import fsd
+from fsd_experiments.models import cifar_cnn
+from penalty import median_ms, perturbed
+
+SHAPE = (3, 32, 32)
+
+
+def _images(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    d = 3 * 32 * 32
+    basis = torch.randn(d, 64, generator=g) / 8
+    return (torch.randn(n, 64, generator=g) @ basis.T
+            + 0.3 * torch.randn(n, d, generator=g)).view(n, *SHAPE)
+
+
+def _model(device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    return cifar_cnn(heads=6).to(device).eval()
+
+
+def _peak_child(path: str, device: str, queue) -> None:
+    """Load a summary, make one distance + backward, report the memory it took (MiB)."""
+    dev = torch.device(device)
+    model = perturbed(_model(dev), 1e-2, seed=1)
+    estimator = fsd.load(path, map_location=dev)
+    # the first call also computes the summary's cached reference side (r images, once)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        estimator.distance(model).backward()
+        torch.cuda.synchronize(dev)
+        queue.put((torch.cuda.max_memory_allocated(dev) - before) / 2**20)
+        return
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    estimator.distance(model).backward()
+    queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+
+
+def _step_peak_child(batch: int, device: str, queue) -> None:
+    dev = torch.device(device)
+    model = _model(dev).train()
+    x, y = _images(batch, 3).to(dev), torch.randint(0, 60, (batch,)).to(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        nn.functional.cross_entropy(model(x), y).backward()
+        queue.put((torch.cuda.max_memory_allocated(dev) - before) / 2**20)
+        return
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    nn.functional.cross_entropy(model(x), y).backward()
+    queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+
+
+def _in_child(target, *args) -> float:
+    context = multiprocessing.get_context("spawn")  # a fresh process: its own peak
+    queue = context.Queue()
+    process = context.Process(target=target, args=(*args, queue))
+    process.start()
+    value = queue.get()
+    process.join()
+    return float(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s), device {device}")
+    model = _model(device)
+    moved = perturbed(model, 1e-2, seed=1)
+    data = _images(2000, 2).to(device)
+    variants = {
+        "BGLN-D lowrank r=32, head": dict(deterministic=True, covariance="lowrank", rank=32,
+                                         outputs=range(10)),
+        "BGLN-D lowrank r=64, head": dict(deterministic=True, covariance="lowrank", rank=64,
+                                         outputs=range(10)),
+        "BGLN-D diag, head": dict(deterministic=True, covariance="diag", outputs=range(10)),
+        "BGLN-D lowrank r=32, 60 logits": dict(deterministic=True, covariance="lowrank",
+                                              rank=32),
+        "BGLN-S 200 samples, r=32": dict(covariance="lowrank", rank=32, num_samples=200),
+    }
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for name, options in variants.items():
+            outputs = options.pop("outputs", None)
+            estimator = fsd.BGLN(**options).fit(model, data, outputs=outputs, progress=False)
+
+            def call(e=estimator) -> None:
+                e.distance(moved).backward()
+
+            ms = median_ms(call, args.repeats, warmup=1)
+            path = os.path.join(folder, f"{len(rows)}.fsd")
+            estimator.save(path)
+            rows.append((name, ms, _in_child(_peak_child, path, str(device)),
+                         estimator.nbytes / 2**20))
+        for batch in (512, 128):
+            train = _model(device).train()
+            x, y = _images(batch, 3).to(device), torch.randint(0, 60, (batch,)).to(device)
+
+            def step(m=train, x=x, y=y) -> None:
+                nn.functional.cross_entropy(m(x), y).backward()
+
+            rows.append((f"plain step, batch {batch}", median_ms(step, args.repeats, warmup=1),
+                         _in_child(_step_peak_child, batch, str(device)), 0.0))
+    print(f"{'':34s} {'ms (median)':>12s} {'peak MiB':>9s} {'summary MiB':>12s}")
+    for name, ms, peak, size in rows:
+        print(f"{name:34s} {ms:12.1f} {peak:9.1f} {size:12.2f}")
+
+
+if __name__ == "__main__":
+    main()
