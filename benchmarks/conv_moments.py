@@ -9,20 +9,17 @@ this machine, and the cost depends on the shapes, not the values. Prints, side b
 one process, medians of distance + backward for BGLN-D (Algorithm 2 on the CNN,
 :mod:`fsd.conv_moments`) with low-rank (r = 32, 64) and diagonal input covariances, over one
 head (10 logits) and all 60; BGLN-S with 200 samples; and a plain training step (forward,
-cross-entropy, backward) at batch 512 (the paper's) and 128. Peak memory of one call: on
-CPU, the growth of the largest resident set size of a fresh child process that loads the
-summary and makes the call (the first call, which also computes the summary's cached
-reference side); on CUDA, ``torch.cuda.max_memory_allocated`` above the allocation before it.
+cross-entropy, backward) at batch 512 (the paper's) and 128. Peak memory of one call after
+a first (warm) one, above what was allocated before it (:func:`peak_mib`).
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
+import ctypes
+import gc
 import os
 import platform
-import resource
-import tempfile
 
 import torch
 from torch import nn
@@ -47,48 +44,35 @@ def _model(device: torch.device) -> nn.Module:
     return cifar_cnn(heads=6).to(device).eval()
 
 
-def _peak_child(path: str, device: str, queue) -> None:
-    """Load a summary, make one distance + backward, report the memory it took (MiB)."""
-    dev = torch.device(device)
-    model = perturbed(_model(dev), 1e-2, seed=1)
-    estimator = fsd.load(path, map_location=dev)
-    # the first call also computes the summary's cached reference side (r images, once)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev)
-        estimator.distance(model).backward()
-        torch.cuda.synchronize(dev)
-        queue.put((torch.cuda.max_memory_allocated(dev) - before) / 2**20)
-        return
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    estimator.distance(model).backward()
-    queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _step_peak_child(batch: int, device: str, queue) -> None:
-    dev = torch.device(device)
-    model = _model(dev).train()
-    x, y = _images(batch, 3).to(dev), torch.randint(0, 60, (batch,)).to(dev)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev)
-        nn.functional.cross_entropy(model(x), y).backward()
-        queue.put((torch.cuda.max_memory_allocated(dev) - before) / 2**20)
-        return
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    nn.functional.cross_entropy(model(x), y).backward()
-    queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+def peak_mib(fn, device: torch.device) -> float:
+    """Memory one call of ``fn`` needs beyond what is allocated before it, in MiB.
 
-
-def _in_child(target, *args) -> float:
-    context = multiprocessing.get_context("spawn")  # a fresh process: its own peak
-    queue = context.Queue()
-    process = context.Process(target=target, args=(*args, queue))
-    process.start()
-    value = queue.get()
-    process.join()
-    return float(value)
+    CUDA: ``max_memory_allocated``. CPU (Linux): freed heap memory is returned to the system
+    (``malloc_trim``), the peak resident set size is reset (``/proc/self/clear_refs``), and
+    the new peak is compared with the resident size before the call.
+    """
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    before = _status_kib("VmRSS")
+    fn()
+    return (_status_kib("VmHWM") - before) / 1024
 
 
 def main() -> None:
@@ -115,28 +99,24 @@ def main() -> None:
         "BGLN-S 200 samples, r=32": dict(covariance="lowrank", rank=32, num_samples=200),
     }
     rows = []
-    with tempfile.TemporaryDirectory() as folder:
-        for name, options in variants.items():
-            outputs = options.pop("outputs", None)
-            estimator = fsd.BGLN(**options).fit(model, data, outputs=outputs, progress=False)
+    for name, options in variants.items():
+        outputs = options.pop("outputs", None)
+        estimator = fsd.BGLN(**options).fit(model, data, outputs=outputs, progress=False)
 
-            def call(e=estimator) -> None:
-                e.distance(moved).backward()
+        def call(e=estimator) -> None:
+            e.distance(moved).backward()
 
-            ms = median_ms(call, args.repeats, warmup=1)
-            path = os.path.join(folder, f"{len(rows)}.fsd")
-            estimator.save(path)
-            rows.append((name, ms, _in_child(_peak_child, path, str(device)),
-                         estimator.nbytes / 2**20))
-        for batch in (512, 128):
-            train = _model(device).train()
-            x, y = _images(batch, 3).to(device), torch.randint(0, 60, (batch,)).to(device)
+        ms = median_ms(call, args.repeats, warmup=1)
+        rows.append((name, ms, peak_mib(call, device), estimator.nbytes / 2**20))
+    for batch in (512, 128):
+        train = _model(device).train()
+        x, y = _images(batch, 3).to(device), torch.randint(0, 60, (batch,)).to(device)
 
-            def step(m=train, x=x, y=y) -> None:
-                nn.functional.cross_entropy(m(x), y).backward()
+        def step(m=train, x=x, y=y) -> None:
+            nn.functional.cross_entropy(m(x), y).backward()
 
-            rows.append((f"plain step, batch {batch}", median_ms(step, args.repeats, warmup=1),
-                         _in_child(_step_peak_child, batch, str(device)), 0.0))
+        rows.append((f"plain step, batch {batch}", median_ms(step, args.repeats, warmup=1),
+                     peak_mib(step, device), 0.0))
     print(f"{'':34s} {'ms (median)':>12s} {'peak MiB':>9s} {'summary MiB':>12s}")
     for name, ms, peak, size in rows:
         print(f"{name:34s} {ms:12.1f} {peak:9.1f} {size:12.2f}")
