@@ -197,16 +197,28 @@ def test_architecture_mismatch_after_load_and_conv_hyperparameters(tmp_path):
 # ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad, name", [(lambda: nn.Softmax(dim=-1), "Softmax"),
                                        (lambda: nn.LayerNorm(4), "LayerNorm")])
-@pytest.mark.parametrize("make", [p for p in LINEARIZED if p.id.startswith("bgln")])
+@pytest.mark.parametrize("make", [p for p in LINEARIZED if p.id.startswith("bgln-d")])
 def test_unsupported_module_names_class_and_path(make, bad, name):
-    # BGLN needs a rule for every layer; LAFTR linearizes any operation (test_linearize.py)
+    # BGLN-D needs a rule for every layer; LAFTR and BGLN-S linearize any operation on the
+    # graph path (test_linearize.py, test_bgln_graph.py)
     model = nn.Sequential(nn.Linear(5, 4), nn.Sequential(bad(), nn.Linear(4, 3))).to(DTYPE)
     data = labelled_batches(10, (5,), seed=0)
     with pytest.raises(fsd.UnsupportedModuleError) as info:
         make().fit(model, data)
     assert name in str(info.value) and "'1.0'" in str(info.value)
+    assert "LAFTR and BGLN-S linearize it" in str(info.value)
     with pytest.raises(fsd.UnsupportedModuleError, match=r"'1\.0'"):
         fsd.trace(model)
+
+
+@pytest.mark.parametrize("bad", [lambda: nn.Softmax(dim=-1), lambda: nn.LayerNorm(4)])
+@pytest.mark.parametrize("make", [p for p in LINEARIZED if p.id.startswith("bgln-s")])
+def test_bgln_s_takes_a_layer_without_rule_on_the_graph_path(make, bad):
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), bad(), nn.Linear(4, 3)).to(DTYPE)
+    est = make().fit(model, labelled_batches(10, (5,), seed=0))
+    assert "gate.1" in est._state  # the ReLU's frequencies, stored by its path
+    value = est.distance(perturbed(model, 0.3, seed=2))
+    assert torch.isfinite(value) and float(value) > 0
 
 
 @pytest.mark.parametrize("make", [pytest.param(lambda: fsd.ExactFSD(), id="exact"),

@@ -18,7 +18,7 @@ from torch import nn
 from torch.func import jvp
 
 import fsd
-from fsd.interpreter import propagate_linearized, trace
+from fsd.interpreter import propagate_linearized, trace, true_gates
 from fsd.linearize import linearized_outputs
 
 DTYPE = torch.float64
@@ -278,10 +278,37 @@ def test_laftr_with_gaussian_inputs_on_a_residual_network():
     assert torch.isfinite(value) and float(value) > 0
 
 
-def test_bgln_refuses_a_graph_it_cannot_walk_and_says_what_works():
+def test_bgln_d_refuses_a_graph_it_cannot_walk_and_says_what_works():
     model, x = _build("residual-mlp")
-    with pytest.raises(fsd.UnsupportedModuleError, match=r"not a chain.*'add'.*LAFTR|ExactFSD"):
+    with pytest.raises(fsd.UnsupportedModuleError,
+                       match=r"not a chain.*'add'.*BGLN-D walks chains.*BGLN-S and LAFTR take "
+                             r"the graph.*ExactFSD"):
         fsd.BGLN(deterministic=True).fit(model, x)
+
+
+GATES = {"residual-mlp": ["act1", "act2"], "tiny-resnet": ["stem.2", "act1", "act2"],
+         "transformer": ["mlp.1"], "gelu-mlp": ["1", "3"], "leaky-mlp": ["1", "3"],
+         "tanh-mlp": ["1", "3"], "softplus-mlp": ["1", "3"]}
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_the_gate_callback_with_the_true_gates_is_laftr(name):
+    # BGLN-S's hook into the graph walk: with the reference's own gates it is LAFTR again
+    model, x = _build(name)
+    moved = _moved(model)
+    reference = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    reference = {k: v.detach() for k, v in reference.items()}
+    seen = []
+
+    def gate(layer, s0):
+        seen.append(layer.path)
+        return true_gates(layer, s0)
+
+    z0, dz = linearized_outputs(moved, reference, x)
+    g0, gz = linearized_outputs(moved, reference, x, gate)
+    assert seen == GATES[name]  # every activation, once, by its module path
+    torch.testing.assert_close(g0, z0, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(gz, dz, rtol=1e-12, atol=1e-14)
 
 
 def test_a_functional_activation_is_linearized_too():

@@ -18,8 +18,10 @@ A module's path is its attribute path (``"body.0"``); a replaced call's path is 
 node's name (``"relu"``, ``"flatten_1"``). Wrappers are looked through: ``torch.compile``
 (``_orig_mod``) and ``DistributedDataParallel``/``DataParallel`` (``module``). A graph that is
 not a chain (a residual ``+``, ``torch.cat`` of two branches) or an operation without a rule
-raises :class:`~fsd.rules.UnsupportedModuleError` naming the operation and its node; such
-models work with ExactFSD, NTK, EWC and KFAC, which run the model's own forward.
+raises :class:`~fsd.rules.UnsupportedModuleError` naming the operation and its node: BGLN-D
+needs the chain. LAFTR and BGLN-S take any graph (:mod:`fsd.linearize`), reading its gates
+with :func:`gate_nodes` — the same tracer, so the same paths; ExactFSD, NTK, EWC and KFAC run
+the model's own forward.
 """
 
 from __future__ import annotations
@@ -93,6 +95,12 @@ _CHAINS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, list[ChainStep]]] = \
     weakref.WeakKeyDictionary()
 
 
+def _structure(model: nn.Module) -> tuple:
+    """What a traced graph depends on: the forward and the submodules by path and identity."""
+    return (type(model).forward, model.__dict__.get("forward"),
+            tuple((path, id(m), type(m)) for path, m in model.named_modules()))
+
+
 def chain(model: nn.Module) -> list[ChainStep]:
     """The steps of ``model``'s ``forward`` as a chain (see the module docstring).
 
@@ -100,8 +108,7 @@ def chain(model: nn.Module) -> list[ChainStep]:
         UnsupportedModuleError: the model cannot be traced, its graph branches, or an
             operation has no rule; the message names the operation and the graph node.
     """
-    structure = (type(model).forward, model.__dict__.get("forward"),
-                 tuple((path, id(m), type(m)) for path, m in model.named_modules()))
+    structure = _structure(model)
     cached = _CHAINS.get(model)
     if cached is not None and cached[0] == structure:
         return list(cached[1])
@@ -118,19 +125,112 @@ class _RuleTracer(fx.Tracer):
 
 
 def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
-    return fx.GraphModule(model, _RuleTracer().trace(model), type(model).__name__)
+    """A fresh GraphModule of ``model`` (the rule tracer), with a one-line error if fx fails."""
+    try:
+        graph = _RuleTracer().trace(model)
+    except Exception as error:  # fx raises many types for data-dependent control flow
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UnsupportedModuleError(
+            f"cannot trace {type(model).__name__}.forward with torch.fx "
+            f"({type(error).__name__}: {first}); LAFTR and BGLN need a forward without "
+            f"data-dependent control flow — or use ExactFSD, NTK, EWC or KFAC, which run the "
+            f"model as it is") from None
+    return fx.GraphModule(model, graph, type(model).__name__)
+
+
+@dataclass(frozen=True)
+class GateNode:
+    """An activation in a traced graph that BGLN gates.
+
+    Attributes:
+        path: the module's attribute path for a module call, the graph node's name for a
+            function call (``F.relu(x)`` → ``"relu"``) — the path :func:`runnable` gives the
+            module it puts in the call's place, so statistics recorded there match.
+        module: the module called, or the equivalent module of a function call.
+        input: the graph node of the pre-activation.
+    """
+
+    path: str
+    module: nn.Module
+    input: fx.Node
+
+
+# traced graphs by model, with the structure they were traced from, and their gate nodes:
+# LAFTR's and BGLN-S's graph walk (fsd.linearize) reads them on every distance() call
+_Traced = tuple[tuple, fx.Graph, dict[fx.Node, GateNode]]
+_GRAPHS: weakref.WeakKeyDictionary[nn.Module, _Traced] = weakref.WeakKeyDictionary()
+
+
+def traced_graph(model: nn.Module) -> fx.Graph:
+    """``model``'s forward as a torch.fx graph, traced with the rule tracer (cached).
+
+    Modules that have a rule are leaves (one ``call_module`` node each), so node names, and
+    hence paths, are those of :func:`chain` and :func:`runnable`. The graph is shared:
+    read it, do not change it.
+
+    Raises:
+        UnsupportedModuleError: fx cannot trace the forward (data-dependent control flow).
+    """
+    return _traced(model)[0]
+
+
+def gate_nodes(model: nn.Module) -> dict[fx.Node, GateNode]:
+    """The activations BGLN gates in :func:`traced_graph`, by node, in graph order.
+
+    A gate node is a call of a module whose rule is a ``gate`` (path: the module's path), or
+    a function call that the chain reads as such a module (``F.relu``, ``torch.relu``,
+    ``x.relu()``, ``F.leaky_relu``, ``F.gelu``, ``F.silu``, ``torch.tanh``,
+    ``torch.sigmoid``, ``F.elu``, ``F.softplus``, …; path: the node's name) — in both cases
+    only where its input depends on the model's input: an activation of parameters alone
+    (``F.softplus(self.scale)``) is not a unit's response to the data and is linearized.
+    """
+    return _traced(model)[1]
+
+
+def _traced(model: nn.Module) -> tuple[fx.Graph, dict[fx.Node, GateNode]]:
+    structure = _structure(model)
+    cached = _GRAPHS.get(model)
+    if cached is None or cached[0] != structure:
+        graph = _symbolic_trace(model).graph
+        cached = (structure, graph, _find_gates(graph, dict(model.named_modules())))
+        _GRAPHS[model] = cached
+    return cached[1], cached[2]
+
+
+def _find_gates(graph: fx.Graph, modules: dict[str, nn.Module]) -> dict[fx.Node, GateNode]:
+    gates: dict[fx.Node, GateNode] = {}
+    data: set[fx.Node] = set()  # nodes that depend on the model's input
+    for node in graph.nodes:
+        if node.op == "placeholder" or any(n in data for n in node.all_input_nodes):
+            data.add(node)
+        if node.op == "call_module":
+            module = modules[str(node.target)]
+            path = str(node.target)
+            rule = rules.RULES.get(type(module))
+            if rule is None or rule.kind != "gate":
+                continue
+        elif node.op in ("call_function", "call_method"):
+            replacement = _gate_call(node)
+            if replacement is None:
+                continue
+            module, path = replacement, node.name
+        else:
+            continue
+        source = _gate_input(node)
+        if source is not None and source in data:
+            gates[node] = GateNode(path, module, source)
+    return gates
+
+
+def _gate_input(node: fx.Node) -> fx.Node | None:
+    """The graph node an activation is applied to (its first argument)."""
+    value = node.args[0] if node.args else node.kwargs.get("input")
+    return value if isinstance(value, fx.Node) else None
 
 
 def _trace_chain(model: nn.Module) -> list[ChainStep]:
     name = type(model).__name__
-    try:
-        graph = _symbolic_trace(model).graph
-    except Exception as error:  # fx raises many types for data-dependent control flow
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise UnsupportedModuleError(
-            f"cannot trace {name}.forward with torch.fx ({type(error).__name__}: {first}); "
-            f"LAFTR and BGLN need a forward without data-dependent control flow — or use "
-            f"ExactFSD, NTK, EWC or KFAC, which run the model as it is") from None
+    graph = traced_graph(model)
     modules = dict(model.named_modules())
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
@@ -159,69 +259,92 @@ def _trace_chain(model: nn.Module) -> list[ChainStep]:
 
 
 def runnable(model: nn.Module) -> nn.Module:
-    """A module that computes ``model``'s function with a module at every step.
+    """A module that computes ``model``'s function with a module at every activation.
 
-    ``model`` itself, unless its forward calls parameter-free layers as functions: then an
-    ``fx.GraphModule`` sharing its modules and parameters, in which those calls are modules
-    named by their paths, so that statistics can be recorded at every step.
+    ``model`` itself, unless its forward calls parameter-free layers as functions (activations
+    such as ``F.relu``, and flattening): then an ``fx.GraphModule`` sharing its modules and
+    parameters, in which those calls are modules named by their graph nodes' names (the paths
+    of :func:`chain` and :func:`gate_nodes`), so that statistics can be recorded at every
+    activation. Any traceable graph works, not only a chain: the other operations stay as
+    they are.
+
+    Raises:
+        UnsupportedModuleError: the forward cannot be traced, or the model has an attribute
+            named like a graph node that needs a module.
     """
-    if not any(step.replaced_call for step in chain(model)):
-        return model
     module = _symbolic_trace(model)
+    replaced = False
     for node in list(module.graph.nodes):
-        if node.op in ("placeholder", "output") or _is_batch_size(node):
+        if node.op not in ("call_function", "call_method"):
             continue
-        step = _step(type(model).__name__, node, dict(model.named_modules()))
-        if not step.replaced_call:
+        replacement = _replacement(node)
+        if replacement is None:
             continue
-        if hasattr(module, step.path):
+        if hasattr(module, node.name):
             raise UnsupportedModuleError(f"{type(model).__name__} has an attribute "
-                                         f"'{step.path}', the name of a graph node fsd needs")
-        module.add_submodule(step.path, step.module)
+                                         f"'{node.name}', the name of a graph node fsd needs")
+        path = node.name
+        module.add_submodule(path, replacement)
         with module.graph.inserting_after(node):
-            call = module.graph.call_module(step.path, (node.all_input_nodes[0],))
+            call = module.graph.call_module(path, (node.all_input_nodes[0],))
         node.replace_all_uses_with(call)
         module.graph.erase_node(node)
+        replaced = True
+    if not replaced:
+        return model
     module.graph.eliminate_dead_code()
     module.recompile()
     return module
 
 
-def _step(name: str, node: fx.Node, modules: dict[str, nn.Module]) -> ChainStep:
-    if node.op == "call_module":
-        return ChainStep(str(node.target), modules[str(node.target)], False)
+def _gate_call(node: fx.Node) -> nn.Module | None:
+    """The activation module that a function call computes (``None``: not one we read)."""
     if node.op == "call_function" and node.target in _RELU_FUNCTIONS and not _inplace(node):
-        return ChainStep(node.name, nn.ReLU(), True)
+        return nn.ReLU()
     if node.op == "call_method" and node.target == "relu":
-        return ChainStep(node.name, nn.ReLU(), True)
+        return nn.ReLU()
     if node.op == "call_function" and node.target is F.leaky_relu and not _inplace(node):
         slope = node.kwargs.get("negative_slope", node.args[1] if len(node.args) > 1 else 0.01)
         if isinstance(slope, (int, float)):  # a constant, not a traced value
-            return ChainStep(node.name, nn.LeakyReLU(float(slope)), True)
+            return nn.LeakyReLU(float(slope))
     if node.op == "call_function" and node.target in _SMOOTH_FUNCTIONS and not _inplace(node):
-        module = _SMOOTH_FUNCTIONS[node.target](node)
-        if module is not None:
-            return ChainStep(node.name, module, True)
+        return _SMOOTH_FUNCTIONS[node.target](node)
     if node.op == "call_method" and node.target in _SMOOTH_METHODS:
-        return ChainStep(node.name, _SMOOTH_METHODS[str(node.target)](), True)
+        return _SMOOTH_METHODS[str(node.target)]()
+    return None
+
+
+def _replacement(node: fx.Node) -> nn.Module | None:
+    """The module that computes a function call of a chain (activation or flattening)."""
+    module = _gate_call(node)
+    if module is not None:
+        return module
     flatten = _flatten_start(node)
-    if flatten is not None:
-        return ChainStep(node.name, nn.Flatten(flatten), True)
+    return None if flatten is None else nn.Flatten(flatten)
+
+
+def _step(name: str, node: fx.Node, modules: dict[str, nn.Module]) -> ChainStep:
+    if node.op == "call_module":
+        return ChainStep(str(node.target), modules[str(node.target)], False)
+    module = _replacement(node)
+    if module is not None:
+        return ChainStep(node.name, module, True)
     what = getattr(node.target, "__name__", str(node.target))
     raise UnsupportedModuleError(
         f"operation {what} ({node.op}) at graph node '{node.name}' of {name}.forward has no "
-        f"rule; LAFTR and BGLN support the modules of fsd.rules.RULES, their functional "
+        f"rule; BGLN-D supports the modules of fsd.rules.RULES, their functional "
         f"forms (F.relu, F.leaky_relu, F.gelu, torch.tanh, …) and flattening. "
         f"Use the module form (e.g. nn.ReLU()) or register a rule for a module that does it "
-        f"(fsd.register_rule); ExactFSD, NTK, EWC and KFAC take any model")
+        f"(fsd.register_rule); BGLN-S and LAFTR linearize it on the graph, ExactFSD, NTK, EWC "
+        f"and KFAC take any model")
 
 
 def _branch_error(name: str, node: fx.Node, why: str) -> UnsupportedModuleError:
     what = getattr(node.target, "__name__", str(node.target))
     return UnsupportedModuleError(
         f"{name}.forward is not a chain of layers at graph node '{node.name}' ({what}): {why}. "
-        f"LAFTR and BGLN walk chains (residual additions and concatenations are not "
-        f"supported); ExactFSD, NTK, EWC and KFAC take any model")
+        f"BGLN-D walks chains (residual additions and concatenations are not supported); "
+        f"BGLN-S and LAFTR take the graph, ExactFSD, NTK, EWC and KFAC any model")
 
 
 def _inplace(node: fx.Node) -> bool:

@@ -17,12 +17,20 @@ through every node the reference value a0 and the difference Δa of the lineariz
 
 For a ReLU network this is exactly the chain walker's result (gates 1{s0 > 0}); for a
 network without nonlinearities it is the exact FSD.
+
+BGLN-S walks the same graph with a gate callback (:data:`fsd.interpreter.GateFn`): at every
+activation BGLN gates (:func:`fsd.graph.gate_nodes` — a module with a ``gate`` rule, or
+``F.relu``, ``F.gelu``, ``torch.tanh``, … called as a function) the callback gives the
+reference activation a0 and the gate g, and Δa = g·Δs; every other operation is linearized
+as above, around the reference values the gated activations produce (as the chain walker
+routes a max-pool by the gated reference). The graph is traced with the rule tracer of
+:mod:`fsd.graph`, so a gate's path is the one :func:`fsd.graph.runnable` gives the module that
+records its statistics at fit.
 """
 
 from __future__ import annotations
 
 import operator
-import weakref
 from typing import Any, Mapping
 
 import torch
@@ -33,47 +41,79 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import rules
-
-_GRAPHS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, fx.Graph]] = \
-    weakref.WeakKeyDictionary()
-
-
-def _graph(model: nn.Module) -> fx.Graph:
-    # traced once per model and structure (distance() runs on every training step)
-    structure = (type(model).forward, model.__dict__.get("forward"),
-                 tuple((path, id(m), type(m)) for path, m in model.named_modules()))
-    cached = _GRAPHS.get(model)
-    if cached is None or cached[0] != structure:
-        cached = (structure, fx.symbolic_trace(model).graph)
-        _GRAPHS[model] = cached
-    return cached[1]
+from .graph import GateNode, gate_nodes, traced_graph, unwrap
+from .interpreter import GateFn, TracedLayer
+from .rules import UnsupportedModuleError
 
 
-def linearized_outputs(model: nn.Module, reference: Mapping[str, Tensor], x: Tensor
-                       ) -> tuple[Tensor, Tensor]:
+def graph_gates(model: nn.Module) -> list[TracedLayer]:
+    """The activations BGLN-S gates in ``model``'s graph, in graph order, with their rules.
+
+    Paths are a module's attribute path, or the graph node's name for a function call
+    (:func:`fsd.graph.gate_nodes`): the paths under which the statistics are stored.
+
+    Raises:
+        UnsupportedModuleError: the forward cannot be traced, or one activation module is
+            called at two places (it would share one set of gate statistics).
+    """
+    model = unwrap(model)
+    layers: list[TracedLayer] = []
+    calls: dict[str, int] = {}
+    for gate in gate_nodes(model).values():
+        calls[gate.path] = calls.get(gate.path, 0) + 1
+        layers.append(_layer(gate))
+    twice = [path for path, count in calls.items() if count > 1]
+    if twice:
+        module = model.get_submodule(twice[0])
+        names = [path for path, m in model.named_modules(remove_duplicate=False)
+                 if m is module]
+        where = f"at '{names[1]}' is the same object as at '{names[0]}'" if len(names) > 1 \
+            else f"at '{twice[0]}' is called {calls[twice[0]]} times in forward"
+        raise UnsupportedModuleError(
+            f"module {type(module).__name__} {where}: BGLN would keep one set of gate "
+            f"statistics for its {calls[twice[0]]} calls; give each position its own module")
+    return layers
+
+
+def _layer(gate: GateNode) -> TracedLayer:
+    return TracedLayer(gate.path, gate.module, rules.RULES[type(gate.module)])
+
+
+def linearized_outputs(model: nn.Module, reference: Mapping[str, Tensor], x: Tensor,
+                       gate: GateFn | None = None) -> tuple[Tensor, Tensor]:
     """Reference outputs z0 and the linearized network's differences Δz on inputs ``x``.
 
     Args:
         model: the moved network (its parameters and buffers are θ).
         reference: θ0's parameters and buffers by name (:meth:`fsd.Estimator.reference_state`).
         x: inputs (n, ...).
+        gate: ``None`` — LAFTR: every operation linearized at the reference (JVPs); or a
+            callback ``gate(layer, s0) -> (a0, g)`` (:data:`fsd.interpreter.GateFn`) called at
+            every gate node of the graph (:func:`fsd.graph.gate_nodes`) with a
+            :class:`~fsd.interpreter.TracedLayer` (path, module, rule) and the reference
+            pre-activation: the node's reference value becomes a0 and its difference g·Δs
+            (BGLN-S's draws; :func:`fsd.interpreter.true_gates` gives LAFTR's result).
 
     Returns:
         ``(z0, dz)``, differentiable in the model's parameters through ``dz``.
     """
     # attention's fused kernels have no forward-mode derivative; the math kernel has
     with sdpa_kernel([SDPBackend.MATH]):
-        return _propagate(model, reference, x)
+        return _propagate(model, reference, x, gate)
 
 
-def _propagate(model: nn.Module, reference: Mapping[str, Tensor], x: Tensor
-               ) -> tuple[Tensor, Tensor]:
+def _propagate(model: nn.Module, reference: Mapping[str, Tensor], x: Tensor,
+               gate: GateFn | None) -> tuple[Tensor, Tensor]:
     current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     modules = dict(model.named_modules())
+    gates = {} if gate is None else gate_nodes(model)
     value: dict[fx.Node, Any] = {}
     delta: dict[fx.Node, Any] = {}
-    for node in _graph(model).nodes:
-        if node.op == "placeholder":
+    for node in traced_graph(model).nodes:
+        if node in gates:
+            assert gate is not None
+            value[node], delta[node] = _gated(gates[node], gate, value, delta)
+        elif node.op == "placeholder":
             value[node], delta[node] = x, None
         elif node.op == "get_attr":
             name = str(node.target)
@@ -91,6 +131,17 @@ def _propagate(model: nn.Module, reference: Mapping[str, Tensor], x: Tensor
             z0, dz = value[out], delta[out]
             return z0, torch.zeros_like(z0) if dz is None else dz
     raise AssertionError("a traced graph ends with an output node")
+
+
+def _gated(node: GateNode, gate: GateFn, value: dict, delta: dict) -> tuple[Tensor, Any]:
+    """A gate node's reference activation and difference from the callback: (a0, g·Δs)."""
+    s0 = value[node.input]
+    if not isinstance(s0, Tensor):
+        raise UnsupportedModuleError(f"the activation at '{node.path}' is applied to a "
+                                     f"{type(s0).__name__}, not a tensor")
+    a0, g = gate(_layer(node), s0)
+    ds = delta.get(node.input)
+    return a0, None if ds is None else ds * g
 
 
 def _moving(node: fx.Node, value: dict, delta: dict) -> list[fx.Node]:

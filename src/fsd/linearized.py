@@ -9,6 +9,13 @@ and evaluate the network linearized around the reference at every nonlinearity:
   frequency on the data (a smooth activation by a random secant/slope pair with the data's
   moments, :mod:`fsd.rules`). BGLN-S draws inputs and gates (one gate draw per sample);
   BGLN-D (``deterministic=True``) propagates means and covariances (paper Algorithm 2).
+
+A chain of rule-tagged layers (:func:`fsd.trace`) is walked by :mod:`fsd.interpreter`. Any
+other graph torch.fx traces (residual additions, concatenations, LayerNorm, attention) is
+walked node by node by :mod:`fsd.linearize`: LAFTR linearizes every operation; BGLN-S gates
+the activations (:func:`fsd.linearize.graph_gates`, statistics recorded at fit on
+:func:`fsd.graph.runnable`) and linearizes every other operation as LAFTR does. BGLN-D
+propagates moments along a chain and refuses other graphs at ``fit``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from .exact_moments import delta_second_moment_adjoint, reference_blocks
 from .graph import runnable
 from .hooks import forward_hooks
 from .interpreter import (
+    GateFn,
     TracedLayer,
     check_moment_support,
     delta_moments,
@@ -36,7 +44,7 @@ from .interpreter import (
     trace,
     true_gates,
 )
-from .linearize import linearized_outputs
+from .linearize import graph_gates, linearized_outputs
 from .metrics import check_metric, pointwise_distance
 from .rules import SMOOTH_MOMENTS, UnsupportedModuleError
 from .signature import parameter_signature
@@ -77,23 +85,41 @@ class _LinearizedEstimator(Estimator):
 
     def _signature(self, model: nn.Module) -> Any:
         layers = self._chain(model)
-        # a graph LAFTR linearizes node by node (fsd.linearize) is checked by its parameters
-        return parameter_signature(model) if layers is None else layer_signature(layers)
+        if layers is not None:
+            return layer_signature(layers)
+        # a graph walked node by node (fsd.linearize) is checked by its parameters; BGLN-S's
+        # also by its activations (type, hyper-parameters), whose statistics the summary
+        # stores by path
+        signature: list = parameter_signature(model)
+        if self.bernoulli:
+            signature += layer_signature(graph_gates(model))
+        return signature
 
     def _chain(self, model: nn.Module) -> list[TracedLayer] | None:
-        """The model's chain of layers; ``None`` for a graph only LAFTR can walk."""
+        """The model's chain of layers; ``None`` for a graph walked by :mod:`fsd.linearize`.
+
+        LAFTR and BGLN-S take any graph torch.fx traces; BGLN-D re-raises the chain's error.
+        """
         try:
             return trace(model)
         except UnsupportedModuleError:
-            if self.bernoulli:  # BGLN needs a chain of rule-tagged layers
+            if self._deterministic:  # BGLN-D propagates moments along a chain
                 raise
             hooks = forward_hooks(model)
             if hooks:
                 raise UnsupportedModuleError(
-                    f"the model has a {hooks[0]}: LAFTR evaluates the traced graph and would "
-                    f"ignore what the hook changes; remove it or use ExactFSD, NTK, EWC or "
-                    f"KFAC") from None
+                    f"the model has a {hooks[0]}: {self._name} evaluates the traced graph and "
+                    f"would ignore what the hook changes; remove it or use ExactFSD, NTK, EWC "
+                    f"or KFAC") from None
+            if self.bernoulli:
+                graph_gates(model)  # a forward fx cannot trace, an activation called twice
             return None
+
+    @property
+    def _name(self) -> str:
+        if not self.bernoulli:
+            return "LAFTR"
+        return "BGLN-D" if self._deterministic else "BGLN-S"
 
     @property
     def _classwise(self) -> bool | int:
@@ -166,10 +192,11 @@ class _LinearizedEstimator(Estimator):
                                 f"{type(collector).__name__}")
             groups = self._store_statistics(collector, gaussian, dtype, device)
         if self.bernoulli:
-            assert layers is not None  # BGLN: _chain raised otherwise
+            # a chain's gate layers, or the activations of a graph (BGLN-S)
+            gates = graph_gates(model) if layers is None else \
+                [layer for layer in layers if layer.rule.kind == "gate"]
             stored = self._gate_means()
-            missing = [layer.path for layer in layers
-                       if layer.rule.kind == "gate" and layer.path not in stored]
+            missing = [layer.path for layer in gates if layer.path not in stored]
             if missing:
                 raise ValueError(f"the statistics hold no gate frequencies for the gate layers at "
                                  f"{missing} (a collector made with gates=False?)")
@@ -347,11 +374,28 @@ class _LinearizedEstimator(Estimator):
             return self._state["input.cov_factor"], self._state["input.cov_residual"]
         return self._state["input.cov"]
 
+    def _sampled_gates(self, group: Tensor) -> GateFn:
+        """BGLN-S's gate callback: (r·s0 + φ(0), g) with (r, g) drawn per sample and unit.
+
+        Args:
+            group: each sample's mixture component, whose stored statistics it draws from.
+        """
+        gate_means = self._gate_means()
+        generator = self._generator(group.device)
+
+        def gate(layer: TracedLayer, s0: Tensor) -> tuple[Tensor, Tensor]:
+            # one independent draw per sample and unit, from that sample's component
+            rule, module = layer.rule, layer.module
+            r, g = rule.sample_gates(module, gate_means[layer.path][group], generator)
+            return r * s0 + rule.gate_offset(module), g
+        return gate
+
     def _distance(self, model: nn.Module) -> Tensor:
         layers = self._chain(model)
-        if layers is None:  # LAFTR on a graph that is not a chain
-            x, _, sample_weights = self._inputs()
-            z0, dz = linearized_outputs(model, self.reference_state(), x)
+        if layers is None:  # LAFTR or BGLN-S on a graph that is not a chain
+            x, group, sample_weights = self._inputs()
+            gate = self._sampled_gates(group) if self.bernoulli else None
+            z0, dz = linearized_outputs(model, self.reference_state(), x, gate)
             rho = pointwise_distance(self.config["metric"], self._select(z0).detach(),
                                      self._select(dz))
             return (sample_weights * rho).sum()
@@ -360,17 +404,7 @@ class _LinearizedEstimator(Estimator):
         if self._deterministic:
             return self._moment_distance(layers, params0, params1)
         x, group, sample_weights = self._inputs()
-        if self.bernoulli:
-            gate_means = self._gate_means()
-            generator = self._generator(x.device)
-
-            def gate(layer: TracedLayer, s0: Tensor) -> tuple[Tensor, Tensor]:
-                # one independent draw per sample and unit, from that sample's component
-                rule, module = layer.rule, layer.module
-                r, g = rule.sample_gates(module, gate_means[layer.path][group], generator)
-                return r * s0 + rule.gate_offset(module), g
-        else:
-            gate = true_gates
+        gate = self._sampled_gates(group) if self.bernoulli else true_gates
         z0, dz = propagate_linearized(layers, params0, params1, x, gate)
         assert dz is not None  # params1 was given
         reference = self._select(z0)
@@ -483,6 +517,13 @@ class BGLN(_LinearizedEstimator):
 
     ReLU-family activations get Bernoulli gates; smooth ones (GELU, SiLU, Tanh, Sigmoid, ELU,
     Softplus) a random secant/slope pair with the moments measured at fit (:mod:`fsd.rules`).
+
+    BGLN-S takes any model LAFTR takes: a chain of layers with rules, or any graph torch.fx
+    traces (residual additions, ``torch.cat``, LayerNorm, attention, …), where it gates the
+    activations — modules with a gate rule and ``F.relu``/``F.gelu``/``torch.tanh``/… calls,
+    whose statistics ``fit`` stores by module path or graph node name — and linearizes every
+    other operation like LAFTR (:mod:`fsd.linearize`). An activation module called at two
+    places is refused (it would share one set of statistics). BGLN-D walks chains only.
 
     Args:
         deterministic: ``False`` — BGLN-S, Monte Carlo over inputs and gates;

@@ -258,9 +258,10 @@ def rule_for(module: nn.Module, path: str) -> LayerRule:
         where = path or "<root>"
         supported = ", ".join(sorted(t.__name__ for t in RULES)) + ", Sequential"
         raise UnsupportedModuleError(
-            f"module {type(module).__name__} at '{where}' has no rule, so BGLN cannot walk "
-            f"it (rules: {supported}); LAFTR linearizes it on the graph path, ExactFSD, NTK, "
-            f"EWC and KFAC run the model's forward, or add a rule with fsd.register_rule"
+            f"module {type(module).__name__} at '{where}' has no rule, so BGLN-D cannot walk "
+            f"it (rules: {supported}); LAFTR and BGLN-S linearize it on the graph path, "
+            f"ExactFSD, NTK, EWC and KFAC run the model's forward, or add a rule with "
+            f"fsd.register_rule"
         )
     return rule
 

@@ -25,7 +25,8 @@ from . import distributed
 from .conv_moments import routing_statistics
 from .graph import unwrap
 from .hooks import recording_hook
-from .interpreter import trace
+from .interpreter import TracedLayer, trace
+from .linearize import graph_gates
 from .rules import UnsupportedModuleError
 
 
@@ -209,7 +210,11 @@ class StatisticsCollector:
         est = fsd.BGLN().fit(model, statistics=stats)
 
     Args:
-        model: the network (nested ``nn.Sequential`` of supported layers).
+        model: the network: a chain of supported layers (``nn.Sequential`` or a class), or,
+            for gate statistics alone (BGLN-S), any graph torch.fx traces — a residual
+            network too. Activations must be modules here (a ``F.relu`` call cannot be
+            hooked: :meth:`fsd.BGLN.fit` with data runs :func:`fsd.graph.runnable` instead),
+            each called at one place.
         moments: collect input moments (``"full"``, ``"diag"``) or not (``None``).
         gates: collect gate statistics (ReLU-family firing frequencies, smooth gates' moments).
         momentum: ``None`` (running mean) or EMA momentum for the gates.
@@ -231,7 +236,16 @@ class StatisticsCollector:
         self._active = False
         self._handles = []
         # moments alone need no layers (any model: LAFTR with Gaussian inputs)
-        layers = trace(model) if gates or layer_moments else []
+        layers: list[TracedLayer] = []
+        if gates or layer_moments:
+            try:
+                layers = trace(model)
+            except UnsupportedModuleError:
+                if layer_moments:  # BGLN-D's layer-wise moments: chains only
+                    raise
+                # a graph that is not a chain (BGLN-S): its activations wherever they are;
+                # graph_gates refuses an activation module called at two places
+                layers = graph_gates(model)
         gate_layers = [layer for layer in layers if layer.rule.kind == "gate"] if gates else []
         self.gate_paths = [layer.path for layer in gate_layers]
         self.smooth_gates = [layer.path for layer in gate_layers if layer.rule.smooth]
@@ -255,7 +269,8 @@ class StatisticsCollector:
                 f"traces the model")
         for path in self.layer_paths:
             self._handles.append(modules[path].register_forward_pre_hook(self._layer_hook(path)))
-        # trace() has refused module objects used at two positions, so one hook = one layer
+        # trace() and graph_gates() have refused module objects used at two positions, so
+        # one hook = one layer
         for path in self.gate_paths:
             self._handles.append(modules[path].register_forward_pre_hook(self._gate_hook(path)))
         for path in self.pool_paths:
