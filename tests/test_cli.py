@@ -66,3 +66,26 @@ def test_compare_estimators_end_to_end(tmp_path, capsys):
         assert row["true_fsd"] == true_fsd and row["nbytes"] > 0 and row["estimate"] >= 0
     # the oracle keeps ~12.7k images; every parametric summary must be far smaller
     assert all(r["nbytes"] < rows[0]["nbytes"] / 5 for r in rows[1:])
+
+
+def test_the_command_without_the_experiments_extra_says_what_to_install(monkeypatch, capsys):
+    # a library-only install has the console script but not scipy/matplotlib
+    import builtins
+
+    from fsd_experiments import cli
+
+    real_import = builtins.__import__
+
+    def without_scipy(name, *args, **kwargs):
+        if name == "scipy" or name.startswith("scipy."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name="scipy")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_scipy)
+    for module in [m for m in sys.modules if m.startswith(("scipy", "fsd_experiments."))
+                   and m != "fsd_experiments.cli"]:
+        monkeypatch.delitem(sys.modules, module)
+    assert cli.main(["cl", "report", "nowhere"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the fsd command needs scipy") and err.count("\n") == 1
+    assert '.[experiments]' in err

@@ -340,24 +340,20 @@ class StatisticsCollector:
 
     def _gate_hook(self, path: str):
         rule = self._gate_rules[path]
-
-        def hook(module: nn.Module, args: tuple) -> None:
-            if not self._active:
-                return
-            for key, part in self._split(args[0]):
-                per_path = self._gate_acc.setdefault(key, {})
-                per_path.setdefault(path, GateAccumulator(self.momentum)).add(
-                    rule.gate_statistics(module, part))
-        return recording_hook(hook)
+        return self._averaging_hook(path, lambda module, s: rule.gate_statistics(module, s))
 
     def _pool_hook(self, path: str):
+        return self._averaging_hook(path, routing_statistics)
+
+    def _averaging_hook(self, path: str, values):
+        """A hook averaging ``values(module, input)`` per example into ``path``'s accumulator."""
         def hook(module: nn.Module, args: tuple) -> None:
             if not self._active:
                 return
             for key, part in self._split(args[0]):
                 per_path = self._gate_acc.setdefault(key, {})
                 per_path.setdefault(path, GateAccumulator(self.momentum)).add(
-                    routing_statistics(module, part))  # type: ignore[arg-type]
+                    values(module, part))
         return recording_hook(hook)
 
     def _layer_hook(self, path: str):

@@ -95,6 +95,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fsd`` console script."""
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as error:
+        # `pip install -e .` installs the script but not the experiments' dependencies
+        if error.name not in _EXPERIMENT_DEPENDENCIES:
+            raise
+        print(f"error: the fsd command needs {error.name}, an experiments dependency: "
+              f"pip install -e \".[experiments]\" (the library alone is `import fsd`)",
+              file=sys.stderr)
+        return 2
+
+
+_EXPERIMENT_DEPENDENCIES = ("scipy", "matplotlib")
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
