@@ -68,24 +68,20 @@ def test_compare_estimators_end_to_end(tmp_path, capsys):
     assert all(r["nbytes"] < rows[0]["nbytes"] / 5 for r in rows[1:])
 
 
-def test_the_command_without_the_experiments_extra_says_what_to_install(monkeypatch, capsys):
-    # a library-only install has the console script but not scipy/matplotlib
-    import builtins
-
-    from fsd_experiments import cli
-
-    real_import = builtins.__import__
-
-    def without_scipy(name, *args, **kwargs):
-        if name == "scipy" or name.startswith("scipy."):
-            raise ModuleNotFoundError(f"No module named {name!r}", name="scipy")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", without_scipy)
-    for module in [m for m in sys.modules if m.startswith(("scipy", "fsd_experiments."))
-                   and m != "fsd_experiments.cli"]:
-        monkeypatch.delitem(sys.modules, module)
-    assert cli.main(["cl", "report", "nowhere"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: the fsd command needs scipy") and err.count("\n") == 1
-    assert '.[experiments]' in err
+def test_the_command_without_the_experiments_extra_says_what_to_install(tmp_path):
+    # a library-only install has the console script but not scipy: a fresh interpreter in
+    # which importing scipy fails, as it does there
+    script = (
+        "import sys\n"
+        "class NoScipy:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'scipy' or name.startswith('scipy.'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name='scipy')\n"
+        "sys.meta_path.insert(0, NoScipy())\n"
+        "from fsd_experiments.cli import main\n"
+        "sys.exit(main(['cl', 'report', 'nowhere']))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: the fsd command needs scipy")
+    assert done.stderr.count("\n") == 1 and '.[experiments]' in done.stderr
