@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import fsd
-from conftest import DTYPE
+from conftest import DTYPE, perturbed
 from fsd import conv_moments
 from fsd.testing import dense_algorithm2_cnn
 
@@ -48,11 +48,9 @@ SHAPES = {"pool": (2, 8, 8), "overlap": (2, 8, 8), "paper": (1, 8, 8)}
 
 
 def _moved(model: nn.Module, scale: float = 0.1, seed: int = 1) -> nn.Module:
-    moved = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
+    """Parameters perturbed, and every BatchNorm's running variance moved by 10 %."""
+    moved = perturbed(model, scale, seed)
     with torch.no_grad():
-        for p in moved.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
         for name, b in moved.named_buffers():
             if name.endswith("running_var"):
                 b.mul_(1.1)

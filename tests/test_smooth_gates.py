@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import fsd
-from conftest import DTYPE
+from conftest import DTYPE, perturbed
 from fsd.exact_moments import delta_second_moment
 from fsd.linearize import linearized_outputs
 from fsd.rules import GateMoments
@@ -38,12 +38,7 @@ def _mlp(activation: nn.Module, seed: int = 0, widths=(3, 3, 2, 2)) -> nn.Sequen
 
 
 def _moved(model: nn.Module, scale: float = 0.3, seed: int = 1) -> nn.Module:
-    moved = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in moved.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return moved
+    return perturbed(model, scale, seed)
 
 
 def _data(n: int = 300, d: int = 3, seed: int = 2) -> torch.Tensor:

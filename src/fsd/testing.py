@@ -48,6 +48,17 @@ def _leaves(model: nn.Module) -> Iterator[nn.Module]:
         yield model
 
 
+def _linear_layers(model0: nn.Module, model1: nn.Module, gates: int, what: str
+                   ) -> tuple[list[nn.Linear], list[nn.Linear]]:
+    """Both models' Linear layers, checked to be L each with L − 1 gates between them."""
+    linear0 = [m for m in _leaves(model0) if isinstance(m, nn.Linear)]
+    linear1 = [m for m in _leaves(model1) if isinstance(m, nn.Linear)]
+    if len(linear0) != len(linear1) or gates != len(linear0) - 1:
+        raise ValueError(f"{len(linear0)} and {len(linear1)} Linear layers with "
+                         f"{gates} {what}: expected L, L and L - 1")
+    return linear0, linear1
+
+
 def _float64(value: Any) -> Tensor:
     return torch.as_tensor(value).to(torch.float64)
 
@@ -82,11 +93,7 @@ def dense_algorithm2(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,
     Returns:
         A 0-dim float64 tensor.
     """
-    linear0 = [m for m in _leaves(model0) if isinstance(m, nn.Linear)]
-    linear1 = [m for m in _leaves(model1) if isinstance(m, nn.Linear)]
-    if len(linear0) != len(linear1) or len(gate_means) != len(linear0) - 1:
-        raise ValueError(f"{len(linear0)} and {len(linear1)} Linear layers with "
-                         f"{len(gate_means)} gate vectors: expected L, L and L - 1")
+    linear0, linear1 = _linear_layers(model0, model1, len(gate_means), "gate vectors")
     e_a0, c_a0 = _float64(mean), _float64(cov)
     e_da, c_da = torch.zeros_like(e_a0), torch.zeros_like(c_a0)
     for index, (l0, l1) in enumerate(zip(linear0, linear1, strict=True)):
@@ -327,11 +334,7 @@ def enumerated_gate_pairs(model0: nn.Module, model1: nn.Module, mean: Any, cov: 
     Returns:
         A 0-dim float64 tensor.
     """
-    linear0 = [m for m in _leaves(model0) if isinstance(m, nn.Linear)]
-    linear1 = [m for m in _leaves(model1) if isinstance(m, nn.Linear)]
-    if len(linear0) != len(linear1) or len(laws) != len(linear0) - 1:
-        raise ValueError(f"{len(linear0)} and {len(linear1)} Linear layers with "
-                         f"{len(laws)} gate laws: expected L, L and L - 1")
+    linear0, linear1 = _linear_layers(model0, model1, len(laws), "gate laws")
     choices = [range(law.probabilities.shape[-1]) for law in laws
                for _ in range(law.probabilities.shape[0])]
     m, sigma = _float64(mean), _float64(cov)
