@@ -99,17 +99,24 @@ def _():
     fsd.LAFTR().fit(model, X)
 
 
-@case("BGLN-D on a residual network")
+class _Residual(nn.Module):
+    def __init__(self, norm: bool = False) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.norm = nn.LayerNorm(4) if norm else nn.Identity()
+
+    def forward(self, x):
+        return self.fc2(x + torch.relu(self.norm(self.fc1(x))))
+
+
+@case("BGLN-D (Algorithm 2) on a residual network")
 def _():
-    class Residual(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 3)
+    fsd.BGLN(deterministic=True).fit(_Residual(), X)
 
-        def forward(self, x):
-            return self.fc2(x + torch.relu(self.fc1(x)))
 
-    fsd.BGLN(deterministic=True).fit(Residual(), X)
+@case("BGLN-D (exact moments) on a residual network with LayerNorm")
+def _():
+    fsd.BGLN(deterministic=True, moments="exact").fit(_Residual(norm=True), X)
 
 
 @case("`distance` of a model with another architecture")

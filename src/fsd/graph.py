@@ -343,8 +343,9 @@ def _branch_error(name: str, node: fx.Node, why: str) -> UnsupportedModuleError:
     what = getattr(node.target, "__name__", str(node.target))
     return UnsupportedModuleError(
         f"{name}.forward is not a chain of layers at graph node '{node.name}' ({what}): {why}. "
-        f"BGLN-D walks chains (residual additions and concatenations are not supported); "
-        f"BGLN-S and LAFTR take the graph, ExactFSD, NTK, EWC and KFAC any model")
+        f"BGLN-D with moments='paper' (Algorithm 2) walks chains; BGLN-D with "
+        f"moments='exact' takes graphs of flat layers (residual additions, concatenations), "
+        f"BGLN-S and LAFTR any graph, ExactFSD, NTK, EWC and KFAC any model")
 
 
 def _inplace(node: fx.Node) -> bool:

@@ -31,6 +31,7 @@ from .covariance import Covariance, low_rank_plus_diagonal, sample, sampling_fac
 from .estimator import Data, Estimator, iter_batches
 from .exact_moments import delta_second_moment_adjoint, reference_blocks
 from .graph import runnable
+from .graph_moments import GraphPlan, graph_plan, graph_second_moment
 from .hooks import forward_hooks
 from .interpreter import (
     GateFn,
@@ -102,9 +103,15 @@ class _LinearizedEstimator(Estimator):
         """
         try:
             return trace(model)
-        except UnsupportedModuleError:
-            if self._deterministic:  # BGLN-D propagates moments along a chain
+        except UnsupportedModuleError as error:
+            # Algorithm 2 propagates moments along a chain; exact moments take graphs of
+            # flat layers (fsd.graph_moments)
+            if self._deterministic and self.config.get("moments") != "exact":
                 raise
+            if self._deterministic and self.config.get("reference") == "layerwise":
+                raise UnsupportedModuleError(
+                    f"{error}. BGLN-D with reference='layerwise' walks chains of layers; "
+                    f"use reference='propagated' on this graph") from None
             hooks = forward_hooks(model)
             if hooks:
                 raise UnsupportedModuleError(
@@ -213,7 +220,15 @@ class _LinearizedEstimator(Estimator):
                 self._state["coreset.group"] = torch.tensor(
                     [lookup[c] for c in ys.tolist()], dtype=torch.long, device=device)
             self._meta["input_shape"] = list(xs.shape[1:])
-        if self._deterministic:
+        if self._deterministic and layers is None:  # exact moments on a graph
+            if len(self._meta["input_shape"]) != 1:
+                raise NotImplementedError(
+                    f"BGLN-D on a graph that is not a chain needs flat inputs (got examples "
+                    f"of shape {tuple(self._meta['input_shape'])}); use "
+                    f"fsd.BGLN(deterministic=False) (BGLN-S)")
+            self._meta["graph"] = True
+            self._graph_plan(model)  # refuses what it cannot propagate, now
+        elif self._deterministic:
             assert layers is not None
             flat = check_moment_support(layers, tuple(self._meta["input_shape"]),
                                         exact=self.config.get("moments") == "exact",
@@ -392,6 +407,8 @@ class _LinearizedEstimator(Estimator):
 
     def _distance(self, model: nn.Module) -> Tensor:
         layers = self._chain(model)
+        if layers is None and self._deterministic:  # exact moments on a graph
+            return self._graph_moment_distance(model)
         if layers is None:  # LAFTR or BGLN-S on a graph that is not a chain
             x, group, sample_weights = self._inputs()
             gate = self._sampled_gates(group) if self.bernoulli else None
@@ -475,6 +492,23 @@ class _LinearizedEstimator(Estimator):
             per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace
         return (parts["weights"] * per_group).sum()
 
+    def _graph_plan(self, model: nn.Module) -> GraphPlan:
+        """The graph as BGLN-D's exact moments walk it (cached; :mod:`fsd.graph_moments`)."""
+        if "graph_plan" not in self._cache:
+            dtype = self._state["input.mean"].dtype
+            self._cache["graph_plan"] = graph_plan(
+                model, self.reference_state(), int(self._meta["input_shape"][0]), dtype)
+        return self._cache["graph_plan"]
+
+    def _graph_moment_distance(self, model: nn.Module) -> Tensor:
+        plan = self._graph_plan(model)
+        mean = self._state["input.mean"]
+        eye = torch.eye(plan.output_size, dtype=mean.dtype, device=mean.device)
+        per_group = 0.5 * graph_second_moment(
+            plan, model, self.reference_state(), model_state(model), mean,
+            self.input_covariance(), self._gate_means(), self._select(eye).T)
+        return (self._state["weights"] * per_group).sum()
+
     def _output_size(self, layers, params0) -> int:
         if self._meta.get("convolutional"):  # the output's size, from a probe
             probe = torch.zeros((1, *self._meta["input_shape"]),
@@ -523,7 +557,9 @@ class BGLN(_LinearizedEstimator):
     activations — modules with a gate rule and ``F.relu``/``F.gelu``/``torch.tanh``/… calls,
     whose statistics ``fit`` stores by module path or graph node name — and linearizes every
     other operation like LAFTR (:mod:`fsd.linearize`). An activation module called at two
-    places is refused (it would share one set of statistics). BGLN-D walks chains only.
+    places is refused (it would share one set of statistics). BGLN-D with ``moments="paper"``
+    walks chains; with ``moments="exact"`` it also takes graphs of flat layers — residual
+    additions, concatenations — (:mod:`fsd.graph_moments`).
 
     Args:
         deterministic: ``False`` — BGLN-S, Monte Carlo over inputs and gates;
