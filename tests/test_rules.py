@@ -97,7 +97,7 @@ def test_linear_rule_uses_the_parameters_passed_in():
     m = nn.Linear(4, 3).to(DTYPE)
     x, w, b = _randn(5, 4, seed=1), _randn(3, 4, seed=2), _randn(3, seed=3)
     rule = rules.rule_for(m, "")
-    assert rule.kind == "affine" and rule.flat_moments(m) and rule.hyper(m) == {}
+    assert isinstance(rule, fsd.AffineRule) and rule.flat_moments(m) and rule.hyper(m) == {}
     torch.testing.assert_close(rule.apply(m, x, w, b), brute_linear(x, w, b), rtol=1e-13, atol=0)
     torch.testing.assert_close(rule.apply(m, x, w, None), brute_linear(x, w, None), rtol=1e-13,
                                atol=0)
@@ -113,7 +113,7 @@ def test_conv2d_rule_against_explicit_loops(stride, padding, dilation, groups):
     x = _randn(2, 2, 6, 5, seed=4)
     w, b = _randn(*m.weight.shape, seed=5), _randn(4, seed=6)
     rule = rules.rule_for(m, "conv")
-    assert rule.kind == "affine" and not rule.flat_moments(m)
+    assert isinstance(rule, fsd.AffineRule) and not rule.flat_moments(m)
     assert rule.hyper(m) == {"stride": list(stride), "padding": list(padding),
                              "dilation": list(dilation), "groups": groups}
     expected = brute_conv2d(x, w, b, stride, padding, dilation, groups)
@@ -133,7 +133,7 @@ def test_conv2d_with_another_padding_mode_is_refused():
 def test_gate_rules_are_the_activation_and_their_gate_moments_are_enumerated(module, slope):
     x = _randn(4, 6, seed=7)
     rule = rules.rule_for(module, "")
-    assert rule.kind == "gate" and rule.flat_moments(module)
+    assert isinstance(rule, fsd.GateRule) and rule.flat_moments(module)
     expected = torch.where(x > 0, x, slope * x)  # the activation, written out
     torch.testing.assert_close(rule.apply(module, x), expected, rtol=0, atol=0)
     # φ(s) = g·s with g the gate of u = 1{s > 0}
@@ -149,7 +149,7 @@ def test_gate_rules_are_the_activation_and_their_gate_moments_are_enumerated(mod
         torch.testing.assert_close(got, mean, rtol=1e-14, atol=0)
     for got in (moments.reference_variance, moments.covariance, moments.delta_variance):
         torch.testing.assert_close(got, second - mean**2, rtol=1e-12, atol=1e-15)
-    assert moments.offset == 0.0 and not rule.smooth
+    assert moments.offset == 0.0 and not isinstance(rule, fsd.SmoothGateRule)
     assert rule.hyper(module) == ({} if slope == 0.0 else {"negative_slope": slope})
 
 
@@ -194,7 +194,7 @@ SMOOTH = [
 def test_smooth_gate_rules_against_their_written_out_definitions(module, phi, slope):
     x = torch.cat([_randn(200, seed=10) * 3, torch.tensor([0.0, 11.0, -11.0], dtype=DTYPE)])
     rule = rules.rule_for(module, "")
-    assert rule.kind == "gate" and rule.smooth and rule.flat_moments(module)
+    assert isinstance(rule, fsd.SmoothGateRule) and rule.flat_moments(module)
     torch.testing.assert_close(rule.apply(module, x), phi(x), rtol=1e-12, atol=1e-14)
     a0, g = rule.reference_gates(module, x)
     torch.testing.assert_close(a0, phi(x), rtol=1e-12, atol=1e-14)
@@ -243,7 +243,7 @@ def test_maxpool_rule_values_and_argmax_indices(k, s, p):
     m = nn.MaxPool2d(k, s, p)
     x = _randn(2, 3, 5, 6, seed=8)
     rule = rules.rule_for(m, "")
-    assert rule.kind == "maxpool" and not rule.flat_moments(m)
+    assert isinstance(rule, fsd.MaxPoolRule) and not rule.flat_moments(m)
     y, index = rule.apply(m, x)
     expected_y, expected_index = brute_max_pool(x, k, s, p)
     torch.testing.assert_close(y, expected_y, rtol=0, atol=0)
@@ -257,7 +257,7 @@ def test_avgpool_rule_against_explicit_windows(k, s, p, include):
     m = nn.AvgPool2d(k, s, p, count_include_pad=include)
     x = _randn(2, 2, 5, 6, seed=9)
     rule = rules.rule_for(m, "")
-    assert rule.kind == "fixed" and not rule.flat_moments(m)
+    assert isinstance(rule, fsd.FixedRule) and not rule.flat_moments(m)
     torch.testing.assert_close(rule.apply(m, x), brute_avg_pool(x, k, s, p, include),
                                rtol=1e-13, atol=1e-15)
     assert rule.hyper(m)["count_include_pad"] is include
@@ -268,7 +268,7 @@ def test_flatten_rule(start, end, flat):
     m = nn.Flatten(start, end)
     x = _randn(2, 3, 4, 5, seed=10)
     rule = rules.rule_for(m, "")
-    assert rule.kind == "fixed" and rule.flat_moments(m) is flat
+    assert isinstance(rule, fsd.FixedRule) and rule.flat_moments(m) is flat
     assert rule.hyper(m) == {"start_dim": start, "end_dim": end}
     expected = {(1, -1): x.reshape(2, 60), (2, -1): x.reshape(2, 3, 20),
                 (1, 2): x.reshape(2, 12, 5)}[(start, end)]
@@ -280,7 +280,7 @@ def test_dropout_and_identity_are_the_identity_even_in_training_mode(module):
     module.train()
     x = _randn(50, 8, seed=11)
     rule = rules.rule_for(module, "")
-    assert rule.kind == "fixed" and rule.flat_moments(module)
+    assert isinstance(rule, fsd.FixedRule) and rule.flat_moments(module)
     assert torch.equal(rule.apply(module, x), x)
 
 
@@ -315,8 +315,9 @@ def test_register_rule_makes_a_new_layer_type_usable(monkeypatch):
     model = nn.Sequential(nn.Linear(4, 5), Scale(), nn.Linear(5, 3)).to(DTYPE)
     with pytest.raises(fsd.UnsupportedModuleError, match="Scale at '1'"):
         fsd.trace(model)
-    fsd.register_rule(Scale, fsd.LayerRule(kind="fixed", apply=lambda m, x: 2 * x))
-    assert [layer.rule.kind for layer in fsd.trace(model)] == ["affine", "fixed", "affine"]
+    fsd.register_rule(Scale, fsd.FixedRule(apply=lambda m, x: 2 * x))
+    assert [type(layer.rule) for layer in fsd.trace(model)] == [fsd.AffineRule, fsd.FixedRule,
+                                                                fsd.AffineRule]
     # a network without gates: LAFTR on all the data is the exact FSD
     data = labelled_batches(20, (4,), seed=12)
     other = perturbed(model, 0.3, seed=13)
@@ -350,3 +351,4 @@ def test_weight_bias_reads_a_layer_from_a_flat_parameter_dict():
     assert w is single.weight and b is None
     with pytest.raises(KeyError):
         rules.weight_bias(params, "2")
+
