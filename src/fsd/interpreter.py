@@ -173,11 +173,14 @@ def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]
     vectors at every affine layer; anything else with convolutions, pooling or images takes
     :mod:`fsd.conv_moments` (Algorithm 2 only: exact moments and layer-wise statistics would
     carry (C·H·W)² second moments). Exact moments need an affine layer before every gate.
+    The flat path knows affine, parameter-free and gate layers only; a layer of any other
+    rule (a user's own :class:`~fsd.rules.Rule` subclass) takes the other path too.
     """
     flat = len(input_shape) == 1
     supported = True
     for layer in layers:
-        if not layer.rule.flat_moments(layer.module):
+        if not (layer.rule.flat_moments(layer.module)
+                and isinstance(layer.rule, (AffineRule, FixedRule, GateRule))):
             supported = False
         if isinstance(layer.module, nn.Flatten):
             flat = True
