@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
@@ -352,3 +353,113 @@ def test_weight_bias_reads_a_layer_from_a_flat_parameter_dict():
     with pytest.raises(KeyError):
         rules.weight_bias(params, "2")
 
+
+class Diagonal(nn.Module):
+    """y = w ⊙ x + b: an affine layer that no built-in rule covers (as in the user guide)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(features))
+        self.bias = nn.Parameter(torch.randn(features))
+
+    def forward(self, x):
+        return x * self.weight + self.bias
+
+
+def _diagonal_rule(flat: bool) -> rules.AffineRule:
+    # W and b are the module's weight and bias (the default parameters); W as an (out, in)
+    # matrix is diag(w)
+    return fsd.AffineRule(apply=lambda m, x, w, b: x * w if b is None else x * w + b,
+                          dense=torch.diag_embed, flat_moments=lambda m: flat)
+
+
+def _folded(model: nn.Sequential) -> nn.Sequential:
+    """``model`` with each Diagonal folded into the Linear before it: W ← diag(w) W, b ← w b + c."""
+    layers: list[nn.Module] = []
+    for m in model:
+        if isinstance(m, Diagonal):
+            linear = layers[-1]
+            assert isinstance(linear, nn.Linear)
+            with torch.no_grad():
+                linear.weight.copy_(m.weight.unsqueeze(-1) * linear.weight)
+                linear.bias.copy_(m.weight * linear.bias + m.bias)
+        else:
+            layers.append(copy.deepcopy(m))
+    return nn.Sequential(*layers)
+
+
+def test_a_registered_affine_rule_is_exact_for_laftr_and_walked_by_bgln_d(monkeypatch):
+    monkeypatch.setattr(rules, "RULES", dict(rules.RULES))  # restored after the test
+    fsd.register_rule(Diagonal, _diagonal_rule(flat=True))
+    torch.manual_seed(0)
+    data = labelled_batches(40, (4,), seed=14)
+    # no gates: LAFTR (the affine rule's ΔW a0 + W1 Δa + Δb) is the exact FSD
+    model = nn.Sequential(nn.Linear(4, 5), Diagonal(5), nn.Linear(5, 3)).to(DTYPE)
+    assert [type(layer.rule) for layer in fsd.trace(model)] == [fsd.AffineRule] * 3
+    other = perturbed(model, 0.3, seed=15)
+    laftr = fsd.LAFTR(coreset_size=None).fit(model, data).distance(other)
+    exact = fsd.ExactFSD().fit(model, data).distance(other)
+    torch.testing.assert_close(laftr, exact, rtol=1e-12, atol=0)
+    # an MLP: BGLN-D composes Linear then Diagonal into one map, as if folded by hand
+    model = nn.Sequential(nn.Linear(4, 6), Diagonal(6), nn.ReLU(), nn.Linear(6, 3)).to(DTYPE)
+    other = perturbed(model, 0.1, seed=16)
+    values = {}
+    for moments in ("paper", "exact"):
+        values[moments] = fsd.BGLN(deterministic=True, covariance="full", moments=moments).fit(
+            model, data).distance(other).detach()
+        expected = fsd.BGLN(deterministic=True, covariance="full", moments=moments).fit(
+            _folded(model), data).distance(_folded(other)).detach()
+        assert values[moments].item() > 0
+        torch.testing.assert_close(values[moments], expected, rtol=1e-10, atol=0)
+    # without flat moments BGLN-D takes the convolutional path, applying the rule's own map
+    fsd.register_rule(Diagonal, _diagonal_rule(flat=False))
+    general = fsd.BGLN(deterministic=True, covariance="full").fit(model, data)
+    assert general._meta.get("convolutional")
+    torch.testing.assert_close(general.distance(other).detach(), values["paper"], rtol=1e-10,
+                               atol=0)
+
+
+class Negate(nn.Module):
+    """y = −x: an operation of no built-in type, for a rule written from fsd.Rule itself."""
+
+    def forward(self, x):
+        return -x
+
+
+class NegateRule(fsd.Rule):
+    """A user's own operation type: its linearized step and its map in Algorithm 2."""
+
+    def linearized(self, layer, a0, da, params0, params1, gate):
+        return -a0, None if da is None else -da
+
+    def expected_reference(self, layer, x, statistics, offset):
+        return -x
+
+    def expected_delta(self, layer, x, statistics):
+        return -x
+
+
+def test_a_rule_of_a_new_operation_type_runs_every_walk(monkeypatch):
+    monkeypatch.setattr(rules, "RULES", dict(rules.RULES))  # restored after the test
+    # flat_moments claimed, but the MLP path knows only its own rule types: it must not skip it
+    fsd.register_rule(Negate, NegateRule(apply=lambda m, x: -x, flat_moments=lambda m: True))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), Negate(), nn.ReLU(), nn.Linear(6, 3)).to(DTYPE)
+    other = perturbed(model, 0.1, seed=17)
+
+    def folded(m: nn.Sequential) -> nn.Sequential:  # −(Wx + b) as one Linear
+        twin = nn.Sequential(copy.deepcopy(m[0]), nn.ReLU(), copy.deepcopy(m[3]))
+        with torch.no_grad():
+            twin[0].weight.neg_()
+            twin[0].bias.neg_()
+        return twin
+
+    data = labelled_batches(40, (4,), seed=18)
+    for make in (lambda: fsd.LAFTR(coreset_size=None),
+                 lambda: fsd.BGLN(deterministic=True, covariance="full")):
+        got = make().fit(model, data).distance(other).detach()
+        expected = make().fit(folded(model), data).distance(folded(other)).detach()
+        assert got.item() > 0
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=0)
+    with pytest.raises(TypeError, match=r"subclass of fsd\.Rule"):
+        fsd.register_rule(Negate, object())  # type: ignore[arg-type]
