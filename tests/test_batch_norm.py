@@ -125,7 +125,7 @@ def test_the_batch_norm_rule_is_the_module_in_evaluation():
         module = _randomise_statistics(nn.Sequential(module.to(DTYPE)), 1)[0].eval()
         x = torch.randn(shape, dtype=DTYPE)
         rule = rules.rule_for(module, "")
-        assert rule.kind == "affine"
+        assert isinstance(rule, fsd.AffineRule)
         state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
         scale, shift = rule.affine_parameters(module, state, "")
         torch.testing.assert_close(rule.apply(module, x, scale, shift), module(x),

@@ -425,6 +425,6 @@ def test_the_graph_walker_with_a_gate_callback_equals_the_chain_walker(kind):
     calls.clear()
     g0, gz = linearized_outputs(moved, params0, x, gate)
     assert calls == chain_calls == [layer.path for layer in trace(model)
-                                    if layer.rule.kind == "gate"]
+                                    if isinstance(layer.rule, fsd.GateRule)]
     torch.testing.assert_close(g0, z0, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(gz, dz, rtol=1e-12, atol=1e-14)

@@ -15,7 +15,7 @@ from torch import nn
 
 import fsd
 from conftest import DTYPE, perturbed
-from fsd import conv_moments
+from fsd import conv_moments, rules
 from fsd.testing import dense_algorithm2_cnn
 
 
@@ -78,11 +78,11 @@ def _dense(est: fsd.BGLN, model, moved, shape) -> torch.Tensor:
     for group, weight in enumerate(est._state["weights"]):
         gates = []
         for layer in layers:
-            if layer.rule.kind == "gate":
+            if isinstance(layer.rule, fsd.GateRule):
                 moments = layer.rule.gate_moments(layer.module, stored[layer.path][group])
                 gates.append((moments.reference_mean, moments.delta_mean, moments.offset))
         routings = [est._state[f"routing.{layer.path}"][group] for layer in layers
-                    if layer.rule.kind == "maxpool"]
+                    if isinstance(layer.rule, fsd.MaxPoolRule)]
         total = total + weight * dense_algorithm2_cnn(
             model, moved, shape, est._state["input.mean"][group], _dense_covariance(est, group),
             gates, routings)
@@ -156,7 +156,7 @@ def _brute_routing(x: torch.Tensor, k: int, s: int, p: int) -> torch.Tensor:
 @pytest.mark.parametrize("k, s, p", [(2, 2, 0), (3, 2, 1), (3, 1, 1)])
 def test_routing_statistics_against_a_window_by_window_argmax(k, s, p):
     x = torch.randn(3, 2, 7, 6, generator=torch.Generator().manual_seed(4), dtype=DTYPE)
-    got = conv_moments.routing_statistics(nn.MaxPool2d(k, s, p), x)
+    got = rules.routing_statistics(nn.MaxPool2d(k, s, p), x)
     assert torch.equal(got, _brute_routing(x, k, s, p))
 
 
@@ -165,8 +165,8 @@ def test_the_expected_routing_of_one_hot_frequencies_is_the_max_pool():
     pool = nn.MaxPool2d(3, 2, 1)
     for example in range(5):
         one = x[example:example + 1]
-        frequencies = conv_moments.routing_statistics(pool, one)  # this example's own routing
-        routed = conv_moments.expected_routing(pool, one.unsqueeze(0), frequencies)
+        frequencies = rules.routing_statistics(pool, one)  # this example's own routing
+        routed = rules.expected_routing(pool, one.unsqueeze(0), frequencies)
         torch.testing.assert_close(routed[0], pool(one), rtol=0, atol=0)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
@@ -97,7 +98,7 @@ def test_linear_rule_uses_the_parameters_passed_in():
     m = nn.Linear(4, 3).to(DTYPE)
     x, w, b = _randn(5, 4, seed=1), _randn(3, 4, seed=2), _randn(3, seed=3)
     rule = rules.rule_for(m, "")
-    assert rule.kind == "affine" and rule.flat_moments(m) and rule.hyper(m) == {}
+    assert isinstance(rule, fsd.AffineRule) and rule.flat_moments(m) and rule.hyper(m) == {}
     torch.testing.assert_close(rule.apply(m, x, w, b), brute_linear(x, w, b), rtol=1e-13, atol=0)
     torch.testing.assert_close(rule.apply(m, x, w, None), brute_linear(x, w, None), rtol=1e-13,
                                atol=0)
@@ -113,7 +114,7 @@ def test_conv2d_rule_against_explicit_loops(stride, padding, dilation, groups):
     x = _randn(2, 2, 6, 5, seed=4)
     w, b = _randn(*m.weight.shape, seed=5), _randn(4, seed=6)
     rule = rules.rule_for(m, "conv")
-    assert rule.kind == "affine" and not rule.flat_moments(m)
+    assert isinstance(rule, fsd.AffineRule) and not rule.flat_moments(m)
     assert rule.hyper(m) == {"stride": list(stride), "padding": list(padding),
                              "dilation": list(dilation), "groups": groups}
     expected = brute_conv2d(x, w, b, stride, padding, dilation, groups)
@@ -133,7 +134,7 @@ def test_conv2d_with_another_padding_mode_is_refused():
 def test_gate_rules_are_the_activation_and_their_gate_moments_are_enumerated(module, slope):
     x = _randn(4, 6, seed=7)
     rule = rules.rule_for(module, "")
-    assert rule.kind == "gate" and rule.flat_moments(module)
+    assert isinstance(rule, fsd.GateRule) and rule.flat_moments(module)
     expected = torch.where(x > 0, x, slope * x)  # the activation, written out
     torch.testing.assert_close(rule.apply(module, x), expected, rtol=0, atol=0)
     # φ(s) = g·s with g the gate of u = 1{s > 0}
@@ -149,7 +150,7 @@ def test_gate_rules_are_the_activation_and_their_gate_moments_are_enumerated(mod
         torch.testing.assert_close(got, mean, rtol=1e-14, atol=0)
     for got in (moments.reference_variance, moments.covariance, moments.delta_variance):
         torch.testing.assert_close(got, second - mean**2, rtol=1e-12, atol=1e-15)
-    assert moments.offset == 0.0 and not rule.smooth
+    assert moments.offset == 0.0 and not isinstance(rule, fsd.SmoothGateRule)
     assert rule.hyper(module) == ({} if slope == 0.0 else {"negative_slope": slope})
 
 
@@ -194,7 +195,7 @@ SMOOTH = [
 def test_smooth_gate_rules_against_their_written_out_definitions(module, phi, slope):
     x = torch.cat([_randn(200, seed=10) * 3, torch.tensor([0.0, 11.0, -11.0], dtype=DTYPE)])
     rule = rules.rule_for(module, "")
-    assert rule.kind == "gate" and rule.smooth and rule.flat_moments(module)
+    assert isinstance(rule, fsd.SmoothGateRule) and rule.flat_moments(module)
     torch.testing.assert_close(rule.apply(module, x), phi(x), rtol=1e-12, atol=1e-14)
     a0, g = rule.reference_gates(module, x)
     torch.testing.assert_close(a0, phi(x), rtol=1e-12, atol=1e-14)
@@ -243,7 +244,7 @@ def test_maxpool_rule_values_and_argmax_indices(k, s, p):
     m = nn.MaxPool2d(k, s, p)
     x = _randn(2, 3, 5, 6, seed=8)
     rule = rules.rule_for(m, "")
-    assert rule.kind == "maxpool" and not rule.flat_moments(m)
+    assert isinstance(rule, fsd.MaxPoolRule) and not rule.flat_moments(m)
     y, index = rule.apply(m, x)
     expected_y, expected_index = brute_max_pool(x, k, s, p)
     torch.testing.assert_close(y, expected_y, rtol=0, atol=0)
@@ -257,7 +258,7 @@ def test_avgpool_rule_against_explicit_windows(k, s, p, include):
     m = nn.AvgPool2d(k, s, p, count_include_pad=include)
     x = _randn(2, 2, 5, 6, seed=9)
     rule = rules.rule_for(m, "")
-    assert rule.kind == "fixed" and not rule.flat_moments(m)
+    assert isinstance(rule, fsd.FixedRule) and not rule.flat_moments(m)
     torch.testing.assert_close(rule.apply(m, x), brute_avg_pool(x, k, s, p, include),
                                rtol=1e-13, atol=1e-15)
     assert rule.hyper(m)["count_include_pad"] is include
@@ -268,7 +269,7 @@ def test_flatten_rule(start, end, flat):
     m = nn.Flatten(start, end)
     x = _randn(2, 3, 4, 5, seed=10)
     rule = rules.rule_for(m, "")
-    assert rule.kind == "fixed" and rule.flat_moments(m) is flat
+    assert isinstance(rule, fsd.FixedRule) and rule.flat_moments(m) is flat
     assert rule.hyper(m) == {"start_dim": start, "end_dim": end}
     expected = {(1, -1): x.reshape(2, 60), (2, -1): x.reshape(2, 3, 20),
                 (1, 2): x.reshape(2, 12, 5)}[(start, end)]
@@ -280,7 +281,7 @@ def test_dropout_and_identity_are_the_identity_even_in_training_mode(module):
     module.train()
     x = _randn(50, 8, seed=11)
     rule = rules.rule_for(module, "")
-    assert rule.kind == "fixed" and rule.flat_moments(module)
+    assert isinstance(rule, fsd.FixedRule) and rule.flat_moments(module)
     assert torch.equal(rule.apply(module, x), x)
 
 
@@ -315,8 +316,9 @@ def test_register_rule_makes_a_new_layer_type_usable(monkeypatch):
     model = nn.Sequential(nn.Linear(4, 5), Scale(), nn.Linear(5, 3)).to(DTYPE)
     with pytest.raises(fsd.UnsupportedModuleError, match="Scale at '1'"):
         fsd.trace(model)
-    fsd.register_rule(Scale, fsd.LayerRule(kind="fixed", apply=lambda m, x: 2 * x))
-    assert [layer.rule.kind for layer in fsd.trace(model)] == ["affine", "fixed", "affine"]
+    fsd.register_rule(Scale, fsd.FixedRule(apply=lambda m, x: 2 * x))
+    assert [type(layer.rule) for layer in fsd.trace(model)] == [fsd.AffineRule, fsd.FixedRule,
+                                                                fsd.AffineRule]
     # a network without gates: LAFTR on all the data is the exact FSD
     data = labelled_batches(20, (4,), seed=12)
     other = perturbed(model, 0.3, seed=13)
@@ -350,3 +352,114 @@ def test_weight_bias_reads_a_layer_from_a_flat_parameter_dict():
     assert w is single.weight and b is None
     with pytest.raises(KeyError):
         rules.weight_bias(params, "2")
+
+
+class Diagonal(nn.Module):
+    """y = w ⊙ x + b: an affine layer that no built-in rule covers (as in the user guide)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(features))
+        self.bias = nn.Parameter(torch.randn(features))
+
+    def forward(self, x):
+        return x * self.weight + self.bias
+
+
+def _diagonal_rule(flat: bool) -> rules.AffineRule:
+    # W and b are the module's weight and bias (the default parameters); W as an (out, in)
+    # matrix is diag(w)
+    return fsd.AffineRule(apply=lambda m, x, w, b: x * w if b is None else x * w + b,
+                          dense=torch.diag_embed, flat_moments=lambda m: flat)
+
+
+def _folded(model: nn.Sequential) -> nn.Sequential:
+    """``model`` with each Diagonal folded into the Linear before it: W ← diag(w) W, b ← w b + c."""
+    layers: list[nn.Module] = []
+    for m in model:
+        if isinstance(m, Diagonal):
+            linear = layers[-1]
+            assert isinstance(linear, nn.Linear)
+            with torch.no_grad():
+                linear.weight.copy_(m.weight.unsqueeze(-1) * linear.weight)
+                linear.bias.copy_(m.weight * linear.bias + m.bias)
+        else:
+            layers.append(copy.deepcopy(m))
+    return nn.Sequential(*layers)
+
+
+def test_a_registered_affine_rule_is_exact_for_laftr_and_walked_by_bgln_d(monkeypatch):
+    monkeypatch.setattr(rules, "RULES", dict(rules.RULES))  # restored after the test
+    fsd.register_rule(Diagonal, _diagonal_rule(flat=True))
+    torch.manual_seed(0)
+    data = labelled_batches(40, (4,), seed=14)
+    # no gates: LAFTR (the affine rule's ΔW a0 + W1 Δa + Δb) is the exact FSD
+    model = nn.Sequential(nn.Linear(4, 5), Diagonal(5), nn.Linear(5, 3)).to(DTYPE)
+    assert [type(layer.rule) for layer in fsd.trace(model)] == [fsd.AffineRule] * 3
+    other = perturbed(model, 0.3, seed=15)
+    laftr = fsd.LAFTR(coreset_size=None).fit(model, data).distance(other)
+    exact = fsd.ExactFSD().fit(model, data).distance(other)
+    torch.testing.assert_close(laftr, exact, rtol=1e-12, atol=0)
+    # an MLP: BGLN-D composes Linear then Diagonal into one map, as if folded by hand
+    model = nn.Sequential(nn.Linear(4, 6), Diagonal(6), nn.ReLU(), nn.Linear(6, 3)).to(DTYPE)
+    other = perturbed(model, 0.1, seed=16)
+    values = {}
+    for moments in ("paper", "exact"):
+        values[moments] = fsd.BGLN(deterministic=True, covariance="full", moments=moments).fit(
+            model, data).distance(other).detach()
+        expected = fsd.BGLN(deterministic=True, covariance="full", moments=moments).fit(
+            _folded(model), data).distance(_folded(other)).detach()
+        assert values[moments].item() > 0
+        torch.testing.assert_close(values[moments], expected, rtol=1e-10, atol=0)
+    # without flat moments BGLN-D takes the convolutional path, applying the rule's own map
+    fsd.register_rule(Diagonal, _diagonal_rule(flat=False))
+    general = fsd.BGLN(deterministic=True, covariance="full").fit(model, data)
+    assert general._meta.get("convolutional")
+    torch.testing.assert_close(general.distance(other).detach(), values["paper"], rtol=1e-10,
+                               atol=0)
+
+
+class Negate(nn.Module):
+    """y = −x: an operation of no built-in type, for a rule written from fsd.Rule itself."""
+
+    def forward(self, x):
+        return -x
+
+
+class NegateRule(fsd.Rule):
+    """A user's own operation type: its linearized step and its map in Algorithm 2."""
+
+    def linearized(self, layer, a0, da, params0, params1, gate):
+        return -a0, None if da is None else -da
+
+    def expected_reference(self, layer, x, statistics, offset):
+        return -x
+
+    def expected_delta(self, layer, x, statistics):
+        return -x
+
+
+def test_a_rule_of_a_new_operation_type_runs_every_walk(monkeypatch):
+    monkeypatch.setattr(rules, "RULES", dict(rules.RULES))  # restored after the test
+    # flat_moments claimed, but the MLP path knows only its own rule types: it must not skip it
+    fsd.register_rule(Negate, NegateRule(apply=lambda m, x: -x, flat_moments=lambda m: True))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), Negate(), nn.ReLU(), nn.Linear(6, 3)).to(DTYPE)
+    other = perturbed(model, 0.1, seed=17)
+
+    def folded(m: nn.Sequential) -> nn.Sequential:  # −(Wx + b) as one Linear
+        twin = nn.Sequential(copy.deepcopy(m[0]), nn.ReLU(), copy.deepcopy(m[3]))
+        with torch.no_grad():
+            twin[0].weight.neg_()
+            twin[0].bias.neg_()
+        return twin
+
+    data = labelled_batches(40, (4,), seed=18)
+    for make in (lambda: fsd.LAFTR(coreset_size=None),
+                 lambda: fsd.BGLN(deterministic=True, covariance="full")):
+        got = make().fit(model, data).distance(other).detach()
+        expected = make().fit(folded(model), data).distance(folded(other)).detach()
+        assert got.item() > 0
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=0)
+    with pytest.raises(TypeError, match=r"subclass of fsd\.Rule"):
+        fsd.register_rule(Negate, object())  # type: ignore[arg-type]

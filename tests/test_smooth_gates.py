@@ -61,7 +61,7 @@ def _four_point_law(moments: GateMoments) -> GateLaw:
 def _laws(est: fsd.BGLN, model: nn.Module) -> list[GateLaw]:
     stored = est._gate_means()
     return [_four_point_law(layer.rule.gate_moments(layer.module, stored[layer.path][0]))
-            for layer in fsd.trace(model) if layer.rule.kind == "gate"]
+            for layer in fsd.trace(model) if isinstance(layer.rule, fsd.GateRule)]
 
 
 def _input_moments(est: fsd.BGLN) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +113,7 @@ def test_algorithm2_gates_the_reference_by_the_secant_and_differences_by_the_slo
     stored = est._gate_means()
     gates = []
     for layer in fsd.trace(model):
-        if layer.rule.kind == "gate":
+        if isinstance(layer.rule, fsd.GateRule):
             moments = layer.rule.gate_moments(layer.module, stored[layer.path][0])
             gates.append((moments.reference_mean, moments.delta_mean, moments.offset))
     expected = dense_algorithm2(model, moved, *_input_moments(est), gates)

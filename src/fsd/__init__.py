@@ -17,7 +17,16 @@ from .linearized import BGLN, LAFTR
 from .metrics import METRICS, pointwise_distance
 from .ntk import NTK
 from .regularizer import ContinualRegularizer
-from .rules import LayerRule, UnsupportedModuleError, register_rule
+from .rules import (
+    AffineRule,
+    FixedRule,
+    GateRule,
+    MaxPoolRule,
+    Rule,
+    SmoothGateRule,
+    UnsupportedModuleError,
+    register_rule,
+)
 from .signature import ArchitectureMismatchError
 from .statistics import GateAccumulator, MomentAccumulator, Statistics, StatisticsCollector
 from .summary_set import SummarySet, combine
@@ -26,9 +35,10 @@ from .validation import SummaryFormatError
 __version__ = "0.1.0"
 
 __all__ = [
-    "BGLN", "EWC", "KFAC", "LAFTR", "METRICS", "NTK", "ArchitectureMismatchError", "Calibration",
-    "ContinualRegularizer", "Estimator", "ExactFSD", "GateAccumulator", "LayerRule",
-    "MomentAccumulator", "NotFittedError", "Statistics", "StatisticsCollector",
-    "SummaryFormatError", "SummarySet", "UnsupportedModuleError", "calibrate", "combine",
-    "from_payload", "iter_batches", "load", "pointwise_distance", "register_rule", "trace",
+    "BGLN", "EWC", "KFAC", "LAFTR", "METRICS", "NTK", "AffineRule", "ArchitectureMismatchError",
+    "Calibration", "ContinualRegularizer", "Estimator", "ExactFSD", "FixedRule",
+    "GateAccumulator", "GateRule", "MaxPoolRule", "MomentAccumulator", "NotFittedError", "Rule",
+    "SmoothGateRule", "Statistics", "StatisticsCollector", "SummaryFormatError", "SummarySet",
+    "UnsupportedModuleError", "calibrate", "combine", "from_payload", "iter_batches", "load",
+    "pointwise_distance", "register_rule", "trace",
 ]

@@ -17,11 +17,13 @@ layer's own operation (a convolution, never its dense matrix):
   the latter by pulling the k rows back through ΔW and P to the input.
 
 Runs of affine layers with no gate between them (Conv2d then BatchNorm2d, Conv then Flatten
-then Linear) are one affine map, as in the MLP path. A MaxPool2d is treated as Algorithm 2
-treats a gate: its routing is replaced by its expectation — each window takes each of its
-positions with the frequency that position was the window's argmax on the data
-(:func:`routing_statistics`), applied to means and factors alike. With MLPs the result is
-the MLP path's, to round-off; on a tiny CNN it equals a dense transcription
+then Linear) are one affine map, as in the MLP path. Every other layer is its rule's map with
+the random gates replaced by their expectations (:meth:`fsd.rules.Rule.expected_reference`,
+:meth:`~fsd.rules.Rule.expected_delta`): a gate scales by its mean gate, and a MaxPool2d is
+treated as Algorithm 2 treats a gate — its routing is replaced by its expectation, each
+window taking each of its positions with the frequency that position was the window's argmax
+on the data (:func:`fsd.rules.routing_statistics`), applied to means and factors alike. With
+MLPs the result is the MLP path's, to round-off; on a tiny CNN it equals a dense transcription
 (:func:`fsd.testing.dense_algorithm2_cnn`).
 
 Cost per evaluation: r images through ΔW at every run, and for a diagonal part D, k rows
@@ -35,16 +37,21 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.func import vjp
-from torch.nn.modules.utils import _pair
 
 from .covariance import Covariance, sampling_factor
 from .interpreter import TracedLayer
+from .rules import AffineRule, FixedRule
 
-Step = tuple[str, tuple[TracedLayer, ...]]
-"""``("run", layers)`` for a run of affine (and parameter-free) layers holding an affine one;
-``("gate" | "maxpool" | "fixed", (layer,))`` otherwise."""
+Step = tuple[TracedLayer, ...]
+"""One step of the walk: a run of affine and parameter-free layers holding an affine one
+(:func:`is_run`), or a single layer (a gate, a max-pool, a parameter-free layer outside runs)."""
+
+
+def is_run(step: Step) -> bool:
+    """Whether ``step`` is a run of layers holding an affine one (else a single layer)."""
+    return any(isinstance(layer.rule, AffineRule) for layer in step)
 
 
 def moment_steps(layers: list[TracedLayer]) -> list[Step]:
@@ -53,63 +60,20 @@ def moment_steps(layers: list[TracedLayer]) -> list[Step]:
     segment: list[TracedLayer] = []
 
     def close() -> None:
-        if any(layer.rule.kind == "affine" for layer in segment):
-            steps.append(("run", tuple(segment)))
+        if any(isinstance(layer.rule, AffineRule) for layer in segment):
+            steps.append(tuple(segment))
         else:
-            steps.extend(("fixed", (layer,)) for layer in segment)
+            steps.extend((layer,) for layer in segment)
         segment.clear()
 
     for layer in layers:
-        if layer.rule.kind in ("affine", "fixed"):
+        if isinstance(layer.rule, (AffineRule, FixedRule)):
             segment.append(layer)
         else:
             close()
-            steps.append((layer.rule.kind, (layer,)))
+            steps.append((layer,))
     close()
     return steps
-
-
-# ----- max-pool routing ----------------------------------------------------------------------
-def _pool_geometry(module: nn.MaxPool2d) -> tuple[tuple[int, int], ...]:
-    kernel, stride = _pair(module.kernel_size), _pair(module.stride or module.kernel_size)
-    return kernel, stride, _pair(module.padding), _pair(module.dilation)
-
-
-def routing_statistics(module: nn.MaxPool2d, x: Tensor) -> Tensor:
-    """Per example, which position of each window is its argmax: one-hot (n, C, H', W', k·k).
-
-    Taken from ``max_pool2d``'s own indices, so ties resolve as the pooling itself does.
-    """
-    kernel, stride, padding, dilation = _pool_geometry(module)
-    _, index = F.max_pool2d(x.detach(), kernel, stride, padding, dilation, module.ceil_mode,
-                            return_indices=True)
-    width = x.shape[-1]
-    row, column = index // width, index % width
-    out_h, out_w = index.shape[-2:]
-    top = torch.arange(out_h, device=x.device) * stride[0] - padding[0]
-    left = torch.arange(out_w, device=x.device) * stride[1] - padding[1]
-    offset = ((row - top[:, None]) // dilation[0]) * kernel[1] + (column - left) // dilation[1]
-    return F.one_hot(offset, kernel[0] * kernel[1]).to(torch.float64)
-
-
-def expected_routing(module: nn.MaxPool2d, x: Tensor, frequencies: Tensor) -> Tensor:
-    """The max-pool with each window's routing replaced by its expectation (linear in x).
-
-    Args:
-        module: the MaxPool2d.
-        x: (G, n, C, H, W), G mixture components.
-        frequencies: (G, C, H', W', k·k) routing frequencies (each window's sum to 1).
-
-    Returns:
-        (G, n, C, H', W'): Σ_t π[…, t] · x[window position t].
-    """
-    kernel, stride, padding, dilation = _pool_geometry(module)
-    groups, n, channels = x.shape[:3]
-    windows = F.unfold(x.reshape(groups * n, *x.shape[2:]), kernel, dilation, padding, stride)
-    out_h, out_w = frequencies.shape[2:4]
-    windows = windows.view(groups, n, channels, kernel[0] * kernel[1], out_h, out_w)
-    weights = frequencies.permute(0, 1, 4, 2, 3).unsqueeze(1)  # (G, 1, C, k·k, H', W')
-    return (windows * weights).sum(3)
 
 
 # ----- the maps of one step, on (G, n, *shape) tensors ---------------------------------------
@@ -133,17 +97,13 @@ def _fixed(layer: TracedLayer, x: Tensor) -> Tensor:
     return _unfold(x, layer.rule.apply(layer.module, _fold(x)))
 
 
-def _per_group(statistic: Tensor, x: Tensor) -> Tensor:
-    """A per-component (G, *units) statistic broadcast against x (G, n, *units)."""
-    return statistic.unsqueeze(1).to(x.dtype)
-
-
 def _run_reference(run: tuple[TracedLayer, ...], params0: Mapping[str, Tensor], x: Tensor,
                    bias: bool) -> Tensor:
     """The run at θ0: affine (with biases) or linear (without)."""
     for layer in run:
-        if layer.rule.kind == "affine":
-            weight, b = layer.rule.affine_parameters(layer.module, params0, layer.path)
+        rule = layer.rule
+        if isinstance(rule, AffineRule):
+            weight, b = rule.affine_parameters(layer.module, params0, layer.path)
             x = _affine(layer, x, weight, b if bias else None)
         else:
             x = _fixed(layer, x)
@@ -160,7 +120,7 @@ def _run_delta(run: tuple[TracedLayer, ...], params0: Mapping[str, Tensor],
     s0, ds = a0, da
     for layer in run:
         rule, module = layer.rule, layer.module
-        if rule.kind == "affine":
+        if isinstance(rule, AffineRule):
             w0, b0 = rule.affine_parameters(module, params0, layer.path)
             w1 = rule.affine_parameters(module, params1, layer.path)[0]
             dw, db = rule.affine_delta(module, params0, params1, layer.path)
@@ -187,28 +147,17 @@ def _run_moved(run: tuple[TracedLayer, ...], params1: Mapping[str, Tensor], x: T
     return _run_reference(run, params1, x, bias=False)
 
 
-def _gate_means(layer: TracedLayer, statistics: Mapping[str, Tensor]) -> tuple[Tensor, Tensor,
-                                                                              float]:
-    moments = layer.rule.gate_moments(layer.module, statistics[layer.path])
-    return moments.reference_mean, moments.delta_mean, moments.offset
+def _reference_map(step: Step, statistics: Mapping[str, Tensor], x: Tensor, bias: bool
+                   ) -> Tensor:
+    """A step that is not a run, on the reference side (``bias``: with its constant part)."""
+    (layer,) = step
+    return layer.rule.expected_reference(layer, x, statistics, offset=bias)
 
 
-def _map(step: Step, statistics: Mapping[str, Tensor], x: Tensor, side: str, bias: bool
-         ) -> Tensor:
-    """A gate, max-pool or parameter-free step, on one side of the network.
-
-    ``side``: ``"reference"`` (gates scale by E[r]) or ``"delta"`` (by E[g]); ``bias`` adds a
-    smooth gate's φ(0) (means only).
-    """
-    kind, (layer,) = step
-    if kind == "gate":
-        r, g, offset = _gate_means(layer, statistics)
-        if side == "delta":
-            return x * _per_group(g, x)
-        return x * _per_group(r, x) + (offset if bias else 0.0)
-    if kind == "maxpool":
-        return expected_routing(layer.module, x, statistics[layer.path].to(x.dtype))  # type: ignore[arg-type]
-    return _fixed(layer, x)
+def _delta_map(step: Step, statistics: Mapping[str, Tensor], x: Tensor) -> Tensor:
+    """A step that is not a run, on the difference side."""
+    (layer,) = step
+    return layer.rule.expected_delta(layer, x, statistics)
 
 
 # ----- reference side: fixed after fit ------------------------------------------------------
@@ -242,14 +191,14 @@ def reference_side(steps: list[Step], params0: Mapping[str, Tensor], mean: Tenso
     means, factors, shapes = [], [], []
     for step in steps:
         shapes.append(tuple(a0.shape[2:]))
-        if step[0] == "run":
+        if is_run(step):
             means.append(a0)
             factors.append(f0)
-            a0 = _run_reference(step[1], params0, a0, bias=True)
-            f0 = _run_reference(step[1], params0, f0, bias=False)
+            a0 = _run_reference(step, params0, a0, bias=True)
+            f0 = _run_reference(step, params0, f0, bias=False)
         else:
-            a0 = _map(step, statistics, a0, "reference", bias=True)
-            f0 = _map(step, statistics, f0, "reference", bias=False)
+            a0 = _reference_map(step, statistics, a0, bias=True)
+            f0 = _reference_map(step, statistics, f0, bias=False)
     return {"means": means, "factors": factors, "shapes": shapes,
             "residual": None if residual is None else residual.reshape(groups, *input_shape)}
 
@@ -281,11 +230,11 @@ def delta_side(steps: list[Step], params0: Mapping[str, Tensor], params1: Mappin
     mean_d: Tensor | None = None
     index = 0
     for step in steps:
-        if step[0] == "run":
-            mean_d = _run_delta(step[1], params0, params1, means[index], mean_d, bias=True)
+        if is_run(step):
+            mean_d = _run_delta(step, params0, params1, means[index], mean_d, bias=True)
             index += 1
         elif mean_d is not None:
-            mean_d = _map(step, statistics, mean_d, "delta", bias=False)
+            mean_d = _delta_map(step, statistics, mean_d)
     assert mean_d is not None  # a chain with an affine layer
     output = mean_d.reshape(groups, -1)
     rows_matrix = output_rows.to(output.dtype)
@@ -296,13 +245,12 @@ def delta_side(steps: list[Step], params0: Mapping[str, Tensor], params1: Mappin
     trace = output.new_zeros(groups)
     for position in range(len(steps) - 1, -1, -1):
         step = steps[position]
-        if step[0] != "run":
+        if not is_run(step):
             shape = (groups, rows.shape[1], *reference["shapes"][position])
-            rows = _pull_back(lambda v, s=step: _map(s, statistics, v, "delta", bias=False),
-                              rows, shape)
+            rows = _pull_back(lambda v, s=step: _delta_map(s, statistics, v), rows, shape)
             continue
         index -= 1
-        run, a0, f0 = step[1], means[index], factors[index]
+        run, a0, f0 = step, means[index], factors[index]
         in_shape = (groups, rows.shape[1], *a0.shape[2:])
 
         delta_map = functools.partial(_run_delta_linear, run, params0, params1)
@@ -328,10 +276,10 @@ def _to_input(steps: list[Step], params0: Mapping[str, Tensor], statistics: Mapp
 
     def prefix(v: Tensor) -> Tensor:
         for step in steps:
-            if step[0] == "run":
-                v = _run_reference(step[1], params0, v, bias=False)
+            if is_run(step):
+                v = _run_reference(step, params0, v, bias=False)
             else:
-                v = _map(step, statistics, v, "reference", bias=False)
+                v = _reference_map(step, statistics, v, bias=False)
         return v
 
     return _pull_back(prefix, rows, (groups, count, *input_shape))

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from .covariance import Covariance, sampling_factor
-from .interpreter import TracedLayer
-from .rules import GateMoments, UnsupportedModuleError
+from .interpreter import TracedLayer, affine_rule
+from .rules import AffineRule, GateMoments, GateRule, UnsupportedModuleError
 
 
 def _homogeneous(weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -41,9 +41,9 @@ def _homogeneous(weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.cat([weight, column.unsqueeze(-1)], dim=-1)
 
 
-def _gate(layer: TracedLayer, gate_means: Mapping[str, Tensor]) -> GateMoments:
+def _gate(layer: TracedLayer, rule: GateRule, gate_means: Mapping[str, Tensor]) -> GateMoments:
     """The moments of the gate layer ``layer``'s gate pair from its stored statistics."""
-    return layer.rule.gate_moments(layer.module, gate_means[layer.path])
+    return rule.gate_moments(layer.module, gate_means[layer.path])
 
 
 def input_offsets(layers: list[TracedLayer]) -> list[float]:
@@ -54,11 +54,11 @@ def input_offsets(layers: list[TracedLayer]) -> list[float]:
     """
     offsets, pending = [], 0.0
     for layer in layers:
-        kind = layer.rule.kind
-        offsets.append(pending if kind == "affine" else 0.0)
-        if kind == "gate":
-            pending = layer.rule.gate_offset(layer.module)
-        elif kind == "affine":
+        rule = layer.rule
+        offsets.append(pending if isinstance(rule, AffineRule) else 0.0)
+        if isinstance(rule, GateRule):
+            pending = rule.gate_offset(layer.module)
+        elif isinstance(rule, AffineRule):
             pending = 0.0
     return offsets
 
@@ -66,14 +66,14 @@ def input_offsets(layers: list[TracedLayer]) -> list[float]:
 def _homogeneous_layer(layer: TracedLayer, params: Mapping[str, Tensor], offset: float
                        ) -> tuple[Tensor, Tensor]:
     """(W̃, W) of an affine layer whose input is shifted by ``offset``: W̃ = [W, b + offset·W1]."""
-    weight, bias = layer.rule.affine_matrix(layer.module, params, layer.path)
+    weight, bias = affine_rule(layer).affine_matrix(layer.module, params, layer.path)
     return _shifted(_homogeneous(weight, bias), weight, offset), weight
 
 
 def _homogeneous_delta(layer: TracedLayer, params0: Mapping[str, Tensor],
                        params1: Mapping[str, Tensor], offset: float) -> Tensor:
-    """ΔW̃ = [ΔW, Δb + offset·ΔW1], with ΔW formed first (:meth:`LayerRule.affine_delta`)."""
-    dw, db = layer.rule.affine_delta_matrix(layer.module, params0, params1, layer.path)
+    """ΔW̃ = [ΔW, Δb + offset·ΔW1], with ΔW formed first (:meth:`AffineRule.affine_delta`)."""
+    dw, db = affine_rule(layer).affine_delta_matrix(layer.module, params0, params1, layer.path)
     return _shifted(_homogeneous(dw, db), dw, offset)
 
 
@@ -159,8 +159,8 @@ def reference_blocks(
     r00: Tensor | None = None
     pending: tuple[Tensor, Tensor] | None = None  # (E[s0 s0ᵀ], E[s0]) not yet gated
     for layer, offset in zip(layers, input_offsets(layers), strict=True):
-        kind = layer.rule.kind
-        if kind == "affine":
+        rule = layer.rule
+        if isinstance(rule, AffineRule):
             if pending is not None:  # affine after affine: no gate in between
                 r00, pending = _gated_homogeneous(*pending, None), None
             if out and layer_moments is not None:
@@ -188,11 +188,11 @@ def reference_blocks(
                 w0r00 = w0 @ r00
                 out.append({"r00": r00, "w0r00": w0r00, "mean": r00[..., -1, :]})
                 pending = (w0r00 @ w0.T, w0r00[..., -1])
-        elif kind == "gate":
+        elif isinstance(rule, GateRule):
             if pending is None:
                 raise UnsupportedModuleError(
                     f"exact moments need an affine layer right before the gate at '{layer.path}'")
-            r00, pending = _gated_homogeneous(*pending, _gate(layer, gate_means)), None
+            r00, pending = _gated_homogeneous(*pending, _gate(layer, rule, gate_means)), None
     return out
 
 
@@ -227,13 +227,13 @@ def delta_second_moment(
 
     index = 0
     for layer, offset in zip(layers, input_offsets(layers), strict=True):
-        kind = layer.rule.kind
-        if kind == "affine":
+        rule = layer.rule
+        if isinstance(rule, AffineRule):
             if pending is not None:  # affine after affine: no gate in between
                 r0d, rdd, mean_d = gated(None)
             block = reference[index]
             index += 1
-            w1 = layer.rule.affine_matrix(layer.module, params1, layer.path)[0]
+            w1 = rule.affine_matrix(layer.module, params1, layer.path)[0]
             w0h = _homogeneous_layer(layer, params0, offset)[0]
             dwh = _homogeneous_delta(layer, params0, params1, offset)
             if "factor" in block:
@@ -254,8 +254,8 @@ def delta_second_moment(
                 sdd = sdd + cross + cross.transpose(-1, -2) + w1 @ rdd @ w1.T
                 ed = ed + mean_d @ w1.T
             pending, r0d, rdd, mean_d = (s0d, sdd, ed), None, None, None
-        elif kind == "gate" and pending is not None:
-            r0d, rdd, mean_d = gated(_gate(layer, gate_means))
+        elif isinstance(rule, GateRule) and pending is not None:
+            r0d, rdd, mean_d = gated(_gate(layer, rule, gate_means))
             pending = None
     final = pending[1] if pending is not None else rdd
     assert final is not None  # the model has an affine layer
@@ -555,7 +555,7 @@ def delta_second_moment_adjoint(
     for the first layer, products of ΔW̃ with the cached input factor — instead of dense
     (o + 1)² moments pushed forward through every layer.
     """
-    affine = [i for i, layer in enumerate(layers) if layer.rule.kind == "affine"]
+    affine = [i for i, layer in enumerate(layers) if isinstance(layer.rule, AffineRule)]
     if not affine:
         raise UnsupportedModuleError("the model has no parameterized layer")
     mean = reference[0]["mean"]
@@ -567,12 +567,12 @@ def delta_second_moment_adjoint(
     offsets = input_offsets(layers)
     for position in range(len(layers) - 1, affine[0] - 1, -1):
         layer = layers[position]
-        kind = layer.rule.kind
-        if kind == "gate":
-            adjoint = adjoint.gated(_gate(layer, gate_means))
-        elif kind == "affine":
+        rule = layer.rule
+        if isinstance(rule, GateRule):
+            adjoint = adjoint.gated(_gate(layer, rule, gate_means))
+        elif isinstance(rule, AffineRule):
             index -= 1
-            w1 = layer.rule.affine_matrix(layer.module, params1, layer.path)[0]
+            w1 = rule.affine_matrix(layer.module, params1, layer.path)[0]
             dwh = _homogeneous_delta(layer, params0, params1, offsets[position])
             total = total + adjoint.source(reference[index], dwh)
             if index > 0:

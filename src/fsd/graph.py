@@ -177,9 +177,9 @@ def traced_graph(model: nn.Module) -> fx.Graph:
 def gate_nodes(model: nn.Module) -> dict[fx.Node, GateNode]:
     """The activations BGLN gates in :func:`traced_graph`, by node, in graph order.
 
-    A gate node is a call of a module whose rule is a ``gate`` (path: the module's path), or
-    a function call that the chain reads as such a module (``F.relu``, ``torch.relu``,
-    ``x.relu()``, ``F.leaky_relu``, ``F.gelu``, ``F.silu``, ``torch.tanh``,
+    A gate node is a call of a module whose rule is a :class:`~fsd.rules.GateRule` (path: the
+    module's path), or a function call that the chain reads as such a module (``F.relu``,
+    ``torch.relu``, ``x.relu()``, ``F.leaky_relu``, ``F.gelu``, ``F.silu``, ``torch.tanh``,
     ``torch.sigmoid``, ``F.elu``, ``F.softplus``, …; path: the node's name) — in both cases
     only where its input depends on the model's input: an activation of parameters alone
     (``F.softplus(self.scale)``) is not a unit's response to the data and is linearized.
@@ -207,7 +207,7 @@ def _find_gates(graph: fx.Graph, modules: dict[str, nn.Module]) -> dict[fx.Node,
             module = modules[str(node.target)]
             path = str(node.target)
             rule = rules.RULES.get(type(module))
-            if rule is None or rule.kind != "gate":
+            if not isinstance(rule, rules.GateRule):
                 continue
         elif node.op in ("call_function", "call_method"):
             replacement = _gate_call(node)

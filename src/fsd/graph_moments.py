@@ -11,7 +11,7 @@ second moment of *every tensor still to be used*:
 and walks the graph once in order (:func:`graph_plan`). Every operation appends its
 output's coordinates to ξ and drops those of nodes no later operation reads:
 
-- an affine layer (a rule with ``kind="affine"`` whose moments are flat: Linear,
+- an affine layer (an :class:`~fsd.rules.AffineRule` whose moments are flat: Linear,
   BatchNorm1d): s0 = W0 a0 + b0, Δs = ΔW a0 + Δb + W1 Δa — rows linear in ξ, so with A the
   rows, M ← [[M, (AM)ᵀ], [AM, A M Aᵀ]];
 - a parameter-free operation that is affine row by row (``+``, ``-``, ``torch.cat``,
@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten
 from . import rules
 from .covariance import Covariance
 from .graph import gate_nodes, traced_graph, unwrap
+from .rules import AffineRule, GateRule
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class GraphStep:
     """One operation of a :class:`GraphPlan`.
 
     Attributes:
-        kind: ``"input"``, ``"affine"`` (a layer with an affine rule), ``"gate"`` (an
+        operation: ``"input"``, ``"affine"`` (a layer with an affine rule), ``"gate"`` (an
             activation BGLN gates) or ``"linear"`` (a parameter-free affine operation).
         node: the graph node's name, which later steps use to refer to its output.
         inputs: names of the data inputs whose moments it reads.
@@ -69,7 +70,7 @@ class GraphStep:
         drop: names of nodes that no later step reads once this one has run.
     """
 
-    kind: str
+    operation: str
     node: str
     inputs: tuple[str, ...] = ()
     path: str = ""
@@ -178,7 +179,7 @@ def graph_plan(model: nn.Module, reference: Mapping[str, Tensor], input_width: i
                              module=gates[node].module)
         elif node.op == "call_module" and _affine(modules[str(node.target)]):
             module, path = modules[str(node.target)], str(node.target)
-            rule = rules.RULES[type(module)]
+            rule = _affine_rule(module)
             if not rule.flat_moments(module):
                 raise _refuse(node, f"{type(module).__name__} on images")
             weight, bias = rule.affine_parameters(module, reference, path)
@@ -209,9 +210,21 @@ def graph_plan(model: nn.Module, reference: Mapping[str, Tensor], input_width: i
     raise AssertionError("a traced graph ends with an output node")  # pragma: no cover
 
 
+def _affine_rule(module: nn.Module) -> AffineRule:
+    rule = rules.RULES[type(module)]
+    assert isinstance(rule, AffineRule), type(module).__name__  # checked by _affine
+    return rule
+
+
+def _gate_rule(module: nn.Module) -> GateRule:
+    rule = rules.RULES[type(module)]
+    assert isinstance(rule, GateRule), type(module).__name__  # a gate node's module
+    return rule
+
+
 def _affine(module: nn.Module) -> bool:
     rule = rules.RULES.get(type(module))
-    return rule is not None and rule.kind == "affine"
+    return isinstance(rule, AffineRule)
 
 
 def _widths(nodes: list[fx.Node], gates: Mapping[fx.Node, Any],
@@ -232,7 +245,7 @@ def _widths(nodes: list[fx.Node], gates: Mapping[fx.Node, Any],
             value[node] = value[gates[node].input]
         elif node.op == "call_module" and _affine(modules[str(node.target)]):
             module, path = modules[str(node.target)], str(node.target)
-            rule = rules.RULES[type(module)]
+            rule = _affine_rule(module)
             weight, bias = rule.affine_parameters(module, reference, path)
             (source,) = node.all_input_nodes
             value[node] = rule.apply(module, value[source], weight.to(dtype),
@@ -400,7 +413,7 @@ def graph_second_moment(plan: GraphPlan, model: nn.Module, params0: Mapping[str,
         mean: input means (G, d).
         cov: input covariances in any form of :mod:`fsd.covariance`.
         gate_statistics: the stored gate statistics by path (firing frequencies, or a smooth
-            gate's moments; :meth:`fsd.rules.LayerRule.gate_moments`).
+            gate's moments; :meth:`fsd.rules.GateRule.gate_moments`).
         output_rows: (k', k) or (G, k', k) rows selecting outputs.
 
     Returns:
@@ -411,11 +424,11 @@ def graph_second_moment(plan: GraphPlan, model: nn.Module, params0: Mapping[str,
     dtype = mean.dtype
     constant = torch.zeros(1, dtype=torch.long, device=mean.device)
     for step in plan.steps:
-        if step.kind == "input":
+        if step.operation == "input":
             joint.places[step.node] = joint.places.pop("input")
-        elif step.kind == "affine":
+        elif step.operation == "affine":
             module = modules[step.path]
-            rule = rules.RULES[type(module)]
+            rule = _affine_rule(module)
             reference, delta = joint.places[step.inputs[0]]
             w0, b0 = rule.affine_matrix(module, params0, step.path)
             w1 = rule.affine_matrix(module, params1, step.path)[0]
@@ -430,7 +443,7 @@ def graph_second_moment(plan: GraphPlan, model: nn.Module, params0: Mapping[str,
                 delta_rows.append((w1.to(dtype), delta))
             a, d = joint.append([reference_rows, delta_rows])
             joint.places[step.node] = (a, d)
-        elif step.kind == "gate":
+        elif step.operation == "gate":
             _gate_step(joint, step, gate_statistics, constant)
         else:
             blocks_reference, blocks_delta = [], []
@@ -459,7 +472,7 @@ def _gate_step(joint: _Joint, step: GraphStep, gate_statistics: Mapping[str, Ten
     """a0 = r ⊙ s0 + φ(0), Δa = g ⊙ Δs with (r, g) independent per unit."""
     module = step.module
     assert module is not None  # a gate step keeps its activation module
-    moments = rules.RULES[type(module)].gate_moments(module, gate_statistics[step.path])
+    moments = _gate_rule(module).gate_moments(module, gate_statistics[step.path])
     reference, delta = joint.places[step.inputs[0]]
     second, dtype = joint.second, joint.second.dtype
     r = moments.reference_mean.to(dtype)

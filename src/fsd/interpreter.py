@@ -21,10 +21,9 @@ from torch import Tensor, nn
 
 from . import rules
 from .covariance import Covariance, quadratic_trace, sandwich
-from .covariance import gate as gate_covariance
 from .graph import chain, unwrap
 from .hooks import forward_hooks
-from .rules import LayerRule, UnsupportedModuleError, rule_for
+from .rules import AffineRule, FixedRule, GateRule, Rule, UnsupportedModuleError, rule_for
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class TracedLayer:
 
     path: str
     module: nn.Module
-    rule: LayerRule
+    rule: Rule
 
 
 def trace(model: nn.Module) -> list[TracedLayer]:
@@ -132,7 +131,9 @@ differences (Δa = g·Δs), both broadcastable to ``s0``.
 
 def true_gates(layer: TracedLayer, s0: Tensor) -> tuple[Tensor, Tensor]:
     """LAFTR's gates: (φ(s0), φ'(s0)) of the reference network itself."""
-    return layer.rule.reference_gates(layer.module, s0)
+    rule = layer.rule
+    assert isinstance(rule, GateRule)  # called at gate layers only
+    return rule.reference_gates(layer.module, s0)
 
 
 def propagate_linearized(
@@ -157,32 +158,8 @@ def propagate_linearized(
         networks without nonlinearities.
     """
     a0, da = x, None
-    for layer in layers:
-        rule, module = layer.rule, layer.module
-        if rule.kind == "affine":
-            w0, b0 = rule.affine_parameters(module, params0, layer.path)
-            s0 = rule.apply(module, a0, w0, b0)
-            if params1 is not None:
-                w1 = rule.affine_parameters(module, params1, layer.path)[0]
-                dw, db = rule.affine_delta(module, params0, params1, layer.path)
-                ds = rule.apply(module, a0, dw, db)
-                if da is not None:
-                    ds = ds + rule.apply(module, da, w1, None)
-                da = ds
-            a0 = s0
-        elif rule.kind == "fixed":
-            a0 = rule.apply(module, a0)
-            da = None if da is None else rule.apply(module, da)
-        elif rule.kind == "gate":
-            a0, slope = gate(layer, a0)
-            da = None if da is None else da * slope
-        elif rule.kind == "maxpool":
-            # The reference's argmax routes the differences too: linearization of max().
-            a0, indices = rule.apply(module, a0)
-            if da is not None:
-                da = da.flatten(2).gather(2, indices.flatten(2)).view_as(a0)
-        else:  # pragma: no cover - registry only holds the kinds above
-            raise AssertionError(rule.kind)
+    for layer in layers:  # each layer's step is its rule's (fsd.rules.Rule.linearized)
+        a0, da = layer.rule.linearized(layer, a0, da, params0, params1, gate)
     if params1 is not None and da is None:
         da = torch.zeros_like(a0)
     return a0, da
@@ -196,15 +173,18 @@ def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]
     vectors at every affine layer; anything else with convolutions, pooling or images takes
     :mod:`fsd.conv_moments` (Algorithm 2 only: exact moments and layer-wise statistics would
     carry (C·H·W)² second moments). Exact moments need an affine layer before every gate.
+    The flat path knows affine, parameter-free and gate layers only; a layer of any other
+    rule (a user's own :class:`~fsd.rules.Rule` subclass) takes the other path too.
     """
     flat = len(input_shape) == 1
     supported = True
     for layer in layers:
-        if not layer.rule.flat_moments(layer.module):
+        if not (layer.rule.flat_moments(layer.module)
+                and isinstance(layer.rule, (AffineRule, FixedRule, GateRule))):
             supported = False
         if isinstance(layer.module, nn.Flatten):
             flat = True
-        elif layer.rule.kind == "affine" and not flat:
+        elif isinstance(layer.rule, AffineRule) and not flat:
             supported = False
     if not supported:
         what = "moments='exact'" if exact else "reference='layerwise'" if layerwise else None
@@ -223,8 +203,8 @@ def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]
     if exact:
         previous: TracedLayer | None = None  # the last layer that is not parameter-free
         for layer in layers:
-            if layer.rule.kind == "gate" and (previous is None
-                                              or previous.rule.kind != "affine"):
+            if isinstance(layer.rule, GateRule) and (
+                    previous is None or not isinstance(previous.rule, AffineRule)):
                 name = f"{type(layer.module).__name__} at '{layer.path}'"
                 after = "the input" if previous is None else \
                     f"{type(previous.module).__name__} at '{previous.path}'"
@@ -232,7 +212,7 @@ def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]
                     f"BGLN-D with exact moments needs an affine layer (Linear, BatchNorm1d) "
                     f"before every activation; {name} follows {after}. Use moments='paper' "
                     f"or fsd.BGLN(deterministic=False) (BGLN-S).")
-            if layer.rule.kind != "fixed":
+            if not isinstance(layer.rule, FixedRule):
                 previous = layer
     return True
 
@@ -243,14 +223,16 @@ def _moment_steps(layers: list[TracedLayer]) -> list[TracedLayer | tuple[TracedL
     A run (e.g. Linear then BatchNorm) is one affine map, composed before the moments are
     propagated: Algorithm 2 drops Cov(a0, Δa), which is only its approximation at a gate;
     between two affine layers it would also drop a correlation that the composed layer
-    keeps. Parameter-free layers are the identity on the flat vectors BGLN-D works on.
+    keeps. Parameter-free layers are the identity on the flat vectors BGLN-D works on
+    (what :attr:`fsd.rules.Rule.flat_moments` promises for a :class:`~fsd.rules.FixedRule`),
+    so they are left out; the path holds no other layers (:func:`check_moment_support`).
     """
     steps: list[TracedLayer | tuple[TracedLayer, ...]] = []
     run: list[TracedLayer] = []
     for layer in layers:
-        if layer.rule.kind == "affine":
+        if isinstance(layer.rule, AffineRule):
             run.append(layer)
-        elif layer.rule.kind == "gate":
+        elif isinstance(layer.rule, GateRule):
             if run:
                 steps.append(tuple(run))
                 run = []
@@ -258,6 +240,13 @@ def _moment_steps(layers: list[TracedLayer]) -> list[TracedLayer | tuple[TracedL
     if run:
         steps.append(tuple(run))
     return steps
+
+
+def affine_rule(layer: TracedLayer) -> AffineRule:
+    """The rule of a layer that a walker has grouped with the affine layers (a run)."""
+    rule = layer.rule
+    assert isinstance(rule, AffineRule), layer.path
+    return rule
 
 
 def _bias(bias: Tensor | None, weight: Tensor) -> Tensor:
@@ -268,9 +257,9 @@ def _composed(run: tuple[TracedLayer, ...], params: Mapping[str, Tensor]
               ) -> tuple[Tensor, Tensor | None]:
     """(W, b) of a run of affine layers applied in order, as dense matrices."""
     first = run[0]
-    weight, bias = first.rule.affine_matrix(first.module, params, first.path)
+    weight, bias = affine_rule(first).affine_matrix(first.module, params, first.path)
     for layer in run[1:]:
-        w, b = layer.rule.affine_matrix(layer.module, params, layer.path)
+        w, b = affine_rule(layer).affine_matrix(layer.module, params, layer.path)
         bias = torch.einsum("...oi,...i->...o", w, _bias(bias, weight)) + _bias(b, w)
         weight = w @ weight
     return weight, bias
@@ -283,15 +272,16 @@ def _composed_delta(run: tuple[TracedLayer, ...], params0: Mapping[str, Tensor],
     For y = W_b(W_a x + b_a) + b_b: ΔW = ΔW_b W0_a + W1_b ΔW_a and
     Δb = ΔW_b b0_a + W1_b Δb_a + Δb_b — never a difference of two products.
     """
-    first = run[0]
-    w0, b0 = first.rule.affine_matrix(first.module, params0, first.path)
-    w1 = first.rule.affine_matrix(first.module, params1, first.path)[0]
+    first, rule = run[0], affine_rule(run[0])
+    w0, b0 = rule.affine_matrix(first.module, params0, first.path)
+    w1 = rule.affine_matrix(first.module, params1, first.path)[0]
     # (o, in), or (G, o, in) for stacked reference networks
-    dw, db = first.rule.affine_delta_matrix(first.module, params0, params1, first.path)
+    dw, db = rule.affine_delta_matrix(first.module, params0, params1, first.path)
     for layer in run[1:]:
-        v0, c0 = layer.rule.affine_matrix(layer.module, params0, layer.path)
-        v1 = layer.rule.affine_matrix(layer.module, params1, layer.path)[0]
-        dv, dc = layer.rule.affine_delta_matrix(layer.module, params0, params1, layer.path)
+        rule = affine_rule(layer)
+        v0, c0 = rule.affine_matrix(layer.module, params0, layer.path)
+        v1 = rule.affine_matrix(layer.module, params1, layer.path)[0]
+        dv, dc = rule.affine_delta_matrix(layer.module, params0, params1, layer.path)
         db = (torch.einsum("...oi,...i->...o", dv, _bias(b0, w0))
               + (0 if db is None else torch.einsum("...oi,...i->...o", v1, db))
               + (0 if dc is None else dc))
@@ -317,7 +307,7 @@ def reference_moments(
         mean: input means, (G, d) for G mixture components.
         cov: input covariances in any form of :mod:`fsd.covariance`.
         gate_means: stored gate statistics per gate path: firing frequencies μ (G, units),
-            or a smooth gate's moments (G, units, 5) (:meth:`fsd.rules.LayerRule.gate_moments`).
+            or a smooth gate's moments (G, units, 5) (:meth:`fsd.rules.GateRule.gate_moments`).
         layer_moments: optional real (mean, covariance) at each affine layer after the
             first, used instead of propagating (``reference="layerwise"``).
 
@@ -337,13 +327,12 @@ def reference_moments(
             out.append((mean, cov, s0_mean))
             mean, cov = s0_mean, sandwich(w0, cov)
         else:
+            rule = step.rule
+            assert isinstance(rule, GateRule)  # _moment_steps gives runs and gates
             # Algorithm 2 gates means by E[r] (μ for a ReLU) and covariances by E[r]E[r]ᵀ; a
-            # smooth gate's a0 = r·s0 + φ(0) also shifts the mean
-            moments = step.rule.gate_moments(step.module, gate_means[step.path])
-            r = moments.reference_mean
-            # a gate follows an affine layer, whose sandwich() made the covariance full
-            mean = mean * r + moments.offset
-            cov = gate_covariance(cov, r)  # pyright: ignore[reportArgumentType]
+            # gate follows an affine layer, whose sandwich() made the covariance full
+            mean, cov = rule.reference_moments(step.module, gate_means[step.path], mean,
+                                               cov)  # pyright: ignore[reportArgumentType]
     return out
 
 
@@ -381,7 +370,7 @@ def delta_moments(
     Returns:
         ``(mean (G, k'), trace (G,))``.
     """
-    if not any(layer.rule.kind == "affine" for layer in layers):
+    if not any(isinstance(layer.rule, AffineRule) for layer in layers):
         raise UnsupportedModuleError("the model has no parameterized layer")
     # ΔW = W1 − W0 is formed first and multiplied by the reference quantities: subtracting
     # two products instead, (m W1ᵀ + b1) − m W0ᵀ, loses the digits the products share (in
@@ -391,7 +380,7 @@ def delta_moments(
     deltas: dict[int, tuple[Tensor, Tensor]] = {}
     gate_mean = {layer.path: layer.rule.gate_moments(layer.module,
                                                      gate_means[layer.path]).delta_mean
-                 for layer in layers if layer.rule.kind == "gate"}
+                 for layer in layers if isinstance(layer.rule, GateRule)}
     mean_d: Tensor | None = None
     index = 0
     for position, step in enumerate(steps):

@@ -19,7 +19,7 @@ For a ReLU network this is exactly the chain walker's result (gates 1{s0 > 0}); 
 network without nonlinearities it is the exact FSD.
 
 BGLN-S walks the same graph with a gate callback (:data:`fsd.interpreter.GateFn`): at every
-activation BGLN gates (:func:`fsd.graph.gate_nodes` — a module with a ``gate`` rule, or
+activation BGLN gates (:func:`fsd.graph.gate_nodes` — a module with a gate rule, or
 ``F.relu``, ``F.gelu``, ``torch.tanh``, … called as a function) the callback gives the
 reference activation a0 and the gate g, and Δa = g·Δs; every other operation is linearized
 as above, around the reference values the gated activations produce (as the chain walker
@@ -42,8 +42,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import rules
 from .graph import GateNode, gate_nodes, traced_graph, unwrap
-from .interpreter import GateFn, TracedLayer
-from .rules import UnsupportedModuleError
+from .interpreter import GateFn, TracedLayer, true_gates
+from .rules import AffineRule, UnsupportedModuleError
 
 
 def graph_gates(model: nn.Module) -> list[TracedLayer]:
@@ -205,17 +205,10 @@ def _module(node: fx.Node, module: nn.Module, reference: Mapping[str, Tensor],
     state0 = {n: reference[prefix + n] for n in names}
     state1 = {n: current[prefix + n] for n in names}
     rule = rules.RULES.get(type(module))
-    if rule is not None and rule.kind == "affine":
+    if isinstance(rule, AffineRule):  # the chain's step: ΔW first, no cancellation as θ → θ0
         (a0,) = _arguments(node, value, {})[0]
-        da = delta[node.all_input_nodes[0]]
-        w0, b0 = rule.affine_parameters(module, state0, "")
-        w1 = rule.affine_parameters(module, state1, "")[0]
-        out0 = rule.apply(module, a0, w0, b0)
-        dw, db = rule.affine_delta(module, state0, state1, "")
-        d = rule.apply(module, a0, dw, db)  # ΔW first: no cancellation as θ → θ0
-        if da is not None:
-            d = d + rule.apply(module, da, w1, None)
-        return out0, d
+        return rule.linearized(TracedLayer("", module, rule), a0, delta[node.all_input_nodes[0]],
+                               state0, state1, true_gates)
 
     def run(state: dict[str, Tensor]) -> Any:
         def call(substitute: dict[fx.Node, Tensor]) -> Any:

@@ -36,6 +36,7 @@ from .hooks import forward_hooks
 from .interpreter import (
     GateFn,
     TracedLayer,
+    affine_rule,
     check_moment_support,
     delta_moments,
     layer_signature,
@@ -47,7 +48,7 @@ from .interpreter import (
 )
 from .linearize import graph_gates, linearized_outputs
 from .metrics import check_metric, pointwise_distance
-from .rules import SMOOTH_MOMENTS, UnsupportedModuleError
+from .rules import SMOOTH_MOMENTS, AffineRule, GateRule, UnsupportedModuleError
 from .signature import parameter_signature
 from .statistics import StatisticsCollector
 from .validation import (
@@ -201,7 +202,7 @@ class _LinearizedEstimator(Estimator):
         if self.bernoulli:
             # a chain's gate layers, or the activations of a graph (BGLN-S)
             gates = graph_gates(model) if layers is None else \
-                [layer for layer in layers if layer.rule.kind == "gate"]
+                [layer for layer in layers if layer.rule.collects == "gates"]
             stored = self._gate_means()
             missing = [layer.path for layer in gates if layer.path not in stored]
             if missing:
@@ -235,7 +236,7 @@ class _LinearizedEstimator(Estimator):
                                         layerwise=self.config.get("reference") == "layerwise")
             if not flat:  # fsd.conv_moments: max-pools need their routing frequencies
                 self._meta["convolutional"] = True
-                pools = [layer.path for layer in layers if layer.rule.kind == "maxpool"]
+                pools = [layer.path for layer in layers if layer.rule.collects == "routing"]
                 missing = [p for p in pools if f"routing.{p}" not in self._state]
                 if missing:
                     raise ValueError(f"the statistics hold no max-pool routing for {missing} "
@@ -401,6 +402,7 @@ class _LinearizedEstimator(Estimator):
         def gate(layer: TracedLayer, s0: Tensor) -> tuple[Tensor, Tensor]:
             # one independent draw per sample and unit, from that sample's component
             rule, module = layer.rule, layer.module
+            assert isinstance(rule, GateRule)  # called at gate layers only
             r, g = rule.sample_gates(module, gate_means[layer.path][group], generator)
             return r * s0 + rule.gate_offset(module), g
         return gate
@@ -516,8 +518,8 @@ class _LinearizedEstimator(Estimator):
                                 device=self._state["input.mean"].device)
             z0, _ = propagate_linearized(layers, params0, None, probe)
             return z0[0].numel()
-        last = [layer for layer in layers if layer.rule.kind == "affine"][-1]
-        return last.rule.affine_matrix(last.module, params0, last.path)[0].shape[-2]
+        last = [layer for layer in layers if isinstance(layer.rule, AffineRule)][-1]
+        return affine_rule(last).affine_matrix(last.module, params0, last.path)[0].shape[-2]
 
 
 class LAFTR(_LinearizedEstimator):

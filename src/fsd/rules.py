@@ -1,45 +1,41 @@
 """One rule per supported layer type, in one registry.
 
-A rule says what kind of operation a module is and how to apply it functionally, with
-parameters passed in (so the same module can be evaluated at θ0, at θ, or with ΔW):
+A rule is an instance of one class per operation type — :class:`AffineRule` (Linear, Conv2d,
+BatchNorm in evaluation), :class:`FixedRule` (a parameter-free linear map), :class:`GateRule`
+(the ReLU family), :class:`SmoothGateRule` (any other elementwise activation) and
+:class:`MaxPoolRule` — that says how to apply the module functionally, with parameters passed
+in (so the same module can be evaluated at θ0, at θ, or with ΔW), and carries what every
+estimator family needs from that operation:
 
-- ``affine``: linear in its input and in its parameters jointly, y = op(x; W, b)
-  (Linear, Conv2d, BatchNorm in evaluation). The interpreter needs op(x; W, b) and
-  op(x; W, None); the rule says where W and b come from (:meth:`LayerRule.affine_parameters`:
-  a Linear's own weight and bias; BatchNorm's scale and shift from its weight, bias and
-  running statistics) and, for BGLN-D's moments, W as a dense matrix.
-- ``fixed``: a parameter-free linear map (Flatten, AvgPool2d, Dropout at evaluation,
-  Identity); applied to reference activations and to differences alike.
-- ``gate``: an elementwise piecewise-linear activation with slope 1 for s > 0 and α below
-  (ReLU: α = 0; LeakyReLU: α = its ``negative_slope``), so φ(s) = g·s with the gate
-  g = α + (1 − α)·u, u = 1{s > 0}. LAFTR uses the reference's own u = 1{s0 > 0}; BGLN draws
-  u ~ Bernoulli(μ), μ the unit's firing frequency on the data, so the gate has mean
-  α + (1 − α)μ and variance (1 − α)²μ(1 − μ) (:meth:`LayerRule.gate_moments`).
-- ``gate`` with ``smooth=True``: any other elementwise activation φ (GELU, SiLU, Tanh,
-  Sigmoid, ELU, Softplus). LAFTR uses a0 = φ(s0) and Δa = φ'(s0)·Δs. BGLN generalises the
-  Bernoulli gate to a per-unit random pair (r, g): a0 = r·s0 + φ(0), Δa = g·Δs, where on the
-  data r = (φ(s) − φ(0))/s is the secant through (0, φ(0)) and g = φ'(s) the slope. The fit
-  stores their first and second moments E[r], E[g], E[r²], E[rg], E[g²] per unit; BGLN-D
-  with exact moments needs nothing else, and BGLN-S draws (r, g) from the normal
-  distribution with those moments. For a ReLU the pair is r = g = u ~ Bernoulli(μ), so
-  the two forms agree (:class:`GateMoments`).
-- ``maxpool``: MaxPool2d, linearized around the reference: the reference's argmax routes the
-  differences too.
+- the linearized pass of LAFTR and BGLN-S (:meth:`Rule.linearized`, one layer of
+  :func:`fsd.interpreter.propagate_linearized`);
+- what a fit collects at the layer (:attr:`Rule.collects`, :meth:`Rule.fit_statistics`);
+- its step of BGLN-D's moment propagation: the map that replaces its random gates by their
+  expectations (:meth:`Rule.expected_reference`, :meth:`Rule.expected_delta`), a gate's
+  moments (:meth:`GateRule.gate_moments`) and Algorithm 2's gating of means and covariances
+  (:meth:`GateRule.reference_moments`); affine layers give their (W, b) as dense matrices
+  (:meth:`AffineRule.affine_matrix`), which the walkers compose.
 
-The walker in :mod:`fsd.interpreter` is generic; adding a layer type means registering a rule.
+The walkers (:mod:`fsd.interpreter`, :mod:`fsd.exact_moments`, :mod:`fsd.conv_moments`) are
+generic; adding a layer type means registering a rule (:func:`register_rule`).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import jvp
+from torch.nn.modules.utils import _pair
 
-RuleKind = Literal["affine", "fixed", "gate", "maxpool"]
+from .covariance import gate as gate_covariance
+
+if TYPE_CHECKING:
+    from .interpreter import GateFn, TracedLayer
 
 SMOOTH_MOMENTS = 5
 """Moments a smooth gate stores per unit: E[r], E[g], E[r²], E[rg], E[g²] (last dimension)."""
@@ -81,56 +77,164 @@ class GateMoments:
 
 
 @dataclass(frozen=True)
-class LayerRule:
-    """How the interpreter treats one module type.
+class Rule(ABC):
+    """How the estimators treat one module type: the operation it is and how to apply it.
 
-    Attributes:
-        kind: one of ``affine``, ``fixed``, ``gate``, ``maxpool`` (module docstring).
-        apply: ``affine``: ``apply(module, x, weight, bias)``; ``maxpool``:
-            ``apply(module, x)`` returning ``(y, indices)``; otherwise ``apply(module, x)``.
-        hyper: the module's hyper-parameters that change its function (part of the
-            architecture signature that a fitted summary checks).
-        flat_moments: whether BGLN-D's moment propagation (which works on flattened
-            feature vectors) supports this particular module.
-        negative_slope: ``gate`` rules: the slope α for s ≤ 0 (0 for ReLU).
-        smooth: ``gate`` rules for an elementwise activation that is not piecewise linear
-            through 0 (``apply(module, s)`` is φ; its slope comes from forward-mode
-            differentiation of ``apply``); see the module docstring.
-        parameters: ``affine`` rules whose W and b are not the module's ``weight`` and
-            ``bias``: ``parameters(module, state, path) -> (W, b)`` from the model's
-            parameters and buffers by name (``None``: :func:`weight_bias`).
-        dense: ``affine`` rules whose W is not already the (out, in) matrix of a flat
-            layer: W as that matrix, for BGLN-D's moment propagation.
-        delta: ``affine`` rules whose (ΔW, Δb) between two states is better computed than
-            as the difference of two ``parameters`` results (which loses digits in float32
-            near θ0): ``delta(module, state0, state1, path) -> (ΔW, Δb)``.
+    An abstract base: a rule is an instance of one of its subclasses, one per operation type
+    (:class:`AffineRule`, :class:`FixedRule`, :class:`GateRule`, :class:`SmoothGateRule`,
+    :class:`MaxPoolRule`), registered for a module type with :func:`register_rule`. The
+    walkers call its methods without asking which operation it is; only where the structure
+    of a walk depends on the operation type (runs of affine layers composed into one map,
+    affine layers before gates) do they test the class.
 
     The callables receive a module of exactly the registered type, so they may use its own
     attributes (annotated ``Any``: the type checker cannot tie a rule to its type).
+
+    Attributes:
+        apply: the module's function with its parameters passed in; the arguments depend on
+            the operation type (each subclass says).
+        hyper: ``hyper(module) -> dict``: the module's hyper-parameters that change its
+            function (part of the architecture signature that a fitted summary checks);
+            none by default.
+        flat_moments: ``flat_moments(module) -> bool``: whether BGLN-D's moment propagation
+            on flattened feature vectors (the MLP path: :func:`fsd.interpreter.reference_moments`,
+            :mod:`fsd.exact_moments`) supports this particular module; ``False`` by default,
+            which sends BGLN-D to Algorithm 2 on layer outputs of any shape
+            (:mod:`fsd.conv_moments`).
     """
 
-    kind: RuleKind
     apply: Callable[..., Any]
     hyper: Callable[[Any], dict] = field(default=lambda m: {})
     flat_moments: Callable[[Any], bool] = field(default=lambda m: False)
-    negative_slope: Callable[[Any], float] = field(default=lambda m: 0.0)
-    smooth: bool = False
+
+    collects: ClassVar[str | None] = None
+    """What a fit records at the layer's input, for BGLN: ``"gates"`` (the per-unit average of
+    :meth:`fit_statistics`: a gate's statistics), ``"routing"`` (the same for a max-pool's
+    routing, which BGLN-D needs on convolutional networks), ``"layer_moments"`` (the mean and
+    covariance of the input, for ``BGLN(reference="layerwise")``, at every such layer after
+    the first) or ``None`` (nothing)."""
+
+    @abstractmethod
+    def linearized(self, layer: TracedLayer, a0: Tensor, da: Tensor | None,
+                   params0: Mapping[str, Tensor], params1: Mapping[str, Tensor] | None,
+                   gate: GateFn) -> tuple[Tensor, Tensor | None]:
+        """One layer of the linearized pass (LAFTR, and BGLN-S with sampled gates).
+
+        The reference network θ0 runs as usual and the network θ is linearized around it;
+        differences are propagated directly (paper eqs. 4–9), never as the difference of
+        two nearly equal activations.
+
+        Args:
+            layer: the traced layer (its path, module and this rule).
+            a0: the reference activation entering the layer.
+            da: the difference Δa of the linearized network entering it; ``None`` while it
+                is zero (before the first layer with parameters) or when only the reference
+                runs.
+            params0: reference parameters θ0 (and buffers) by name.
+            params1: parameters θ (and buffers) of the other network by name, or ``None`` to
+                run the reference only.
+            gate: the reference activation and the gate at a gate layer
+                (:data:`fsd.interpreter.GateFn`); only gate rules call it.
+
+        Returns:
+            ``(a0, da)`` leaving the layer, ``da`` ``None`` as long as it is zero.
+        """
+
+    def fit_statistics(self, module: nn.Module, x: Tensor) -> Tensor:
+        """Per example, what a fit averages at the layer's input ``x`` (float64).
+
+        Defined where :attr:`collects` is ``"gates"`` or ``"routing"``; the fit keeps the
+        average over examples (per mixture component).
+        """
+        raise NotImplementedError(f"{type(self).__name__} collects no statistics at fit")
+
+    def expected_reference(self, layer: TracedLayer, x: Tensor,
+                           statistics: Mapping[str, Tensor], offset: bool) -> Tensor:
+        """The layer on the reference side of BGLN-D (paper Algorithm 2), away from affine runs.
+
+        Algorithm 2 replaces every random gate by its expectation on the data, which makes
+        the reference network's map from one affine run to the next a fixed map. This is
+        that map on a batch of ``x`` (G, n, *shape): n vectors (means, or columns of a
+        covariance factor) for each of G mixture components.
+
+        Args:
+            layer: the traced layer.
+            x: (G, n, *shape).
+            statistics: the stored statistics by layer path, (G, …) each.
+            offset: add the map's constant part (for means; not for covariance factors).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no step of Algorithm 2 outside "
+                                  f"affine runs")
+
+    def expected_delta(self, layer: TracedLayer, x: Tensor,
+                       statistics: Mapping[str, Tensor]) -> Tensor:
+        """The layer on the difference side of Algorithm 2 (linear), on (G, n, *shape).
+
+        As :meth:`expected_reference`, for the differences Δa: gates scale them by their
+        mean slope. The walker also pulls rows back through it (vector-Jacobian products).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no step of Algorithm 2 outside "
+                                  f"affine runs")
+
+
+@dataclass(frozen=True)
+class AffineRule(Rule):
+    """An operation linear in its input and in its parameters jointly: y = op(x; W, b).
+
+    Linear, Conv2d, BatchNorm in evaluation. ``apply(module, x, weight, bias)`` computes
+    op(x; W, b); the walkers also call it with ``bias=None`` (op(x; W, None), the linear part)
+    and with (ΔW, Δb) for the differences. The rule says where W and b come from
+    (:meth:`affine_parameters`: a Linear's own weight and bias; BatchNorm's scale and shift
+    from its weight, bias and running statistics) and, for BGLN-D's moments on flat feature
+    vectors, W as a dense matrix (:meth:`affine_matrix`). Consecutive affine layers with no
+    gate between them are composed into one map by the moment walkers.
+
+    Attributes:
+        parameters: for a layer whose W and b are not the module's ``weight`` and ``bias``:
+            ``parameters(module, state, path) -> (W, b)`` from the model's parameters and
+            buffers by name (``None``: :func:`weight_bias`).
+        dense: for a layer whose W is not already the (out, in) matrix of a flat layer:
+            ``dense(W)``, that matrix (with any leading dimensions kept), for BGLN-D's moment
+            propagation; the identity by default.
+        delta: for a layer whose (ΔW, Δb) between two states is better computed than as the
+            difference of two ``parameters`` results (which loses digits in float32 near
+            θ0): ``delta(module, state0, state1, path) -> (ΔW, Δb)``.
+    """
+
     parameters: Callable[[Any, Mapping[str, Tensor], str],
                          tuple[Tensor, Tensor | None]] | None = None
     dense: Callable[[Tensor], Tensor] = field(default=lambda weight: weight)
     delta: Callable[[Any, Mapping[str, Tensor], Mapping[str, Tensor], str],
                     tuple[Tensor, Tensor | None]] | None = None
 
+    collects: ClassVar[str | None] = "layer_moments"
+
+    def linearized(self, layer: TracedLayer, a0: Tensor, da: Tensor | None,
+                   params0: Mapping[str, Tensor], params1: Mapping[str, Tensor] | None,
+                   gate: GateFn) -> tuple[Tensor, Tensor | None]:
+        """s0 = op(a0; W0, b0) and Δs = op(a0; ΔW, Δb) + op(Δa; W1, None), ΔW formed first."""
+        module = layer.module
+        w0, b0 = self.affine_parameters(module, params0, layer.path)
+        s0 = self.apply(module, a0, w0, b0)
+        if params1 is None:
+            return s0, da
+        w1 = self.affine_parameters(module, params1, layer.path)[0]
+        dw, db = self.affine_delta(module, params0, params1, layer.path)
+        ds = self.apply(module, a0, dw, db)
+        if da is not None:
+            ds = ds + self.apply(module, da, w1, None)
+        return s0, ds
+
     def affine_parameters(self, module: nn.Module, state: Mapping[str, Tensor], path: str
                           ) -> tuple[Tensor, Tensor | None]:
-        """(W, b) of an ``affine`` rule's layer at ``path``, from parameters and buffers."""
+        """(W, b) of the layer at ``path``, from parameters and buffers by name."""
         if self.parameters is None:
             return weight_bias(state, path)
         return self.parameters(module, state, path)
 
     def affine_delta(self, module: nn.Module, state0: Mapping[str, Tensor],
                      state1: Mapping[str, Tensor], path: str) -> tuple[Tensor, Tensor | None]:
-        """(ΔW, Δb) of an ``affine`` rule's layer from state0 to state1, formed first.
+        """(ΔW, Δb) of the layer from state0 to state1, formed first.
 
         ``None`` for Δb when the layer has no bias.
         """
@@ -153,54 +257,133 @@ class LayerRule:
         weight, bias = self.affine_parameters(module, state, path)
         return self.dense(weight), bias
 
+
+@dataclass(frozen=True)
+class FixedRule(Rule):
+    """A parameter-free linear map: Flatten, AvgPool2d, Dropout at evaluation, Identity.
+
+    ``apply(module, x)`` is the map; it is applied to reference activations and to
+    differences alike (the linearized pass), and to means and covariance factors in
+    BGLN-D. On the MLP path BGLN-D takes such a layer as the identity on flattened feature
+    vectors, so ``flat_moments`` may be true only for a layer that is the identity there (a
+    Flatten to (n, features), Dropout, Identity); for any other map, e.g. a scaling, leave it
+    ``False``: BGLN-D then takes the path of :mod:`fsd.conv_moments`, which applies the map.
+    """
+
+    def linearized(self, layer: TracedLayer, a0: Tensor, da: Tensor | None,
+                   params0: Mapping[str, Tensor], params1: Mapping[str, Tensor] | None,
+                   gate: GateFn) -> tuple[Tensor, Tensor | None]:
+        """The map applied to a0 and to Δa."""
+        module = layer.module
+        return self.apply(module, a0), None if da is None else self.apply(module, da)
+
+    def expected_reference(self, layer: TracedLayer, x: Tensor,
+                           statistics: Mapping[str, Tensor], offset: bool) -> Tensor:
+        """The map itself (it has no constant part)."""
+        return _batched(lambda v: self.apply(layer.module, v), x)
+
+    def expected_delta(self, layer: TracedLayer, x: Tensor,
+                       statistics: Mapping[str, Tensor]) -> Tensor:
+        """The map itself."""
+        return _batched(lambda v: self.apply(layer.module, v), x)
+
+
+@dataclass(frozen=True)
+class GateRule(Rule):
+    """An elementwise piecewise-linear activation: slope 1 for s > 0 and α below (ReLU family).
+
+    ReLU: α = 0; LeakyReLU: α = its ``negative_slope``. φ(s) = g·s with the gate
+    g = α + (1 − α)·u, u = 1{s > 0}. LAFTR uses the reference's own u = 1{s0 > 0}; BGLN draws
+    u ~ Bernoulli(μ), μ the unit's firing frequency on the data, so the gate has mean
+    α + (1 − α)μ and variance (1 − α)²μ(1 − μ) (:meth:`gate_moments`). ``apply(module, s)``
+    is φ. In BGLN's terms the gate is the pair r = g of :class:`GateMoments`.
+
+    Attributes:
+        negative_slope: ``negative_slope(module) -> float``: α (0 by default, a ReLU).
+            Not used by :class:`SmoothGateRule`.
+    """
+
+    negative_slope: Callable[[Any], float] = field(default=lambda m: 0.0)
+
+    collects: ClassVar[str | None] = "gates"
+
+    def linearized(self, layer: TracedLayer, a0: Tensor, da: Tensor | None,
+                   params0: Mapping[str, Tensor], params1: Mapping[str, Tensor] | None,
+                   gate: GateFn) -> tuple[Tensor, Tensor | None]:
+        """(a0, g) from ``gate`` at the pre-activation, and Δa = g·Δs."""
+        a0, slope = gate(layer, a0)
+        return a0, None if da is None else da * slope
+
+    def fit_statistics(self, module: nn.Module, x: Tensor) -> Tensor:
+        """:meth:`gate_statistics`."""
+        return self.gate_statistics(module, x)
+
+    def expected_reference(self, layer: TracedLayer, x: Tensor,
+                           statistics: Mapping[str, Tensor], offset: bool) -> Tensor:
+        """The input scaled by the mean gate E[r] per unit, plus φ(0) with ``offset``."""
+        moments = self.gate_moments(layer.module, statistics[layer.path])
+        return x * _per_group(moments.reference_mean, x) + (moments.offset if offset else 0.0)
+
+    def expected_delta(self, layer: TracedLayer, x: Tensor,
+                       statistics: Mapping[str, Tensor]) -> Tensor:
+        """The input scaled by the mean slope E[g] per unit."""
+        moments = self.gate_moments(layer.module, statistics[layer.path])
+        return x * _per_group(moments.delta_mean, x)
+
+    def reference_moments(self, module: nn.Module, statistics: Tensor, mean: Tensor,
+                          cov: Tensor) -> tuple[Tensor, Tensor]:
+        """Algorithm 2's gate on the reference side, on flat feature vectors.
+
+        The mean is scaled by E[r] per unit (μ for a ReLU) and, for a smooth gate,
+        a0 = r·s0 + φ(0) also shifts it; the covariance is gated by E[r]E[r]ᵀ (Algorithm 2
+        drops the gates' own variance).
+
+        Args:
+            module: the activation.
+            statistics: its stored statistics (:meth:`gate_statistics` averaged), (G, units…).
+            mean: E[s0], (G, units).
+            cov: Cov(s0), full (G, units, units): the one an affine layer's map gives.
+
+        Returns:
+            (E[a0], Cov(a0)).
+        """
+        moments = self.gate_moments(module, statistics)
+        r = moments.reference_mean
+        return mean * r + moments.offset, gate_covariance(cov, r)
+
     def gate_values(self, module: nn.Module, on: Tensor) -> Tensor:
-        """The gate α + (1 − α)·u of a ReLU-family rule, given u (1 above 0, 0 below, or a draw)."""
+        """The gate α + (1 − α)·u, given u (1 above 0, 0 below, or a draw)."""
         slope = self.negative_slope(module)
         return on if slope == 0.0 else slope + (1.0 - slope) * on
 
     def gate_offset(self, module: nn.Module) -> float:
-        """φ(0): what a smooth gate adds to r·s0 on the reference side (0 for the ReLU family)."""
-        if not self.smooth:
-            return 0.0
-        return float(self.apply(module, torch.zeros((), dtype=torch.float64)))
+        """φ(0): what a gate adds to r·s0 on the reference side (0 for the ReLU family)."""
+        return 0.0
 
     def slope(self, module: nn.Module, s: Tensor) -> Tensor:
         """φ'(s), elementwise: the gate LAFTR uses at the reference pre-activation s."""
-        if not self.smooth:
-            return self.gate_values(module, (s > 0).to(s.dtype))
-        s = s.contiguous()  # forward-mode AD refuses expanded (overlapping) memory
-        return jvp(lambda x: self.apply(module, x), (s,), (torch.ones_like(s),))[1]
+        return self.gate_values(module, (s > 0).to(s.dtype))
 
     def reference_gates(self, module: nn.Module, s0: Tensor) -> tuple[Tensor, Tensor]:
         """(φ(s0), φ'(s0)): the reference activation and LAFTR's gate at ``s0``."""
-        if not self.smooth:
-            gate = self.slope(module, s0)
-            return gate * s0, gate
-        return self.apply(module, s0), self.slope(module, s0)
+        gate = self.slope(module, s0)
+        return gate * s0, gate
 
     def gate_pair(self, module: nn.Module, s: Tensor) -> tuple[Tensor, Tensor]:
         """(r, g) at pre-activations ``s``: the secant (φ(s) − φ(0))/s and the slope φ'(s).
 
-        At s = 0 the secant is the slope. For the ReLU family both are the gate α + (1 − α)u.
+        For the ReLU family both are the gate α + (1 − α)u.
         """
         g = self.slope(module, s)
-        if not self.smooth:
-            return g, g
-        nonzero = s != 0
-        secant = (self.apply(module, s) - self.gate_offset(module)) / torch.where(nonzero, s, 1)
-        return torch.where(nonzero, secant, g), g
+        return g, g
 
     def gate_statistics(self, module: nn.Module, s: Tensor) -> Tensor:
         """What the fit averages over examples, per example, in float64.
 
-        ReLU family: u = 1{s > 0}, shape of ``s``. Smooth: [r, g, r², rg, g²]
-        stacked on a new last dimension of size :data:`SMOOTH_MOMENTS`.
+        ReLU family: u = 1{s > 0}, shape of ``s``.
         """
         s = s.detach().to(torch.float64)
-        if not self.smooth:
-            return (s > 0).to(torch.float64)
-        r, g = self.gate_pair(module, s)
-        return torch.stack([r, g, r * r, r * g, g * g], dim=-1)
+        return (s > 0).to(torch.float64)
 
     def gate_moments(self, module: nn.Module, statistics: Tensor) -> GateMoments:
         """The moments of the gate pair from the stored averages of :meth:`gate_statistics`.
@@ -208,25 +391,78 @@ class LayerRule:
         ReLU family (``statistics`` = firing frequencies μ): u ~ Bernoulli(μ) and the gate
         α + (1 − α)u has mean α + (1 − α)μ and variance (1 − α)²μ(1 − μ); r = g.
         """
-        if not self.smooth:
-            slope = self.negative_slope(module)
-            variance = (1.0 - slope) ** 2 * statistics * (1 - statistics)
-            mean = self.gate_values(module, statistics)
-            return GateMoments(mean, mean, variance, variance, variance)
-        r, g, rr, rg, gg = statistics.unbind(-1)
-        return GateMoments(r, g, rr - r * r, rg - r * g, gg - g * g, self.gate_offset(module))
+        slope = self.negative_slope(module)
+        variance = (1.0 - slope) ** 2 * statistics * (1 - statistics)
+        mean = self.gate_values(module, statistics)
+        return GateMoments(mean, mean, variance, variance, variance)
 
     def sample_gates(self, module: nn.Module, statistics: Tensor, generator: torch.Generator
                      ) -> tuple[Tensor, Tensor]:
         """One draw of (r, g) per unit given the stored statistics (one row per example).
 
-        ReLU family: u ~ Bernoulli(μ), r = g = α + (1 − α)u. Smooth: the bivariate normal
-        with the stored means and covariance (any law with these moments has the same
-        BGLN-D; the normal needs no more parameters).
+        ReLU family: u ~ Bernoulli(μ), r = g = α + (1 − α)u.
         """
-        if not self.smooth:
-            gate = self.gate_values(module, torch.bernoulli(statistics, generator=generator))
-            return gate, gate
+        gate = self.gate_values(module, torch.bernoulli(statistics, generator=generator))
+        return gate, gate
+
+
+@dataclass(frozen=True)
+class SmoothGateRule(GateRule):
+    """Any other elementwise activation φ: GELU, SiLU, Tanh, Sigmoid, ELU, Softplus.
+
+    ``apply(module, s)`` is φ; its slope comes from forward-mode differentiation of ``apply``.
+    LAFTR uses a0 = φ(s0) and Δa = φ'(s0)·Δs. BGLN generalises the Bernoulli gate to a
+    per-unit random pair (r, g): a0 = r·s0 + φ(0), Δa = g·Δs, where on the data
+    r = (φ(s) − φ(0))/s is the secant through (0, φ(0)) and g = φ'(s) the slope. The fit
+    stores their first and second moments E[r], E[g], E[r²], E[rg], E[g²] per unit; BGLN-D
+    with exact moments needs nothing else, and BGLN-S draws (r, g) from the normal
+    distribution with those moments. For a ReLU the pair is r = g = u ~ Bernoulli(μ), so the
+    two forms agree (:class:`GateMoments`). ``negative_slope`` is not used.
+    """
+
+    def gate_offset(self, module: nn.Module) -> float:
+        """φ(0)."""
+        return float(self.apply(module, torch.zeros((), dtype=torch.float64)))
+
+    def slope(self, module: nn.Module, s: Tensor) -> Tensor:
+        """φ'(s) by forward-mode differentiation of ``apply``."""
+        s = s.contiguous()  # forward-mode AD refuses expanded (overlapping) memory
+        return jvp(lambda x: self.apply(module, x), (s,), (torch.ones_like(s),))[1]
+
+    def reference_gates(self, module: nn.Module, s0: Tensor) -> tuple[Tensor, Tensor]:
+        """(φ(s0), φ'(s0))."""
+        return self.apply(module, s0), self.slope(module, s0)
+
+    def gate_pair(self, module: nn.Module, s: Tensor) -> tuple[Tensor, Tensor]:
+        """(r, g): the secant (φ(s) − φ(0))/s and the slope φ'(s).
+
+        At s = 0 the secant is the slope.
+        """
+        g = self.slope(module, s)
+        nonzero = s != 0
+        secant = (self.apply(module, s) - self.gate_offset(module)) / torch.where(nonzero, s, 1)
+        return torch.where(nonzero, secant, g), g
+
+    def gate_statistics(self, module: nn.Module, s: Tensor) -> Tensor:
+        """[r, g, r², rg, g²] per example, in float64.
+
+        Stacked on a new last dimension of size :data:`SMOOTH_MOMENTS`.
+        """
+        s = s.detach().to(torch.float64)
+        r, g = self.gate_pair(module, s)
+        return torch.stack([r, g, r * r, r * g, g * g], dim=-1)
+
+    def gate_moments(self, module: nn.Module, statistics: Tensor) -> GateMoments:
+        """Means, variances and covariance of (r, g) from the averaged [r, g, r², rg, g²]."""
+        r, g, rr, rg, gg = statistics.unbind(-1)
+        return GateMoments(r, g, rr - r * r, rg - r * g, gg - g * g, self.gate_offset(module))
+
+    def sample_gates(self, module: nn.Module, statistics: Tensor, generator: torch.Generator
+                     ) -> tuple[Tensor, Tensor]:
+        """One draw of (r, g) per unit from the bivariate normal with the stored moments.
+
+        Any law with these moments has the same BGLN-D; the normal needs no more parameters.
+        """
         moments = self.gate_moments(module, statistics)
         noise = torch.randn((2, *moments.reference_mean.shape), generator=generator,
                             dtype=statistics.dtype, device=statistics.device)
@@ -239,11 +475,111 @@ class LayerRule:
         return r, g
 
 
-RULES: dict[type, LayerRule] = {}
+@dataclass(frozen=True)
+class MaxPoolRule(Rule):
+    """MaxPool2d, linearized around the reference: the reference's argmax routes differences too.
+
+    ``apply(module, x)`` returns ``(y, indices)`` as ``max_pool2d(..., return_indices=True)``.
+    BGLN-D treats a max-pool as Algorithm 2 treats a gate: its routing is replaced by its
+    expectation, each window taking each of its positions with the frequency that position
+    was the window's argmax on the data (:func:`routing_statistics`, stored at fit).
+    """
+
+    collects: ClassVar[str | None] = "routing"
+
+    def linearized(self, layer: TracedLayer, a0: Tensor, da: Tensor | None,
+                   params0: Mapping[str, Tensor], params1: Mapping[str, Tensor] | None,
+                   gate: GateFn) -> tuple[Tensor, Tensor | None]:
+        """The pooled a0, and Δa gathered at the reference's argmax (linearization of max)."""
+        a0, indices = self.apply(layer.module, a0)
+        if da is not None:
+            da = da.flatten(2).gather(2, indices.flatten(2)).view_as(a0)
+        return a0, da
+
+    def fit_statistics(self, module: nn.Module, x: Tensor) -> Tensor:
+        """:func:`routing_statistics`: which position of each window is its argmax."""
+        return routing_statistics(module, x)  # type: ignore[arg-type]
+
+    def expected_reference(self, layer: TracedLayer, x: Tensor,
+                           statistics: Mapping[str, Tensor], offset: bool) -> Tensor:
+        """:func:`expected_routing` with the stored routing frequencies."""
+        return expected_routing(layer.module, x, statistics[layer.path].to(x.dtype))  # type: ignore[arg-type]
+
+    def expected_delta(self, layer: TracedLayer, x: Tensor,
+                       statistics: Mapping[str, Tensor]) -> Tensor:
+        """:func:`expected_routing` with the stored routing frequencies."""
+        return expected_routing(layer.module, x, statistics[layer.path].to(x.dtype))  # type: ignore[arg-type]
 
 
-def register_rule(module_type: type, rule: LayerRule) -> None:
-    """Register (or replace) the rule for exactly ``module_type`` (subclasses are not matched)."""
+def _batched(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """A layer function ``fn`` of a batch applied to x (G, n, *shape), (G, n) restored."""
+    y = fn(x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]))
+    return y.view(*x.shape[:2], *y.shape[1:])
+
+
+def _per_group(statistic: Tensor, x: Tensor) -> Tensor:
+    """A per-component (G, *units) statistic broadcast against x (G, n, *units)."""
+    return statistic.unsqueeze(1).to(x.dtype)
+
+
+# ----- max-pool routing ----------------------------------------------------------------------
+def _pool_geometry(module: nn.MaxPool2d) -> tuple[tuple[int, int], ...]:
+    kernel, stride = _pair(module.kernel_size), _pair(module.stride or module.kernel_size)
+    return kernel, stride, _pair(module.padding), _pair(module.dilation)
+
+
+def routing_statistics(module: nn.MaxPool2d, x: Tensor) -> Tensor:
+    """Per example, which position of each window is its argmax: one-hot (n, C, H', W', k·k).
+
+    Taken from ``max_pool2d``'s own indices, so ties resolve as the pooling itself does.
+    """
+    kernel, stride, padding, dilation = _pool_geometry(module)
+    _, index = F.max_pool2d(x.detach(), kernel, stride, padding, dilation, module.ceil_mode,
+                            return_indices=True)
+    width = x.shape[-1]
+    row, column = index // width, index % width
+    out_h, out_w = index.shape[-2:]
+    top = torch.arange(out_h, device=x.device) * stride[0] - padding[0]
+    left = torch.arange(out_w, device=x.device) * stride[1] - padding[1]
+    offset = ((row - top[:, None]) // dilation[0]) * kernel[1] + (column - left) // dilation[1]
+    return F.one_hot(offset, kernel[0] * kernel[1]).to(torch.float64)
+
+
+def expected_routing(module: nn.MaxPool2d, x: Tensor, frequencies: Tensor) -> Tensor:
+    """The max-pool with each window's routing replaced by its expectation (linear in x).
+
+    Args:
+        module: the MaxPool2d.
+        x: (G, n, C, H, W), G mixture components.
+        frequencies: (G, C, H', W', k·k) routing frequencies (each window's sum to 1).
+
+    Returns:
+        (G, n, C, H', W'): Σ_t π[…, t] · x[window position t].
+    """
+    kernel, stride, padding, dilation = _pool_geometry(module)
+    groups, n, channels = x.shape[:3]
+    windows = F.unfold(x.reshape(groups * n, *x.shape[2:]), kernel, dilation, padding, stride)
+    out_h, out_w = frequencies.shape[2:4]
+    windows = windows.view(groups, n, channels, kernel[0] * kernel[1], out_h, out_w)
+    weights = frequencies.permute(0, 1, 4, 2, 3).unsqueeze(1)  # (G, 1, C, k·k, H', W')
+    return (windows * weights).sum(3)
+
+
+RULES: dict[type, Rule] = {}
+"""The rule of every supported module type (exact types: subclasses are not matched)."""
+
+
+def register_rule(module_type: type, rule: Rule) -> None:
+    """Register (or replace) the rule for exactly ``module_type`` (subclasses are not matched).
+
+    Args:
+        module_type: the module class.
+        rule: an instance of the :class:`Rule` subclass for its operation type.
+    """
+    if not isinstance(rule, Rule):
+        raise TypeError(f"a rule is an instance of a subclass of fsd.Rule (AffineRule, "
+                        f"FixedRule, GateRule, SmoothGateRule, MaxPoolRule), got "
+                        f"{type(rule).__name__}")
     RULES[module_type] = rule
 
 
@@ -251,7 +587,7 @@ class UnsupportedModuleError(TypeError):
     """A model contains a module that no rule covers."""
 
 
-def rule_for(module: nn.Module, path: str) -> LayerRule:
+def rule_for(module: nn.Module, path: str) -> Rule:
     """The rule for ``module``; a clear error naming its class and path when there is none."""
     rule = RULES.get(type(module))
     if rule is None:
@@ -371,30 +707,30 @@ def _batch_norm(m: nn.Module, x: Tensor, scale: Tensor, shift: Tensor | None) ->
     return y if shift is None else y + shift.reshape(shape)
 
 
-register_rule(nn.Linear, LayerRule(
-    kind="affine", apply=lambda m, x, w, b: F.linear(x, w, b), flat_moments=_always))
-register_rule(nn.Conv2d, LayerRule(kind="affine", apply=_conv2d, hyper=_conv2d_hyper))
+register_rule(nn.Linear, AffineRule(
+    apply=lambda m, x, w, b: F.linear(x, w, b), flat_moments=_always))
+register_rule(nn.Conv2d, AffineRule(apply=_conv2d, hyper=_conv2d_hyper))
 # BatchNorm is evaluated as in eval mode: an affine map per channel from the running statistics
 # (training-mode batch statistics are not a fixed map of one input)
 for _batch_norm_type in (nn.BatchNorm1d, nn.BatchNorm2d):
-    register_rule(_batch_norm_type, LayerRule(
-        kind="affine", apply=_batch_norm, hyper=_batch_norm_hyper,
+    register_rule(_batch_norm_type, AffineRule(
+        apply=_batch_norm, hyper=_batch_norm_hyper,
         flat_moments=lambda m: isinstance(m, nn.BatchNorm1d),
         parameters=_batch_norm_parameters, dense=torch.diag_embed, delta=_batch_norm_delta))
-register_rule(nn.ReLU, LayerRule(kind="gate", apply=lambda m, x: F.relu(x), flat_moments=_always))
-register_rule(nn.LeakyReLU, LayerRule(
-    kind="gate", apply=lambda m, x: F.leaky_relu(x, m.negative_slope),
+register_rule(nn.ReLU, GateRule(apply=lambda m, x: F.relu(x), flat_moments=_always))
+register_rule(nn.LeakyReLU, GateRule(
+    apply=lambda m, x: F.leaky_relu(x, m.negative_slope),
     hyper=lambda m: {"negative_slope": m.negative_slope}, flat_moments=_always,
     negative_slope=lambda m: float(m.negative_slope)))
-register_rule(nn.MaxPool2d, LayerRule(kind="maxpool", apply=_maxpool, hyper=_pool_hyper))
-register_rule(nn.AvgPool2d, LayerRule(kind="fixed", apply=_avgpool, hyper=_pool_hyper))
-register_rule(nn.Flatten, LayerRule(
-    kind="fixed", apply=lambda m, x: x.flatten(m.start_dim, m.end_dim),
+register_rule(nn.MaxPool2d, MaxPoolRule(apply=_maxpool, hyper=_pool_hyper))
+register_rule(nn.AvgPool2d, FixedRule(apply=_avgpool, hyper=_pool_hyper))
+register_rule(nn.Flatten, FixedRule(
+    apply=lambda m, x: x.flatten(m.start_dim, m.end_dim),
     hyper=lambda m: {"start_dim": m.start_dim, "end_dim": m.end_dim},
     flat_moments=lambda m: m.start_dim == 1 and m.end_dim == -1))
 # Dropout is the identity at evaluation, which is where FSD is measured.
-register_rule(nn.Dropout, LayerRule(kind="fixed", apply=lambda m, x: x, flat_moments=_always))
-register_rule(nn.Identity, LayerRule(kind="fixed", apply=lambda m, x: x, flat_moments=_always))
+register_rule(nn.Dropout, FixedRule(apply=lambda m, x: x, flat_moments=_always))
+register_rule(nn.Identity, FixedRule(apply=lambda m, x: x, flat_moments=_always))
 
 # Smooth activations: elementwise, so flat moments hold; the hyper-parameters that change φ
 # are part of the signature
@@ -407,5 +743,5 @@ for _smooth_type, _smooth_apply, _smooth_hyper in (
         (nn.ELU, lambda m, x: F.elu(x, m.alpha), lambda m: {"alpha": m.alpha}),
         (nn.Softplus, lambda m, x: F.softplus(x, m.beta, m.threshold),
          lambda m: {"beta": m.beta, "threshold": m.threshold})):
-    register_rule(_smooth_type, LayerRule(kind="gate", apply=_smooth_apply, hyper=_smooth_hyper,
-                                          flat_moments=_always, smooth=True))
+    register_rule(_smooth_type, SmoothGateRule(apply=_smooth_apply, hyper=_smooth_hyper,
+                                               flat_moments=_always))

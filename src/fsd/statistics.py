@@ -4,7 +4,7 @@
   accumulated in float64 with Chan et al.'s pairwise update, so batches and shards merge exactly.
 - :class:`GateAccumulator`: Bernoulli means μ = fraction of examples for which each unit's
   pre-activation is > 0 (per unit; for conv, per channel × position) — or, for a smooth
-  activation, the means of its gate pair's moments (:meth:`fsd.rules.LayerRule.gate_statistics`)
+  activation, the means of its gate pair's moments (:meth:`fsd.rules.GateRule.gate_statistics`)
   — as a running mean or an exponential moving average.
 - :class:`StatisticsCollector`: hooks a model so both are collected while it runs — during
   :meth:`fsd.BGLN.fit` or during the last epoch of training, as the paper does — optionally
@@ -22,12 +22,11 @@ import torch
 from torch import Tensor, nn
 
 from . import distributed
-from .conv_moments import routing_statistics
 from .graph import unwrap
 from .hooks import recording_hook
 from .interpreter import TracedLayer, trace
 from .linearize import graph_gates
-from .rules import UnsupportedModuleError
+from .rules import SmoothGateRule, UnsupportedModuleError
 
 
 class MomentAccumulator:
@@ -161,7 +160,7 @@ class Statistics:
             (G, o, o)) of the reference network's real inputs to it (``layer_moments=True``).
         smooth_gates: the gate paths whose ``gate_means`` are a smooth gate's moments.
         routing: per MaxPool2d path, how often each position of each window was its argmax,
-            (G, C, H', W', k·k) (:func:`fsd.conv_moments.routing_statistics`; with gates).
+            (G, C, H', W', k·k) (:func:`fsd.rules.routing_statistics`; with gates).
     """
 
     weights: Tensor
@@ -246,19 +245,24 @@ class StatisticsCollector:
                 # a graph that is not a chain (BGLN-S): its activations wherever they are;
                 # graph_gates refuses an activation module called at two places
                 layers = graph_gates(model)
-        gate_layers = [layer for layer in layers if layer.rule.kind == "gate"] if gates else []
+        # what each layer's rule collects (fsd.rules.Rule.collects)
+        gate_layers = ([layer for layer in layers if layer.rule.collects == "gates"]
+                       if gates else [])
         self.gate_paths = [layer.path for layer in gate_layers]
-        self.smooth_gates = [layer.path for layer in gate_layers if layer.rule.smooth]
-        self._gate_rules = {layer.path: layer.rule for layer in gate_layers}
+        self.smooth_gates = [layer.path for layer in gate_layers
+                             if isinstance(layer.rule, SmoothGateRule)]
         # max-pools are BGLN-D's other gate: how each window routes, on the data
-        self.pool_paths = [layer.path for layer in layers
-                           if layer.rule.kind == "maxpool"] if gates else []
+        pool_layers = ([layer for layer in layers if layer.rule.collects == "routing"]
+                       if gates else [])
+        self.pool_paths = [layer.path for layer in pool_layers]
+        self._rules = {layer.path: layer.rule for layer in gate_layers + pool_layers}
         if moments is not None:
             self._handles.append(model.register_forward_pre_hook(
                 recording_hook(self._input_hook_fn())))
         modules = dict(unwrap(model).named_modules())
-        self.layer_paths = [layer.path for layer in layers
-                            if layer.rule.kind == "affine"][1:] if layer_moments else []
+        self.layer_paths = ([layer.path for layer in layers
+                             if layer.rule.collects == "layer_moments"][1:]
+                            if layer_moments else [])
         functional = [p for p in self.gate_paths + self.layer_paths + self.pool_paths
                       if p not in modules]
         if functional:
@@ -271,10 +275,9 @@ class StatisticsCollector:
             self._handles.append(modules[path].register_forward_pre_hook(self._layer_hook(path)))
         # trace() and graph_gates() have refused module objects used at two positions, so
         # one hook = one layer
-        for path in self.gate_paths:
-            self._handles.append(modules[path].register_forward_pre_hook(self._gate_hook(path)))
-        for path in self.pool_paths:
-            self._handles.append(modules[path].register_forward_pre_hook(self._pool_hook(path)))
+        for path in self.gate_paths + self.pool_paths:
+            self._handles.append(modules[path].register_forward_pre_hook(
+                self._averaging_hook(path, self._rules[path].fit_statistics)))
 
     @contextlib.contextmanager
     def record(self, labels: Tensor | None = None) -> Iterator[None]:
@@ -337,13 +340,6 @@ class StatisticsCollector:
         for key, part in self._split(flat):
             acc = self._moment_acc.setdefault(key, MomentAccumulator(self.moments == "diag"))
             acc.update(part)
-
-    def _gate_hook(self, path: str):
-        rule = self._gate_rules[path]
-        return self._averaging_hook(path, lambda module, s: rule.gate_statistics(module, s))
-
-    def _pool_hook(self, path: str):
-        return self._averaging_hook(path, routing_statistics)
 
     def _averaging_hook(self, path: str, values):
         """A hook averaging ``values(module, input)`` per example into ``path``'s accumulator."""

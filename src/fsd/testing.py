@@ -118,25 +118,27 @@ def dense_algorithm2(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,
 
 
 def _dense_layer(module: nn.Module, shape: tuple[int, ...]
-                 ) -> tuple[str, Tensor | None, Tensor | None, tuple[int, ...]]:
-    """(kind, matrix, bias, output shape) of one layer on flattened float64 vectors.
+                 ) -> tuple[Tensor | None, Tensor | None, tuple[int, ...]]:
+    """(matrix, bias, output shape) of one layer on flattened float64 vectors.
 
     Convolutions and average pools become dense matrices by applying torch's own functional
-    form to every basis vector; BatchNorm (evaluation) is a diagonal.
+    form to every basis vector; BatchNorm (evaluation) is a diagonal. Written out by module
+    type, independently of :mod:`fsd.rules`; ``None`` for the matrix of a layer that is not
+    linear (a max-pool or an activation).
     """
     d = int(np.prod(shape))
     basis = torch.eye(d, dtype=torch.float64).reshape(d, *shape)
     if isinstance(module, nn.Linear):
         weight, bias = _linear64(module)
-        return "affine", weight, bias, (weight.shape[0],)
+        return weight, bias, (weight.shape[0],)
     if isinstance(module, nn.Conv2d):
         weight = _float64(module.weight)
         out = torch.nn.functional.conv2d(basis, weight, None, module.stride, module.padding,
                                          module.dilation, module.groups)
         bias = torch.zeros(out.shape[1], dtype=torch.float64) if module.bias is None \
             else _float64(module.bias)
-        return ("affine", out.reshape(d, -1).T,
-                bias.repeat_interleave(out[0, 0].numel()), tuple(out.shape[1:]))
+        return (out.reshape(d, -1).T, bias.repeat_interleave(out[0, 0].numel()),
+                tuple(out.shape[1:]))
     if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)):
         assert module.running_var is not None and module.running_mean is not None
         scale = 1 / torch.sqrt(_float64(module.running_var) + module.eps)
@@ -146,21 +148,21 @@ def _dense_layer(module: nn.Module, shape: tuple[int, ...]
         if module.affine:
             shift = _float64(module.bias) + shift
         per_unit = d // scale.numel()
-        return ("affine", torch.diag(scale.repeat_interleave(per_unit)),
+        return (torch.diag(scale.repeat_interleave(per_unit)),
                 shift.repeat_interleave(per_unit), shape)
     if isinstance(module, nn.AvgPool2d):
         out = torch.nn.functional.avg_pool2d(basis, module.kernel_size, module.stride,
                                              module.padding, module.ceil_mode,
                                              module.count_include_pad, module.divisor_override)
-        return "fixed", out.reshape(d, -1).T, None, tuple(out.shape[1:])
+        return out.reshape(d, -1).T, None, tuple(out.shape[1:])
     if isinstance(module, nn.MaxPool2d):
         out = torch.nn.functional.max_pool2d(basis[:1], module.kernel_size, module.stride,
                                              module.padding, module.dilation)
-        return "maxpool", None, None, tuple(out.shape[1:])
+        return None, None, tuple(out.shape[1:])
     if isinstance(module, (nn.Flatten, nn.Dropout, nn.Identity)):
-        return "fixed", torch.eye(d, dtype=torch.float64), None, (d,) if isinstance(
+        return torch.eye(d, dtype=torch.float64), None, (d,) if isinstance(
             module, nn.Flatten) else shape
-    return "gate", None, None, shape
+    return None, None, shape
 
 
 def _routing_matrix(module: nn.MaxPool2d, shape: tuple[int, ...], frequencies: Tensor
@@ -235,10 +237,9 @@ def dense_algorithm2_cnn(model0: nn.Module, model1: nn.Module, input_shape: Sequ
         run.clear()
 
     for m0, m1 in zip(leaves0, leaves1, strict=True):
-        kind, matrix0, bias0, out_shape = _dense_layer(m0, shape)
-        if kind in ("affine", "fixed"):
-            assert matrix0 is not None
-            _, matrix1, bias1, _ = _dense_layer(m1, shape)
+        matrix0, bias0, out_shape = _dense_layer(m0, shape)
+        if matrix0 is not None:  # affine or parameter-free: part of a run
+            matrix1, bias1, _ = _dense_layer(m1, shape)
             assert matrix1 is not None
             zero = torch.zeros(matrix0.shape[0], dtype=torch.float64)
             run.append((matrix0, zero if bias0 is None else bias0,
@@ -246,8 +247,8 @@ def dense_algorithm2_cnn(model0: nn.Module, model1: nn.Module, input_shape: Sequ
         else:
             if run:
                 apply_run()
-            if kind == "maxpool":
-                route = _routing_matrix(m0, shape, routings[pool_index])  # type: ignore[arg-type]
+            if isinstance(m0, nn.MaxPool2d):
+                route = _routing_matrix(m0, shape, routings[pool_index])
                 pool_index += 1
                 e_a0, e_da = route @ e_a0, route @ e_da
                 c_a0, c_da = route @ c_a0 @ route.T, route @ c_da @ route.T
