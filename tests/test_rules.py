@@ -342,6 +342,25 @@ def test_register_rule_makes_a_new_layer_type_usable(monkeypatch):
                                                                        nn.Linear]
 
 
+def test_a_parameter_free_rule_claiming_flat_moments_must_be_the_identity(monkeypatch):
+    # BGLN-D's MLP path takes such a layer as the identity: a scaling that claims it would
+    # give a distance 4× too small, so fit refuses it in one line
+    monkeypatch.setattr(rules, "RULES", dict(rules.RULES))
+    fsd.register_rule(Scale, fsd.FixedRule(apply=lambda m, x: 2 * x,
+                                           flat_moments=lambda m: True))
+    model = nn.Sequential(nn.Linear(4, 5), Scale(), nn.ReLU(), nn.Linear(5, 3)).to(DTYPE)
+    data = labelled_batches(20, (4,), seed=12)
+    for moments in ("paper", "exact"):
+        with pytest.raises(fsd.UnsupportedModuleError,
+                           match=r"Scale at '1' has flat_moments=True.*not the identity") as e:
+            fsd.BGLN(deterministic=True, moments=moments).fit(model, data)
+        assert "\n" not in str(e.value)
+    # the built-in parameter-free layers are the identity there
+    for layer in (nn.Dropout(0.3), nn.Identity(), nn.Flatten()):
+        chain = nn.Sequential(nn.Linear(4, 5), layer, nn.ReLU(), nn.Linear(5, 3)).to(DTYPE)
+        fsd.BGLN(deterministic=True).fit(chain, data)
+
+
 def test_weight_bias_reads_a_layer_from_a_flat_parameter_dict():
     model = linear_net([3, 4, 2], seed=14)
     params = dict(model.named_parameters())

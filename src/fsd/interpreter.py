@@ -182,6 +182,8 @@ def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]
         if not (layer.rule.flat_moments(layer.module)
                 and isinstance(layer.rule, (AffineRule, FixedRule, GateRule))):
             supported = False
+        elif isinstance(layer.rule, FixedRule):
+            _check_identity(layer)
         if isinstance(layer.module, nn.Flatten):
             flat = True
         elif isinstance(layer.rule, AffineRule) and not flat:
@@ -215,6 +217,21 @@ def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]
             if not isinstance(layer.rule, FixedRule):
                 previous = layer
     return True
+
+
+def _check_identity(layer: TracedLayer) -> None:
+    """The flat path takes a parameter-free layer as the identity: refuse one that is not."""
+    probe = torch.randn(2, 7, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    try:
+        same = bool(torch.equal(layer.rule.apply(layer.module, probe), probe))
+    except Exception:  # a map defined on other shapes only: not the identity either
+        same = False
+    if not same:
+        raise UnsupportedModuleError(
+            f"the rule of {type(layer.module).__name__} at '{layer.path}' has "
+            f"flat_moments=True, but its map is not the identity on flat feature vectors, "
+            f"which is how BGLN-D's MLP path takes a parameter-free layer; leave "
+            f"flat_moments off (BGLN-D then applies the map)")
 
 
 def _moment_steps(layers: list[TracedLayer]) -> list[TracedLayer | tuple[TracedLayer, ...]]:

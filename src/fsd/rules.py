@@ -268,6 +268,7 @@ class FixedRule(Rule):
     vectors, so ``flat_moments`` may be true only for a layer that is the identity there (a
     Flatten to (n, features), Dropout, Identity); for any other map, e.g. a scaling, leave it
     ``False``: BGLN-D then takes the path of :mod:`fsd.conv_moments`, which applies the map.
+    ``fit`` refuses a rule that claims it for a map that is not the identity on a probe.
     """
 
     def linearized(self, layer: TracedLayer, a0: Tensor, da: Tensor | None,
