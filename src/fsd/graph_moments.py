@@ -178,15 +178,12 @@ def graph_plan(model: nn.Module, reference: Mapping[str, Tensor], input_width: i
             step = GraphStep("gate", node.name, (gates[node].input.name,), gates[node].path,
                              module=gates[node].module)
         elif node.op == "call_module" and _affine(modules[str(node.target)]):
-            module, path = modules[str(node.target)], str(node.target)
-            rule = _affine_rule(module)
-            if not rule.flat_moments(module):
+            module = modules[str(node.target)]
+            if not _affine_rule(module).flat_moments(module):
                 raise _refuse(node, f"{type(module).__name__} on images")
-            weight, bias = rule.affine_parameters(module, reference, path)
-            (source,) = node.all_input_nodes
-            value[node] = rule.apply(module, value[source], weight.to(dtype),
-                                     None if bias is None else bias.to(dtype))
-            step = GraphStep("affine", node.name, (source.name,), path)
+            value[node] = _affine_value(node, module, reference, value, dtype)
+            step = GraphStep("affine", node.name, (node.all_input_nodes[0].name,),
+                             str(node.target))
         else:
             _check_parameter_free(node, modules)
             out = _evaluate(node, value, modules)
@@ -208,6 +205,16 @@ def graph_plan(model: nn.Module, reference: Mapping[str, Tensor], input_width: i
             steps.append(replace(step, drop=tuple(dead)))
             dead = []
     raise AssertionError("a traced graph ends with an output node")  # pragma: no cover
+
+
+def _affine_value(node: fx.Node, module: nn.Module, reference: Mapping[str, Tensor],
+                  value: dict[fx.Node, Any], dtype: torch.dtype) -> Tensor:
+    """An affine layer's output at the reference parameters, for a probe's shapes."""
+    rule = _affine_rule(module)
+    weight, bias = rule.affine_parameters(module, reference, str(node.target))
+    (source,) = node.all_input_nodes
+    return rule.apply(module, value[source], weight.to(dtype),
+                      None if bias is None else bias.to(dtype))
 
 
 def _affine_rule(module: nn.Module) -> AffineRule:
@@ -244,12 +251,8 @@ def _widths(nodes: list[fx.Node], gates: Mapping[fx.Node, Any],
         elif node in gates:
             value[node] = value[gates[node].input]
         elif node.op == "call_module" and _affine(modules[str(node.target)]):
-            module, path = modules[str(node.target)], str(node.target)
-            rule = _affine_rule(module)
-            weight, bias = rule.affine_parameters(module, reference, path)
-            (source,) = node.all_input_nodes
-            value[node] = rule.apply(module, value[source], weight.to(dtype),
-                                     None if bias is None else bias.to(dtype))
+            value[node] = _affine_value(node, modules[str(node.target)], reference, value,
+                                        dtype)
         else:
             value[node] = _evaluate(node, value, modules)
         out = value[node]
