@@ -16,7 +16,10 @@ Prints, in one process, medians of repeated timings:
  (f) K exact-moment summaries (moments="exact", low-rank r = 64): fsd.combine's one batched
      pass vs the sum of K separate distance calls (distance + backward);
  (g) exact moments by the adjoint recursion (what BGLN uses) vs the forward recursion it
-     replaced (fsd.exact_moments.delta_second_moment), one summary, distance + backward.
+     replaced (fsd.exact_moments.delta_second_moment), one summary, distance + backward;
+ (h) K class-wise Algorithm 2 summaries (10 classes, full covariance, width 512) in one
+     fsd.combine call: reference parameters stacked once per summary (what fsd.combine does)
+     against one copy per class (what it did before), distance + backward.
 Model: MLP 784-256-256-10 (and 784-512-512-10 where said), Adam. `--sections a,c` runs only
 those sections. Moments are real MNIST moments when the data is found
 (--data-dir / $FSD_DATA_DIR), else random inputs (said in the output).
@@ -88,7 +91,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--fit-examples", type=int, default=10_000,
                         help="examples used to fit the summaries in (a)")
-    parser.add_argument("--sections", default="abcdefg",
+    parser.add_argument("--sections", default="abcdefgh",
                         help="which sections to run, e.g. 'ac' (default: all)")
     args = parser.parse_args()
     global DEVICE
@@ -121,6 +124,8 @@ def main() -> None:
         section_f(args, model, moved, fit_data)
     if "g" in args.sections:
         section_g(args, x, y, fit_data)
+    if "h" in args.sections:
+        section_h(args, x, y, fit_data)
     print(f"\n# load average at the end {os.getloadavg()[0]:.1f}")
 
 
@@ -401,6 +406,50 @@ def section_g(args, x, y, fit_data) -> None:
             t_old, t_new = statistics.median(old), statistics.median(new)
             print(f"| {width} | {label} | {t_old:.2f} | {t_new:.2f} | {t_old / t_new:.1f} | "
                   f"{abs(a - b) / abs(a):.1e} |")
+
+
+
+def section_h(args, x, y, fit_data) -> None:
+    # (h) class-wise summaries: the components of one summary share its reference network.
+    # The per-class layout is rebuilt here from fsd.combine's own stacked parts, so both
+    # layouts run the same delta_moments on the same numbers, interleaved.
+    from fsd.interpreter import delta_moments, model_state, trace
+
+    print("\n## (h) K class-wise Algorithm 2 summaries (full covariance, 10 classes, width 512)"
+          " in one fsd.combine call: reference stacked per summary vs per class")
+    print("| K | per class: ms | per summary: ms | speed-up | relative difference |")
+    print("|---:|---:|---:|---:|---:|")
+    torch.manual_seed(0)
+    model = mlp(784, 512, 2, 10).to(DEVICE)
+    moved = perturbed(model, 0.01, 1)
+    summaries = [fsd.BGLN(deterministic=True, classwise=True).fit(
+        perturbed(model, 0.02, 10 + k), fit_data) for k in range(9)]
+    layers = trace(moved)
+
+    def penalty(stacked):
+        moved.zero_grad()
+        mean_d, trace_d = delta_moments(layers, stacked["params0"], model_state(moved),
+                                        stacked["reference"], stacked["gate_means"],
+                                        stacked["output_rows"])
+        value = (stacked["weights"] * (0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace_d)).sum()
+        value.backward()
+        return float(value.detach())
+
+    for k in (1, 3, 9):
+        summary_set = fsd.combine(summaries[:k])
+        per_summary = summary_set._stack(layers, list(range(k)))
+        classes = per_summary["weights"].shape[0] // k
+        per_class = dict(per_summary, params0={
+            name: p.repeat_interleave(classes, dim=0) for name, p in
+            per_summary["params0"].items()})
+        a_value, b_value = penalty(per_class), penalty(per_summary)
+        a, b = [], []
+        for _ in range(3):
+            a.append(median_ms(lambda s=per_class: penalty(s), max(1, args.repeats // 3)))
+            b.append(median_ms(lambda s=per_summary: penalty(s), max(1, args.repeats // 3)))
+        a_ms, b_ms = statistics.median(a), statistics.median(b)
+        print(f"| {k} | {a_ms:.1f} | {b_ms:.1f} | {a_ms / b_ms:.2f} | "
+              f"{abs(a_value - b_value) / abs(a_value):.1e} |")
 
 
 if __name__ == "__main__":

@@ -112,3 +112,47 @@ def test_exact_moment_summaries_are_batched_and_equal_the_sum(monkeypatch):
     # components per pass: the classwise summary brings one per class (4)
     assert sorted(p["0.weight"].shape[0] for p in calls) == [2, 2, 1 + 4 + 1]
     _assert_equals_sum_with_gradients(batched, estimators, weights, moved)
+
+
+def test_classwise_summaries_share_one_reference_per_summary(monkeypatch):
+    """Equal component counts: params0 is stacked once per summary, not once per class."""
+    import fsd.summary_set as summary_set
+    calls = []
+    real = summary_set.delta_moments
+
+    def counting(*args, **kwargs):
+        calls.append(args[1])  # the stacked params0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(summary_set, "delta_moments", counting)
+    model, data = _mlp(), _data()
+    for covariance in ("full", "diag", "lowrank"):
+        calls.clear()
+        estimators = [fsd.BGLN(deterministic=True, classwise=True, covariance=covariance, rank=3)
+                      .fit(_moved(model, 0.1, seed=40 + t), data) for t in range(3)]
+        weights = [1.0, 2.0, 0.5]
+        moved = _moved(model, 0.3, seed=97)
+        batched = fsd.combine(estimators, weights).distance(moved)
+        assert [p["0.weight"].shape[0] for p in calls] == [3]  # 3 references, 12 components
+        _assert_equals_sum_with_gradients(batched, estimators, weights, moved)
+
+
+def test_classwise_summaries_of_a_linear_batchnorm_run_equal_the_sum():
+    """Composed Linear + BatchNorm1d runs: per-reference ΔW and Δb, classes consecutive."""
+    torch.manual_seed(3)
+    x = torch.randn(300, 6, dtype=torch.float64)
+    y = torch.randint(0, 4, (300,))
+
+    def network(shift):
+        net = nn.Sequential(nn.Linear(6, 7), nn.BatchNorm1d(7), nn.ReLU(),
+                            nn.Linear(7, 4)).double()
+        net.train()
+        net(x + shift)  # moves the running statistics away from their initial values
+        return net.eval()
+
+    estimators = [fsd.BGLN(deterministic=True, classwise=True).fit(network(0.1 * t), [(x, y)])
+                  for t in range(3)]
+    weights = [1.0, 2.0, 3.0]
+    moved = network(0.5)
+    batched = fsd.combine(estimators, weights).distance(moved)
+    _assert_equals_sum_with_gradients(batched, estimators, weights, moved)

@@ -353,6 +353,31 @@ def reference_moments(
     return out
 
 
+def _per_reference_rows(rows: Tensor, matrix: Tensor) -> Tensor:
+    """Multiply rows (G, k, o) by each component's (o, i) matrix.
+
+    ``matrix`` is (o, i), shared by all components, or (R, o, i), one per reference network,
+    with G = R·C and each reference's C components consecutive.
+
+    Folding the C components into the rows multiplies each reference's matrix once, where
+    a per-component copy of it would cost C times the memory traffic (class-wise summaries
+    of many tasks: C = classes).
+    """
+    if matrix.dim() == 2:
+        return rows @ matrix
+    groups, k = rows.shape[0], rows.shape[-2]
+    references = matrix.shape[0]
+    folded = rows.reshape(references, (groups // references) * k, rows.shape[-1]) @ matrix
+    return folded.reshape(groups, k, matrix.shape[-1])
+
+
+def _per_component(vectors: Tensor, groups: int) -> Tensor:
+    """(R, o) per-reference vectors repeated for each of the R's consecutive components."""
+    if vectors.dim() == 1 or vectors.shape[0] == groups:
+        return vectors
+    return vectors.repeat_interleave(groups // vectors.shape[0], dim=0)
+
+
 def delta_moments(
     layers: list[TracedLayer],
     params0: Mapping[str, Tensor],
@@ -373,9 +398,10 @@ def delta_moments(
 
     Args:
         layers: output of :func:`trace`.
-        params0: reference parameters (and buffers); each may carry a leading component
-            dimension G, so summaries of several reference networks are evaluated in one
-            batched pass.
+        params0: reference parameters (and buffers); each may carry a leading dimension R
+            of reference networks, so summaries of several reference networks are evaluated
+            in one batched pass. R must divide the number of components G, and each
+            reference's G / R components must be consecutive (R = G: one per component).
         params1: parameters θ (and buffers) of the other network (differentiable).
         reference: output of :func:`reference_moments` (fixed after fit).
         gate_means: stored gate statistics per gate path (firing frequencies μ (G, units),
@@ -406,9 +432,10 @@ def delta_moments(
             index += 1
             dw, db, w1 = _composed_delta(step, params0, params1)
             deltas[position] = (dw, w1)
-            new_mean = torch.einsum("...oi,...i->...o", dw, mean0)
+            new_mean = _per_reference_rows(mean0.unsqueeze(-2), dw.transpose(-1, -2))
+            new_mean = new_mean.squeeze(-2)
             if db is not None:
-                new_mean = new_mean + db
+                new_mean = new_mean + _per_component(db, new_mean.shape[0])
             if mean_d is not None:
                 new_mean = new_mean + mean_d @ w1.T
             mean_d = new_mean
@@ -426,7 +453,7 @@ def delta_moments(
         else:
             index -= 1
             dw, w1 = deltas[position]
-            trace = trace + quadratic_trace(rows @ dw, reference[index][1])
+            trace = trace + quadratic_trace(_per_reference_rows(rows, dw), reference[index][1])
             if index > 0:
                 rows = rows @ w1
     selected = (output_rows.expand(groups, *output_rows.shape[-2:])

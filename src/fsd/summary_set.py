@@ -145,11 +145,17 @@ class SummarySet:
             parts.append(part)
             params0.append(theta0)
             counts.append(part["weights"].shape[0])
-        stacked_params = {
-            name: torch.cat([p[name].expand(c, *p[name].shape)
-                             for p, c in zip(params0, counts, strict=True)])
-            for name in params0[0]}
         exact = self.estimators[members[0]].config["moments"] == "exact"
+        if not exact and len(set(counts)) == 1:
+            # one reference network per summary, shared by its components (the classes of a
+            # class-wise summary): ΔW is formed once per summary, not once per class
+            stacked_params = {name: torch.stack([p[name] for p in params0])
+                              for name in params0[0]}
+        else:
+            stacked_params = {
+                name: torch.cat([p[name].expand(c, *p[name].shape)
+                                 for p, c in zip(params0, counts, strict=True)])
+                for name in params0[0]}
         if exact:  # per affine layer a dict of blocks (fsd.exact_moments.reference_blocks)
             reference = [
                 {name: (_cat_padded if name in ("factor", "p0") else torch.cat)(
