@@ -4,10 +4,10 @@ Continual learning sums D(θ, θ_i, p_i) over all previous tasks i at every step
 :class:`SummarySet` returns that (weighted) sum; BGLN-D summaries of the same architecture
 and covariance form are evaluated in one batched pass — their mixture components are stacked
 along the component dimension of :func:`fsd.interpreter.delta_moments` (``moments="paper"``)
-or :func:`fsd.exact_moments.delta_second_moment_adjoint` (``moments="exact"``), and their
-reference networks once per summary where every summary has as many components (else once
-per component) — so the number of operations per call does not grow with the number of
-tasks. Other estimators are evaluated one by one.
+or :func:`fsd.exact_moments.delta_second_moment_adjoint` (``moments="exact"``), and (for
+Algorithm 2) their reference networks once per summary where all have as many components
+(else once per component) — so the number of operations per call does not grow with the
+number of tasks. Other estimators are evaluated one by one.
 """
 
 from __future__ import annotations
