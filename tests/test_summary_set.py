@@ -81,16 +81,22 @@ def test_summary_set_checks_architecture():
     raise AssertionError("a summary set accepted a model of another architecture")
 
 
-def test_exact_moment_summaries_are_batched_and_equal_the_sum(monkeypatch):
+def _record_stacked_params(monkeypatch, name):
+    """Patch fsd.summary_set's ``name`` to record the stacked params0 of every call."""
     import fsd.summary_set as summary_set
     calls = []
-    real = summary_set.delta_second_moment_adjoint
+    real = getattr(summary_set, name)
 
     def counting(*args, **kwargs):
-        calls.append(args[1])  # the stacked params0
+        calls.append(args[1])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(summary_set, "delta_second_moment_adjoint", counting)
+    monkeypatch.setattr(summary_set, name, counting)
+    return calls
+
+
+def test_exact_moment_summaries_are_batched_and_equal_the_sum(monkeypatch):
+    calls = _record_stacked_params(monkeypatch, "delta_second_moment_adjoint")
     model, data = _mlp(), _data()
     estimators = []
     for t in range(3):  # full covariance: classwise or not, heads of different width
@@ -116,15 +122,7 @@ def test_exact_moment_summaries_are_batched_and_equal_the_sum(monkeypatch):
 
 def test_classwise_summaries_share_one_reference_per_summary(monkeypatch):
     """Equal component counts: params0 is stacked once per summary, not once per class."""
-    import fsd.summary_set as summary_set
-    calls = []
-    real = summary_set.delta_moments
-
-    def counting(*args, **kwargs):
-        calls.append(args[1])  # the stacked params0
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(summary_set, "delta_moments", counting)
+    calls = _record_stacked_params(monkeypatch, "delta_moments")
     model, data = _mlp(), _data()
     for covariance in ("full", "diag", "lowrank"):
         calls.clear()
