@@ -83,6 +83,28 @@ def test_tiny_run_writes_everything(tmp_path):
     assert saved["torch_version"] == torch.__version__ and saved["torch_threads"] >= 1
     curve = saved["minimize"]["runs"][0]
     assert curve["step"] == [0, 3, 6] and curve["true_fsd"][0] == 0
+    assert curve["estimator"] == "none" and curve["estimate"] == [None] * 3
+    for run in saved["minimize"]["runs"][1:]:  # the regularizer's own estimate, 0 at θ1
+        assert len(run["estimate"]) == 3 and run["estimate"][0] == pytest.approx(0, abs=1e-8)
+        assert run["estimate"][-1] > 0
+    bgln_d = saved["minimize"]["runs"][1]
+    ratio = bgln_d["estimate"][-1] / bgln_d["true_fsd"][-1]
+    assert f"| BGLN-D | 1 | {bgln_d['true_fsd'][-1]:.4g} |" in (
+        tmp_path / "fidelity_synthetic.md").read_text()
+    assert f"| {ratio:.3g} |" in (tmp_path / "fidelity_synthetic.md").read_text()
+
+
+def test_cli_rejects_an_unknown_estimator_before_loading_data(tmp_path, capsys):
+    missing = tmp_path / "no-data-here"
+    with pytest.raises(SystemExit) as stop:
+        main(["fidelity", "--out", str(tmp_path / "out"), "--data-dir", str(missing),
+              "--minimize-estimators", "none,BGLN-Q"])
+    assert "unknown estimators ['BGLN-Q']" in str(stop.value) and "'BGLN-D (exact)'" in str(
+        stop.value)
+    with pytest.raises(SystemExit, match="unknown estimators"):
+        main(["fidelity", "--out", str(tmp_path / "out"), "--data-dir", str(missing),
+              "--estimators", "none"])
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.skipif(not HAS_MNIST, reason="MNIST not in the data directory")

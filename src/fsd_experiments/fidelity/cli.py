@@ -8,7 +8,7 @@ from typing import Any
 from ..argtypes import add_threads_option, apply_threads, positive_float, positive_int
 from ..benchmarks import load_benchmark
 from .study import FidelityConfig, run_fidelity
-from .suite import BENCHMARKS, STUDIES
+from .suite import BENCHMARKS, MINIMIZE_ESTIMATORS, STUDIES
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -21,13 +21,13 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _cmd_fidelity(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
-    bench = load_benchmark(args.benchmark, args.data_dir, max_train=args.max_train,
-                           max_test=args.max_test, seed=args.seed)
-    cfg = FidelityConfig.from_args(args)
+    cfg = FidelityConfig.from_args(args)  # checks the estimator names before the data loads
     studies = tuple(s.strip() for s in args.studies.split(","))
     unknown = set(studies) - set(STUDIES)
     if unknown:
         raise SystemExit(f"unknown studies {sorted(unknown)}; choose from {', '.join(STUDIES)}")
+    bench = load_benchmark(args.benchmark, args.data_dir, max_train=args.max_train,
+                           max_test=args.max_test, seed=args.seed)
     run_fidelity(bench, args.out, cfg, studies, progress=not args.quiet)
     print(f"wrote results to {args.out}")
     return 0
@@ -70,6 +70,9 @@ def add_cli(subparsers: Any) -> None:
                    help="calls averaged per estimate for the sampled estimators")
     p.add_argument("--lams", type=_floats, default=None,
                    help="regularization weights of the minimization study (default 1,10)")
+    p.add_argument("--minimize-estimators", default=None,
+                   help="comma-separated regularizers of the minimization study, 'none' for "
+                        "unregularized (default: " + ",".join(MINIMIZE_ESTIMATORS) + ")")
     p.add_argument("--minimize-steps", type=positive_int, default=300)
     p.add_argument("--max-train", type=positive_int, default=None,
                    help="subset of each task (quick)")

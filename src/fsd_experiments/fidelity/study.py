@@ -17,6 +17,7 @@ from .pairs import format_summary, pair_study, scatter_plot, summarize_pairs
 from .suite import (
     ALL_ESTIMATORS,
     DEPTH_ESTIMATORS,
+    FITTABLE,
     MINIMIZE_ESTIMATORS,
     SAMPLED,
     STUDIES,
@@ -73,8 +74,20 @@ class FidelityConfig:
             depth_references=args.depth_references, ewc_examples=args.ewc_examples,
             depths=args.depths or defaults.depths, lams=args.lams or defaults.lams,
             minimize_steps=args.minimize_steps, seed=args.seed,
-            estimators=tuple(n.strip() for n in args.estimators.split(","))
-            if args.estimators else defaults.estimators)
+            estimators=(_names(args.estimators, allowed=FITTABLE) if args.estimators
+                        else defaults.estimators),
+            minimize_estimators=(_names(args.minimize_estimators, allowed=("none", *FITTABLE))
+                                 if args.minimize_estimators else defaults.minimize_estimators))
+
+
+def _names(text: str, allowed: Sequence[str]) -> tuple[str, ...]:
+    """Comma-separated estimator titles, checked before any data is loaded."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise SystemExit(f"unknown estimators {unknown or [text]}; choose from "
+                         f"{', '.join(repr(a) for a in allowed)}")
+    return names
 
 
 def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | None = None,
