@@ -109,6 +109,7 @@ def minimization_plot(result: dict[str, Any], path: Path, title: str) -> None:
                     steps, ratios = zip(*points, strict=True)
                     bottom.plot(steps, [max(r, 1e-12) for r in ratios], "-o", ms=3,
                                 color=colours[c["estimator"]], label=c["estimator"])
+        top.set_yscale("symlog", linthresh=1e-2)  # 0 at θ1; regularized runs span decades
         top.set_xlabel("task-2 test accuracy")
         top.set_ylabel("true FSD from θ1")
         top.set_title(f"λ = {lam:g}")
