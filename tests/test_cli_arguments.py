@@ -39,7 +39,8 @@ BAD = {
                              ("--n-train", "0"), ("--pool", "0"), ("--device", "bogus"),
                              ("--pbrf-steps", "0"), ("--lr", "-1")]},
     **{f"fidelity {option} {value}": [*FIDELITY, option, value] for option, value in [
-        ("--width", "0"), ("--epochs", "0"), ("--repeats", "0"), ("--max-train", "-1")]},
+        ("--width", "0"), ("--epochs", "0"), ("--repeats", "0"), ("--max-train", "-1"),
+        ("--minimize-samples", "0")]},
     **{f"toy {option} {value}": [*TOY, option, value] for option, value in [
         ("--lam", "nan"), ("--lam", "-1"), ("--steps", "0"), ("--width", "0")]},
     "compare-estimators --repeats 0": ["compare-estimators", "--repeats", "0"],

@@ -74,6 +74,9 @@ def add_cli(subparsers: Any) -> None:
                    help="comma-separated regularizers of the minimization study, 'none' for "
                         "unregularized (default: " + ",".join(MINIMIZE_ESTIMATORS) + ")")
     p.add_argument("--minimize-steps", type=positive_int, default=300)
+    p.add_argument("--minimize-samples", type=positive_int, default=256,
+                   help="samples per call of the sampled regularizers in the minimization "
+                        "study (default 256)")
     p.add_argument("--max-train", type=positive_int, default=None,
                    help="subset of each task (quick)")
     p.add_argument("--max-test", type=positive_int, default=None)

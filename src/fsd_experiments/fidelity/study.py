@@ -73,7 +73,8 @@ class FidelityConfig:
             repeats=args.repeats, references=args.references,
             depth_references=args.depth_references, ewc_examples=args.ewc_examples,
             depths=args.depths or defaults.depths, lams=args.lams or defaults.lams,
-            minimize_steps=args.minimize_steps, seed=args.seed,
+            minimize_steps=args.minimize_steps, minimize_samples=args.minimize_samples,
+            seed=args.seed,
             estimators=(_names(args.estimators, allowed=FITTABLE) if args.estimators
                         else defaults.estimators),
             minimize_estimators=(_names(args.minimize_estimators, allowed=("none", *FITTABLE))
