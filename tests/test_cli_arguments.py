@@ -40,7 +40,7 @@ BAD = {
                              ("--pbrf-steps", "0"), ("--lr", "-1")]},
     **{f"fidelity {option} {value}": [*FIDELITY, option, value] for option, value in [
         ("--width", "0"), ("--epochs", "0"), ("--repeats", "0"), ("--max-train", "-1"),
-        ("--minimize-samples", "0")]},
+        ("--minimize-samples", "0"), ("--metric", "logits")]},
     **{f"toy {option} {value}": [*TOY, option, value] for option, value in [
         ("--lam", "nan"), ("--lam", "-1"), ("--steps", "0"), ("--width", "0")]},
     "compare-estimators --repeats 0": ["compare-estimators", "--repeats", "0"],

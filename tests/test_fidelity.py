@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 import fsd_experiments
 from fsd_experiments.benchmarks import Benchmark, Task, load_benchmark
 from fsd_experiments.cli import main
+from fsd_experiments.fidelity.cli import add_cli
 from fsd_experiments.fidelity import (
     FidelityConfig,
     fidelity_metrics,
@@ -105,6 +107,60 @@ def test_cli_rejects_an_unknown_estimator_before_loading_data(tmp_path, capsys):
         main(["fidelity", "--out", str(tmp_path / "out"), "--data-dir", str(missing),
               "--estimators", "none"])
     assert not (tmp_path / "out").exists()
+
+
+def test_softmax_metric_reaches_the_truth_and_every_estimator(tmp_path):
+    """On a linear network, coreset estimators over all the data are exact in any metric.
+
+    So with ``metric="softmax_euclidean"`` the estimate must equal a brute-force softmax
+    distance, and the minimization log's estimate must equal its truth at every step; an
+    estimator left on logits would be off by orders of magnitude.
+    """
+    torch.set_num_threads(1)
+    bench = synthetic()
+    ref = train_reference(bench, width=8, depth=0, epochs=1, lr=1e-2, batch_size=32, seed=0)
+    names = ["LAFTR (coreset)", "NTK (coreset)"]
+    suite = fit_suite(ref, bench, names, coreset_size=1000, metric="softmax_euclidean")
+    other = train_reference(bench, width=8, depth=0, epochs=1, lr=1e-2, batch_size=32, seed=1)
+    x = bench.task1.x_train
+    with torch.no_grad():
+        brute = 0.5 * (other(x).softmax(-1) - ref(x).softmax(-1)).pow(2).sum(-1).mean()
+    assert float(suite.exact.distance(other)) == pytest.approx(float(brute), rel=1e-5)
+    for name in names:
+        assert float(suite.evaluate(name, other).detach()) == pytest.approx(float(brute),
+                                                                             rel=1e-4)
+    cfg = FidelityConfig(width=8, depth=0, coreset_size=1000, minimize_steps=6, log_every=3,
+                         lams=(1.0,), minimize_estimators=("none", *names),
+                         metric="softmax_euclidean")
+    results = run_fidelity(bench, tmp_path, cfg, studies=("minimize",), progress=False)
+    for run in results["minimize"]["runs"][1:]:
+        assert run["true_fsd"][-1] > 0
+        assert run["estimate"] == pytest.approx(run["true_fsd"], rel=1e-4, abs=1e-9)
+    assert "Output metric: softmax_euclidean" in (tmp_path / "fidelity_synthetic.md").read_text()
+    with pytest.raises(ValueError, match="BGLN-D compute only the Euclidean metric"):
+        fit_suite(ref, bench, ["BGLN-D"], metric="kl")
+
+
+def test_cli_metric_keeps_the_estimators_that_compute_it(tmp_path):
+    missing = tmp_path / "no-data-here"
+    with pytest.raises(SystemExit) as stop:
+        main(["fidelity", "--out", str(tmp_path / "out"), "--data-dir", str(missing),
+              "--metric", "kl", "--minimize-estimators", "none,BGLN-S,BGLN-D,EWC"])
+    assert str(stop.value).startswith("BGLN-D, EWC compute only the Euclidean metric")
+    assert "'BGLN-S'" in str(stop.value) and "'BGLN-D'" not in str(stop.value)
+    assert not (tmp_path / "out").exists()
+    args = argparse.Namespace(**{**vars(_parser_defaults()), "metric": "kl"})
+    cfg = FidelityConfig.from_args(args)
+    assert "BGLN-D" not in cfg.estimators + cfg.minimize_estimators + cfg.depth_estimators
+    assert {"BGLN-S", "LAFTR (gaussian)", "NTK (coreset)"} <= set(cfg.estimators)
+    assert "none" in cfg.minimize_estimators and "BGLN-S" in cfg.depth_estimators
+
+
+def _parser_defaults() -> argparse.Namespace:
+    """``fsd fidelity``'s parsed defaults."""
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    return parser.parse_args(["fidelity", "--out", "unused"])
 
 
 @pytest.mark.skipif(not HAS_MNIST, reason="MNIST not in the data directory")

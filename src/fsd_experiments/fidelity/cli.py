@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fsd.metrics import METRICS
+
 from ..argtypes import add_threads_option, apply_threads, positive_float, positive_int
 from ..benchmarks import load_benchmark
 from .study import FidelityConfig, run_fidelity
@@ -80,6 +82,10 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--max-train", type=positive_int, default=None,
                    help="subset of each task (quick)")
     p.add_argument("--max-test", type=positive_int, default=None)
+    p.add_argument("--metric", choices=METRICS, default="euclidean",
+                   help="output metric of the truth and the estimators (default euclidean; "
+                        "softmax_euclidean and kl leave out BGLN-D, EWC and OSLA, which "
+                        "compute only the Euclidean one)")
     add_threads_option(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")

@@ -18,8 +18,8 @@ from .suite import accuracy, fit_suite, make_family, train_reference
 def depth_study(bench: Benchmark, *, depths: Sequence[int], names: Sequence[str],
                 width: int, epochs: float, lr: float, lrs: Sequence[float],
                 iters: Sequence[int], batch_size: int, coreset_size: int, num_samples: int,
-                repeats: int, seed: int, references: int = 1, progress: bool = False
-                ) -> dict[str, Any]:
+                repeats: int, seed: int, references: int = 1, progress: bool = False,
+                metric: str = "euclidean") -> dict[str, Any]:
     """Correlation with the truth vs MLP depth.
 
     ``references`` references and their families per depth; their pairs are pooled.
@@ -34,7 +34,8 @@ def depth_study(bench: Benchmark, *, depths: Sequence[int], names: Sequence[str]
             family = make_family(reference, bench, lrs=lrs, iters=iters,
                                  batch_size=batch_size, seed=seed + r)
             suite = fit_suite(reference, bench, names, coreset_size=coreset_size,
-                              num_samples=num_samples, repeats=repeats, seed=seed + r)
+                              num_samples=num_samples, repeats=repeats, seed=seed + r,
+                              metric=metric)
             pairs += pair_study(bench, reference, family, suite, reference_id=r)["pairs"]
             accs.append(accuracy(reference, bench.task1.x_test, bench.task1.y_test))
         result = {"pairs": pairs, "summary": summarize_pairs(pairs, list(names))}

@@ -25,6 +25,7 @@ from .suite import (
     accuracy,
     fit_suite,
     make_family,
+    takes_metric,
     train_reference,
 )
 
@@ -60,12 +61,32 @@ class FidelityConfig:
     minimize_steps: int = 300
     minimize_lr: float = 1e-3
     log_every: int = 20
+    metric: str = "euclidean"
     seed: int = 0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FidelityConfig:
-        """The settings the ``fsd fidelity`` options ask for (unset lists: the defaults)."""
-        defaults = cls()
+        """The settings the ``fsd fidelity`` options ask for.
+
+        Unset lists take the defaults; with a metric other than ``"euclidean"``, only the
+        default estimators that compute it. Named estimators that do not are refused here,
+        before any data loads.
+        """
+        defaults, metric = cls(), args.metric
+
+        def chosen(text: str | None, allowed: Sequence[str], default: Sequence[str]
+                   ) -> tuple[str, ...]:
+            if not text:
+                return tuple(n for n in default if takes_metric(n, metric))
+            names = _names(text, allowed)
+            refused = [n for n in names if not takes_metric(n, metric)]
+            if refused:
+                raise SystemExit(
+                    f"{', '.join(refused)} compute only the Euclidean metric; with --metric "
+                    f"{metric} choose from "
+                    f"{', '.join(repr(a) for a in allowed if takes_metric(a, metric))}")
+            return names
+
         return cls(
             width=args.width, depth=args.depth, epochs=args.epochs,
             lrs=args.lrs or defaults.lrs, iters=args.iters or defaults.iters,
@@ -74,11 +95,11 @@ class FidelityConfig:
             depth_references=args.depth_references, ewc_examples=args.ewc_examples,
             depths=args.depths or defaults.depths, lams=args.lams or defaults.lams,
             minimize_steps=args.minimize_steps, minimize_samples=args.minimize_samples,
-            seed=args.seed,
-            estimators=(_names(args.estimators, allowed=FITTABLE) if args.estimators
-                        else defaults.estimators),
-            minimize_estimators=(_names(args.minimize_estimators, allowed=("none", *FITTABLE))
-                                 if args.minimize_estimators else defaults.minimize_estimators))
+            seed=args.seed, metric=metric,
+            estimators=chosen(args.estimators, FITTABLE, defaults.estimators),
+            depth_estimators=chosen(None, FITTABLE, defaults.depth_estimators),
+            minimize_estimators=chosen(args.minimize_estimators, ("none", *FITTABLE),
+                                       defaults.minimize_estimators))
 
 
 def _names(text: str, allowed: Sequence[str]) -> tuple[str, ...]:
@@ -105,7 +126,8 @@ def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | Non
     results: dict[str, Any] = {"benchmark": tag, "config": {
         k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
         "task1_train_size": int(bench.task1.x_train.shape[0])}
-    md: list[str] = [f"## {tag}\n"]
+    md: list[str] = [f"## {tag}\n", f"Output metric: {cfg.metric} (the truth's and every "
+                     f"estimator's).\n"]
     say = print if progress else (lambda *a, **k: None)
 
     def save() -> None:
@@ -125,7 +147,7 @@ def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | Non
                if "minimize" in studies else [])))
         suite = fit_suite(reference, bench, names, coreset_size=cfg.coreset_size,
                           num_samples=cfg.num_samples, repeats=cfg.repeats, seed=cfg.seed,
-                          ewc_examples=cfg.ewc_examples)
+                          ewc_examples=cfg.ewc_examples, metric=cfg.metric)
         results["fit_seconds"] = suite.fit_seconds
         results["nbytes"] = {n: e.nbytes for n, e in suite.estimators.items()}
         results["nbytes"]["ExactFSD"] = suite.exact.nbytes
@@ -148,7 +170,7 @@ def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | Non
                 suite_r = fit_suite(ref_r, bench, cfg.estimators,
                                     coreset_size=cfg.coreset_size, num_samples=cfg.num_samples,
                                     repeats=cfg.repeats, seed=cfg.seed + r,
-                                    ewc_examples=cfg.ewc_examples)
+                                    ewc_examples=cfg.ewc_examples, metric=cfg.metric)
             family = make_family(ref_r, bench, lrs=cfg.lrs, iters=cfg.iters,
                                  batch_size=cfg.batch_size, seed=cfg.seed + r)
             pairs += pair_study(bench, ref_r, family, suite_r, progress=progress,
@@ -182,7 +204,7 @@ def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | Non
         if sampled:  # training-style use: fewer samples per call than the fidelity estimates
             estimators.update(fit_suite(reference, bench, sampled, coreset_size=cfg.coreset_size,
                                         num_samples=cfg.minimize_samples, repeats=1,
-                                        seed=cfg.seed).estimators)
+                                        seed=cfg.seed, metric=cfg.metric).estimators)
         min_suite = Suite(suite.exact, estimators, 1, suite.coreset_size)
         result = minimization_study(bench, reference, min_suite, cfg.minimize_estimators,
                                     lams=cfg.lams, steps=cfg.minimize_steps, lr=cfg.minimize_lr,
@@ -206,7 +228,8 @@ def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | Non
                              iters=cfg.depth_iters, batch_size=cfg.batch_size,
                              coreset_size=cfg.coreset_size, num_samples=cfg.num_samples,
                              repeats=cfg.repeats, seed=cfg.seed,
-                             references=cfg.depth_references, progress=progress)
+                             references=cfg.depth_references, progress=progress,
+                             metric=cfg.metric)
         results["depth"] = result
         md += [f"### Depth: Spearman / Kendall with the truth, MLP width {cfg.width}, "
                f"{cfg.depth_references * len(cfg.depth_lrs) * len(cfg.depth_iters)} pairs "

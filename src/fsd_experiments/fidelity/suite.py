@@ -144,22 +144,35 @@ def _preset(name: str) -> Preset:
     return by_title(name)
 
 
+def takes_metric(name: str, metric: str) -> bool:
+    """Whether estimator ``name`` computes the output ``metric``.
+
+    All take ``"euclidean"``; BGLN-D, EWC and K-FAC take only that one.
+    """
+    return name == "none" or metric == "euclidean" or _preset(name).metric_applies
+
+
 def fit_suite(reference: nn.Module, bench: Benchmark, names: Sequence[str], *,
               coreset_size: int = 200, num_samples: int = 2048, repeats: int = 4,
-              seed: int = 0, batch_size: int = 1024, ewc_examples: int | None = None
-              ) -> Suite:
-    """Fit the truth and the named estimators on task 1 at θ1.
+              seed: int = 0, batch_size: int = 1024, ewc_examples: int | None = None,
+              metric: str = "euclidean") -> Suite:
+    """Fit the truth and the named estimators on task 1 at θ1, both in the output ``metric``.
 
     All coreset methods get the same random coreset (passed as one tensor batch with
     ``coreset_size=None``); all moment methods read one :class:`fsd.StatisticsCollector`
     pass over the full task-1 training set (diag / class-wise variants derive from it).
     EWC's Fisher averages over the first ``ewc_examples`` examples (``None``: all).
+    A metric other than ``"euclidean"`` needs estimators that compute it (:func:`takes_metric`).
     """
+    refused = [n for n in names if not takes_metric(n, metric)]
+    if refused:
+        raise ValueError(f"{', '.join(refused)} compute only the Euclidean metric, not "
+                         f"{metric!r}")
     task = bench.task1
     reference.eval()
     times: dict[str, float] = {}
     start = time.perf_counter()
-    exact = ExactFSD()
+    exact = ExactFSD(metric=metric)
     exact.fit(reference, TensorBatches(task.x_train, task.y_train, batch_size))
     times["ExactFSD"] = time.perf_counter() - start
     index = torch.randperm(task.x_train.shape[0], generator=torch.Generator().manual_seed(seed))
@@ -184,8 +197,11 @@ def fit_suite(reference: nn.Module, bench: Benchmark, names: Sequence[str], *,
             return preset.make(chunk_size=64).fit(
                 reference, TensorBatches(task.x_train[:ewc_examples], task.y_train[:ewc_examples],
                                          batch_size))
-        estimator = preset.make(**({"num_samples": num_samples, "seed": seed}
-                                   if preset.sampled else {}))
+        options: dict[str, object] = ({"num_samples": num_samples, "seed": seed}
+                                      if preset.sampled else {})
+        if metric != "euclidean":
+            options["metric"] = metric
+        estimator = preset.make(**options)
         statistics = collector if preset.needs_statistics else None
         if preset.coreset:
             return estimator.fit(reference, coreset, statistics=statistics)
