@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -95,6 +96,9 @@ def minimization_plot(result: dict[str, Any], path: Path, title: str) -> None:
     fig, axes = plt.subplots(2, len(lams), figsize=(5.5 * len(lams), 9), squeeze=False)
     names = list(dict.fromkeys(c["estimator"] for c in result["runs"]))
     colours = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
+    # 0 at θ1 and regularized runs span decades: linear only below the smallest value logged
+    positive = [t for c in result["runs"] for t in c["true_fsd"] if t > 0] or [1.0]
+    linthresh = 10.0 ** math.floor(math.log10(min(positive)))
     for column, lam in enumerate(lams):
         top, bottom = axes[0][column], axes[1][column]
         for c in result["runs"]:
@@ -109,7 +113,7 @@ def minimization_plot(result: dict[str, Any], path: Path, title: str) -> None:
                     steps, ratios = zip(*points, strict=True)
                     bottom.plot(steps, [max(r, 1e-12) for r in ratios], "-o", ms=3,
                                 color=colours[c["estimator"]], label=c["estimator"])
-        top.set_yscale("symlog", linthresh=1e-2)  # 0 at θ1; regularized runs span decades
+        top.set_yscale("symlog", linthresh=linthresh)
         top.set_xlabel("task-2 test accuracy")
         top.set_ylabel("true FSD from θ1")
         top.set_title(f"λ = {lam:g}")
@@ -121,7 +125,7 @@ def minimization_plot(result: dict[str, Any], path: Path, title: str) -> None:
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=8)
-    fig.suptitle(f"{title} ({result['steps']} steps, points every few iterations)")
+    fig.suptitle(f"{title}\n({result['steps']} steps, points every few iterations)")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)

@@ -217,7 +217,7 @@ def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | Non
                f"call)\n",
                format_minimization(result), ""]
         minimization_plot(result, out / f"minimize_{tag}.png",
-                          f"{tag}: true FSD while training task 2")
+                          f"{tag}: true FSD ({cfg.metric}) while training task 2")
         say(f"minimize: {time.perf_counter() - start:.0f}s", flush=True)
         save()
 
