@@ -448,8 +448,12 @@ def test_metric_option_reaches_monte_carlo_estimators_only(tmp_path):
     hp = continual.default_hyperparameters("split-mnist", "bgln-s")
     bgln_s = continual.METHODS["bgln-s"]
     assert bgln_s.continual_estimator(hp, 0).config["metric"] == "softmax_euclidean"
-    assert continual.METHODS["laftr"].continual_estimator(
-        continual.default_hyperparameters("split-mnist", "laftr"), 0).config["metric"] == \
+    # but LAFTR with Gaussian inputs (no paper row on MNIST) on logits, KL on CIFAR (kl_cifar)
+    for benchmark, metric in (("split-mnist", "euclidean"), ("permuted-mnist", "euclidean"),
+                              ("split-cifar100", "kl")):
+        assert continual.METHODS["laftr"].continual_estimator(
+            continual.default_hyperparameters(benchmark, "laftr"), 0).config["metric"] == metric
+    assert continual.default_hyperparameters("split-mnist", "laftr-coreset")["metric"] == \
         "softmax_euclidean"
     assert bgln_s.continual_estimator({**hp, "metric": "euclidean"}, 0).config[
         "metric"] == "euclidean"

@@ -13,7 +13,6 @@ import torch
 import fsd_experiments
 from fsd_experiments.benchmarks import Benchmark, Task, load_benchmark
 from fsd_experiments.cli import main
-from fsd_experiments.fidelity.cli import add_cli
 from fsd_experiments.fidelity import (
     FidelityConfig,
     fidelity_metrics,
@@ -21,6 +20,7 @@ from fsd_experiments.fidelity import (
     run_fidelity,
     train_reference,
 )
+from fsd_experiments.fidelity.cli import add_cli
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
