@@ -19,7 +19,10 @@ Prints, in one process, medians of repeated timings:
      replaced (fsd.exact_moments.delta_second_moment), one summary, distance + backward;
  (h) K class-wise Algorithm 2 summaries (10 classes, full covariance, width 512) in one
      fsd.combine call: reference parameters stacked once per summary (what fsd.combine does)
-     against one copy per class (what it did before), distance + backward.
+     against one copy per class (what it did before), distance + backward;
+ (i) K fsd.KFAC summaries (the OSLA baseline, width 512), distance + backward: the
+     library's backward, which reuses the forward's G ΔW̄ A, against plain autograd through
+     ½ Σ (G ΔW̄) ⊙ (ΔW̄ A) (what it did before).
 Model: MLP 784-256-256-10 (and 784-512-512-10 where said), Adam. `--sections a,c` runs only
 those sections. Moments are real MNIST moments when the data is found
 (--data-dir / $FSD_DATA_DIR), else random inputs (said in the output).
@@ -91,7 +94,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--fit-examples", type=int, default=10_000,
                         help="examples used to fit the summaries in (a)")
-    parser.add_argument("--sections", default="abcdefgh",
+    parser.add_argument("--sections", default="abcdefghi",
                         help="which sections to run, e.g. 'ac' (default: all)")
     args = parser.parse_args()
     global DEVICE
@@ -126,6 +129,8 @@ def main() -> None:
         section_g(args, x, y, fit_data)
     if "h" in args.sections:
         section_h(args, x, y, fit_data)
+    if "i" in args.sections:
+        section_i(args, fit_data)
     print(f"\n# load average at the end {os.getloadavg()[0]:.1f}")
 
 
@@ -447,6 +452,50 @@ def section_h(args, x, y, fit_data) -> None:
         for _ in range(3):
             a.append(median_ms(lambda s=per_class: penalty(s), max(1, args.repeats // 3)))
             b.append(median_ms(lambda s=per_summary: penalty(s), max(1, args.repeats // 3)))
+        a_ms, b_ms = statistics.median(a), statistics.median(b)
+        print(f"| {k} | {a_ms:.1f} | {b_ms:.1f} | {a_ms / b_ms:.2f} | "
+              f"{abs(a_value - b_value) / abs(a_value):.1e} |")
+
+
+def section_i(args, fit_data) -> None:
+    # (i) the K-FAC penalty of fsd cl's OSLA rows: one term per earlier task, each
+    # multiplying ΔW̄ by a (out × out) and an (in+1 × in+1) factor per layer
+    print("\n## (i) K fsd.KFAC summaries (width 512), distance + backward: plain autograd vs "
+          "the library's backward that reuses G ΔW̄ A")
+    print("| K | plain autograd: ms | library: ms | speed-up | relative difference |")
+    print("|---:|---:|---:|---:|---:|")
+    torch.manual_seed(0)
+    model = mlp(784, 512, 2, 10).to(DEVICE)
+    moved = perturbed(model, 0.01, 1)
+    summaries = [fsd.KFAC().fit(perturbed(model, 0.02, 10 + k), fit_data) for k in range(9)]
+
+    def plain(estimator: fsd.KFAC) -> torch.Tensor:
+        theta0 = estimator.reference_parameters()
+        current = dict(moved.named_parameters())
+        total = torch.zeros((), device=DEVICE)
+        for path, _ in estimator._meta["layers"]:
+            key = f"{path}." if path else ""
+            delta = torch.cat([current[f"{key}weight"] - theta0[f"{key}weight"],
+                               (current[f"{key}bias"] - theta0[f"{key}bias"]).unsqueeze(1)], 1)
+            g, a = estimator._state[f"kfac.{key}G"], estimator._state[f"kfac.{key}A"]
+            total = total + ((g @ delta) * (delta @ a)).sum()
+        return 0.5 * total
+
+    def penalty(distance, k: int) -> float:
+        moved.zero_grad()
+        value = sum(distance(e) for e in summaries[:k])
+        value.backward()
+        return float(value.detach())
+
+    def library(estimator: fsd.KFAC) -> torch.Tensor:
+        return estimator.distance(moved)
+
+    for k in (1, 3, 9):
+        a_value, b_value = penalty(plain, k), penalty(library, k)
+        a, b = [], []
+        for _ in range(3):
+            a.append(median_ms(lambda k=k: penalty(plain, k), max(1, args.repeats // 3)))
+            b.append(median_ms(lambda k=k: penalty(library, k), max(1, args.repeats // 3)))
         a_ms, b_ms = statistics.median(a), statistics.median(b)
         print(f"| {k} | {a_ms:.1f} | {b_ms:.1f} | {a_ms / b_ms:.2f} | "
               f"{abs(a_value - b_value) / abs(a_value):.1e} |")

@@ -240,3 +240,69 @@ def test_factors_agree_with_backpack_kflr():
         torch.testing.assert_close(est._state[f"kfac.{path}.G"], g, rtol=1e-10, atol=1e-14)
         torch.testing.assert_close(est._state[f"kfac.{path}.A"][:-1, :-1], a, rtol=1e-10,
                                    atol=1e-14)
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "kl"])
+def test_gradient_and_hessian_are_the_dense_gauss_newton_on_one_example(metric):
+    # one example: K-FAC is the block diagonal of the dense Gauss-Newton (test above), so the
+    # penalty's gradient is that matrix times Δθ and its Hessian is that matrix; the backward
+    # pass reuses the forward's product, and double backward must rebuild it with a graph
+    torch.manual_seed(8)
+    model = _mlp()
+    x = torch.randn(1, 3, dtype=DTYPE)
+    moved = _moved(model, 0.05)
+    gn = dense_gauss_newton(model, x, metric)
+    block = torch.zeros_like(gn)
+    for _, w, b in _layer_blocks(model):
+        idx = torch.cat([torch.arange(w.start, w.stop), torch.arange(b.start, b.stop)])
+        block[idx.unsqueeze(1), idx] = gn[idx][:, idx]
+    est = fsd.KFAC(metric=metric).fit(model, x)
+    names = [k for k, _ in moved.named_parameters()]
+    shapes = [p.shape for p in moved.parameters()]
+
+    def penalty(flat: torch.Tensor) -> torch.Tensor:
+        pieces = torch.split(flat, [s.numel() for s in shapes])
+        params = {k: v.reshape(s) for k, v, s in zip(names, pieces, shapes, strict=True)}
+        return est.distance(_Parametrized(moved, params))
+
+    theta = torch.cat([p.detach().reshape(-1) for p in moved.parameters()]).requires_grad_()
+    delta = _flat_delta(model, moved).detach()
+    (grad,) = torch.autograd.grad(penalty(theta), theta, create_graph=True)
+    torch.testing.assert_close(grad, block @ delta, rtol=1e-10, atol=1e-13)
+    v = torch.randn_like(theta)
+    (hvp,) = torch.autograd.grad(grad @ v, theta)
+    torch.testing.assert_close(hvp, block @ v, rtol=1e-10, atol=1e-13)
+    hessian = torch.func.hessian(penalty)(theta.detach())
+    torch.testing.assert_close(hessian, block, rtol=1e-10, atol=1e-13)
+
+
+class _Parametrized(nn.Module):
+    """``model`` with its parameters replaced by ``params`` (tensors that carry a graph)."""
+
+    def __init__(self, model: nn.Module, params: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.model, self.params = model, params
+
+    def named_parameters(self, *args, **kwargs):  # what KFAC.distance reads
+        return iter(self.params.items())
+
+
+def test_kronecker_quadratic_derivatives_match_finite_differences_and_vmap():
+    from fsd.kfac import _KroneckerQuadratic
+
+    torch.manual_seed(9)
+    b, c = torch.randn(4, 4, dtype=DTYPE), torch.randn(6, 6, dtype=DTYPE)
+    g, a = (b @ b.T).requires_grad_(), (c @ c.T).requires_grad_()
+    delta = torch.randn(4, 6, dtype=DTYPE, requires_grad=True)
+
+    def value(d, gg, aa):
+        return _KroneckerQuadratic.apply(d, gg, aa)[0]
+
+    assert torch.autograd.gradcheck(value, (delta, g, a), check_forward_ad=True)
+    assert torch.autograd.gradgradcheck(value, (delta, g, a))
+    # torch.func: per-sample gradients over a batch of D share the factors
+    deltas = torch.randn(5, 4, 6, dtype=DTYPE)
+    batched = torch.func.vmap(torch.func.grad(value), in_dims=(0, None, None))(
+        deltas, g.detach(), a.detach())
+    torch.testing.assert_close(batched, 2 * g.detach() @ deltas @ a.detach(), rtol=1e-12,
+                               atol=1e-12)
