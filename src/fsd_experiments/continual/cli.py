@@ -149,7 +149,8 @@ def _add_run_options(parser: argparse.ArgumentParser, *, enforce_required: bool)
     parser.add_argument("--metric", default=None, choices=list(METRICS),
                     help="output metric of the Monte Carlo and NTK penalties (laftr, bgln-s, "
                          "ntk...; default: softmax_euclidean, as the authors' BGLN-S code, but "
-                         "euclidean for laftr, which holds earlier tasks far better on it; "
+                         "euclidean for laftr and laftr-coreset, which hold earlier tasks "
+                         "better on it; "
                          "on Split CIFAR-100 the paper's per method, kl for ntk and laftr)")
     add_threads_option(parser)
     parser.add_argument("--device", default="cpu", type=device)
