@@ -141,9 +141,9 @@ class KFAC(Estimator):
 class _KroneckerQuadratic(torch.autograd.Function):
     """tr(Dᵀ G D A) for fixed symmetric G and A, with a backward pass that reuses G D A.
 
-    The gradient 2 G D A is the forward's product, so a penalized step multiplies by the two
-    factors once instead of three times (autograd through ``(G @ D) * (D @ A)`` multiplies
-    again by each). Double backward rebuilds the product with a graph, so Hessian-vector
+    The gradient 2 G D A is the forward's product, so a penalized step multiplies by each
+    factor once instead of twice (autograd through ``(G @ D) * (D @ A)`` multiplies by each
+    again in the backward pass). Double backward rebuilds the product with a graph, so Hessian-vector
     products stay exact; forward mode has its own rule, and ``generate_vmap_rule`` lets
     ``torch.func`` transforms batch it.
     """
