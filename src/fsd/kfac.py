@@ -143,9 +143,9 @@ class _KroneckerQuadratic(torch.autograd.Function):
 
     The gradient 2 G D A is the forward's product, so a penalized step multiplies by each
     factor once instead of twice (autograd through ``(G @ D) * (D @ A)`` multiplies by each
-    again in the backward pass). Double backward rebuilds the product with a graph, so Hessian-vector
-    products stay exact; forward mode has its own rule, and ``generate_vmap_rule`` lets
-    ``torch.func`` transforms batch it.
+    again in the backward pass). Double backward rebuilds the product with a graph, so
+    Hessian-vector products stay exact; forward mode has its own rule, and
+    ``generate_vmap_rule`` lets ``torch.func`` transforms batch it.
     """
 
     generate_vmap_rule = True
