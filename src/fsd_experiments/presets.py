@@ -219,7 +219,7 @@ _CIFAR_METRIC = {"ntk": "kl", "laftr": "kl", "laftr-coreset": "kl", "bgln-s-core
 # 1.76 on Split MNIST, against 99.69 ± 0.05 on logits (docs/continual-learning.md, R8 and
 # P11); LAFTR (coreset) on the CNN Split Fashion-MNIST reaches 96.29 ± 0.72 against 97.87 ±
 # 0.13 on logits.
-_MLP_METRIC = {"laftr": "euclidean", "laftr-coreset": "euclidean"}
+_MNIST_METRIC = {"laftr": "euclidean", "laftr-coreset": "euclidean"}
 
 
 def _column(benchmark: str) -> str:
@@ -238,8 +238,9 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
     experiment), with the MLP or the CNN. Split CIFAR-100 (6 or 11 tasks) trains the CNN,
     200 epochs on the first task and the table's epochs on the others, coresets of 200.
     Output metric: softmax-Euclidean for the BGLN-S family, as the authors' code, except
-    LAFTR with Gaussian inputs off CIFAR (no paper row; logits); on Split CIFAR-100 the
-    metric of the method's row in the paper's ``kl_cifar`` table.
+    LAFTR (Gaussian inputs or coreset) on the MNIST and Fashion-MNIST benchmarks (no paper
+    row; logits); on Split CIFAR-100 the metric of the method's row in the paper's
+    ``kl_cifar`` table.
     """
     if benchmark not in CL_BENCHMARKS:
         raise ValueError(f"unknown benchmark {benchmark!r}; expected one of {CL_BENCHMARKS}")
@@ -257,7 +258,7 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
     if cifar and PRESETS[method].metric_applies:
         metric = _CIFAR_METRIC.get(method, "softmax_euclidean")
     elif not cifar:
-        metric = _MLP_METRIC.get(method, metric)
+        metric = _MNIST_METRIC.get(method, metric)
     return {
         # first_epochs: epochs on the first task (None: ``epochs``, as on MNIST)
         "epochs": epochs, "first_epochs": _CIFAR_FIRST_EPOCHS if cifar else None,
