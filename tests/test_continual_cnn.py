@@ -127,9 +127,10 @@ def test_split_cifar100_paper_settings():
     assert [hp.epochs_of_task(t) for t in range(3)] == [200, 80, 80]
     assert {"finetune", "laftr", "laftr-coreset", "bgln-s", "bgln-s-cw", "ntk"} <= \
         set(CNN_METHODS)
-    # Algorithm 2 runs on the CNN (fsd.conv_moments); exact moments and K-FAC do not
-    assert {"bgln-d", "bgln-d-cw", "bgln-d-var"} <= set(CNN_METHODS)
-    assert not {"bgln-d-exact", "bgln-d-layerwise", "osla"} & set(CNN_METHODS)
+    # Algorithm 2 runs on the CNN (fsd.conv_moments), and K-FAC (KFC's convolution factors);
+    # exact moments do not
+    assert {"bgln-d", "bgln-d-cw", "bgln-d-var", "osla"} <= set(CNN_METHODS)
+    assert not {"bgln-d-exact", "bgln-d-layerwise"} & set(CNN_METHODS)
     assert continual.default_hyperparameters("split-cifar100", "bgln-d")["rank"] == 64
     # the NTK estimator gets the metric too
     est = continual.METHODS["ntk"].continual_estimator(ntk, 0)
@@ -139,7 +140,8 @@ def test_split_cifar100_paper_settings():
 @pytest.mark.parametrize("argv, needle", [
     (["--benchmark", "split-cifar100", "--method", "bgln-d-exact"],
      "bgln-d-exact does not run on the CNN"),
-    (["--benchmark", "split-cifar100", "--method", "osla"], "osla does not run on the CNN"),
+    (["--benchmark", "split-cifar100-11", "--method", "bgln-d-layerwise"],
+     "bgln-d-layerwise does not run on the CNN"),
     (["--benchmark", "split-mnist", "--model", "cnn", "--method", "bgln-d-layerwise"],
      "the methods that do: finetune"),
     (["--benchmark", "split-cifar100", "--method", "bgln-s", "--width", "64"],
@@ -188,7 +190,7 @@ def test_split_cifar100_11_end_to_end_and_resume(tmp_path, cifar_dir, capsys, me
     _check_cifar_run(res, 3 if extra else 11, method, tmp_path)
 
 
-@pytest.mark.parametrize("method", ["finetune", "bgln-s-cw", "laftr", "bgln-d"])
+@pytest.mark.parametrize("method", ["finetune", "bgln-s-cw", "laftr", "bgln-d", "osla"])
 def test_split_fashion_mnist_with_the_cnn(tmp_path, fashion_dir, capsys, method):
     extra = ["--rank", "8"] if method == "bgln-d" else []
     res = _run_and_resume(tmp_path, fashion_dir, "split-fashion-mnist", method, "--model",

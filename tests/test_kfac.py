@@ -48,37 +48,69 @@ def dense_gauss_newton(model: nn.Module, x: torch.Tensor, metric: str) -> torch.
 
 
 def _layer_indices(model: nn.Module) -> list[torch.Tensor]:
-    """Per Linear: the flat indices of its weight and bias (one K-FAC block)."""
+    """Per Linear or Conv2d: the flat indices of its weight and bias (one K-FAC block)."""
     offset, blocks = 0, []
     for module in model.modules():
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Conv2d)):
             size = sum(p.numel() for p in module.parameters())
             blocks.append(torch.arange(offset, offset + size))
             offset += size
     return blocks
 
 
+def _patches_by_slicing(layer: nn.Conv2d, h: torch.Tensor) -> list[torch.Tensor]:
+    """One (C·kh·kw) vector per output location, row-major, cut out of the padded input."""
+    (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.stride, layer.dilation
+    ph, pw = ((dh * (kh - 1) // 2, dw * (kw - 1) // 2) if layer.padding == "same"
+              else layer.padding)
+    padded = nn.functional.pad(h, (pw, pw, ph, ph))
+    rows = (padded.shape[1] - dh * (kh - 1) - 1) // sh + 1
+    cols = (padded.shape[2] - dw * (kw - 1) - 1) // sw + 1
+    return [padded[:, i * sh:i * sh + dh * (kh - 1) + 1:dh, j * sw:j * sw + dw * (kw - 1) + 1:dw]
+            .reshape(-1) for i in range(rows) for j in range(cols)]
+
+
 def brute_force_factors(model: nn.Sequential, x: torch.Tensor, metric: str):
-    """A = mean ā āᵀ and G = mean Σ_k g_k g_kᵀ per Linear, one example and factor at a time."""
-    linears = [i for i, m in enumerate(model) if isinstance(m, nn.Linear)]
+    """A and G per Linear or Conv2d, one example, factor and output location at a time.
+
+    Linear: A = mean ā āᵀ, G = mean Σ_k g_k g_kᵀ. Conv2d (KFC): A = mean Σ_t ā_t ā_tᵀ over
+    its output locations t, G = mean (1/T) Σ_t Σ_k g_kt g_ktᵀ.
+    """
+    layers = [i for i, m in enumerate(model) if isinstance(m, (nn.Linear, nn.Conv2d))]
     factors = {}
-    for i in linears:
+    for i in layers:
         a_sum, g_sum = 0, 0
         for xi in x:
             h = xi.unsqueeze(0)
             for layer in model[:i]:
                 h = layer(h)
-            a_bar = torch.cat([h[0], torch.ones(1, dtype=DTYPE)])
+            conv = isinstance(model[i], nn.Conv2d)
+            inputs = _patches_by_slicing(model[i], h[0]) if conv else [h[0]]
+            for a in inputs:
+                a_bar = torch.cat([a, torch.ones(1, dtype=DTYPE)])
+                a_sum = a_sum + torch.outer(a_bar, a_bar)
             s = model[i](h).detach().requires_grad_(True)
             z = s
             for layer in model[i + 1:]:
                 z = layer(z)
             for hk in output_hessian_factors(metric, z.detach())[0]:
                 (g,) = torch.autograd.grad((z[0] * hk).sum(), s, retain_graph=True)
-                g_sum = g_sum + torch.outer(g[0], g[0])
-            a_sum = a_sum + torch.outer(a_bar, a_bar)
+                if conv:  # (C_out, H', W'): one vector per location, averaged over them
+                    per_location = g[0].reshape(g.shape[1], -1).T
+                    g_sum = g_sum + per_location.T @ per_location / per_location.shape[0]
+                else:
+                    g_sum = g_sum + torch.outer(g[0], g[0])
         factors[str(i)] = (a_sum / x.shape[0], g_sum / x.shape[0])
     return factors
+
+
+def _cnn(same: bool = True) -> nn.Sequential:
+    # stride, zero padding, dilation and padding="same": every way a patch is cut
+    return nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.ReLU(),
+                         nn.Conv2d(3, 4, 2, dilation=2, bias=False), nn.Tanh(),
+                         nn.Conv2d(4, 2, 3, padding="same" if same else 1), nn.ReLU(),
+                         nn.Flatten(),
+                         nn.Linear(2 * 2 * 2, 3)).to(DTYPE)
 
 
 def _flat_delta(model: nn.Module, moved: nn.Module) -> torch.Tensor:
@@ -95,6 +127,49 @@ def test_factors_equal_per_example_brute_force(metric):
     for path, (a, g) in brute_force_factors(model, x, metric).items():
         torch.testing.assert_close(est._state[f"kfac.{path}.A"], a, rtol=1e-10, atol=1e-13)
         torch.testing.assert_close(est._state[f"kfac.{path}.G"], g, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "kl", "softmax_euclidean"])
+def test_convolution_factors_equal_kfc_computed_patch_by_patch(metric):
+    torch.manual_seed(10)
+    model = _cnn()
+    x = torch.randn(9, 2, 7, 7, dtype=DTYPE)
+    est = fsd.KFAC(metric=metric).fit(model, [x[:4], x[4:]])
+    for path, (a, g) in brute_force_factors(model, x, metric).items():
+        torch.testing.assert_close(est._state[f"kfac.{path}.A"], a, rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(est._state[f"kfac.{path}.G"], g, rtol=1e-10, atol=1e-13)
+
+
+def test_penalty_of_a_cnn_is_the_kronecker_quadratic_formed_densely():
+    torch.manual_seed(11)
+    model = _cnn()
+    x = torch.randn(6, 2, 7, 7, dtype=DTYPE)
+    moved = _moved(model)
+    expected = 0
+    for path, (a, g) in brute_force_factors(model, x, "kl").items():
+        layer, other = model[int(path)], moved[int(path)]
+        dw = (other.weight - layer.weight).detach().reshape(layer.weight.shape[0], -1)
+        db = ((other.bias - layer.bias).detach() if layer.bias is not None
+              else torch.zeros(dw.shape[0], dtype=DTYPE))
+        vec = torch.cat([dw, db.unsqueeze(1)], dim=1).T.reshape(-1)
+        expected = expected + vec @ torch.kron(a, g) @ vec
+    value = fsd.KFAC(metric="kl").fit(model, x).distance(moved)
+    torch.testing.assert_close(value, 0.5 * expected, rtol=1e-10, atol=1e-13)
+
+
+def test_one_convolution_under_the_euclidean_metric_is_the_exact_fsd():
+    # Σ_k g_kt g_kt'ᵀ = δ_tt' I for a convolution read out directly, so KFC's factorisation
+    # is the full Gauss-Newton, and for a linear network that is the exact FSD
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, padding=2), nn.Flatten()).to(DTYPE)
+    x = torch.randn(30, 2, 6, 5, dtype=DTYPE) * 2 + 1
+    moved = _moved(model, 0.5)
+    kfac = fsd.KFAC().fit(model, x).distance(moved)
+    torch.testing.assert_close(kfac, fsd.ExactFSD().fit(model, x).distance(moved),
+                               rtol=1e-10, atol=1e-13)
+    gn = dense_gauss_newton(model, x, "euclidean")
+    delta = _flat_delta(model, moved)
+    torch.testing.assert_close(kfac, 0.5 * delta @ gn @ delta, rtol=1e-10, atol=1e-13)
 
 
 @pytest.mark.parametrize("metric", ["euclidean", "kl"])
@@ -117,12 +192,18 @@ def test_penalty_is_the_kronecker_quadratic_formed_densely(metric):
     assert float(delta.abs().sum()) > 0
 
 
+def _one_location_cnn() -> nn.Sequential:
+    # the first convolution covers its whole input (T = 1), which K-FAC factorizes exactly
+    return nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4, 3)).to(DTYPE)
+
+
 @pytest.mark.parametrize("metric", ["euclidean", "kl"])
-def test_one_example_gives_the_block_diagonal_of_the_dense_gauss_newton(metric):
+@pytest.mark.parametrize("make,shape", [(_mlp, (3,)), (_one_location_cnn, (2, 3, 3))])
+def test_one_example_gives_the_block_diagonal_of_the_dense_gauss_newton(metric, make, shape):
     # with one example (and any number of factors) E[āāᵀ ⊗ ggᵀ] factorizes exactly
     torch.manual_seed(2)
-    model = _mlp()
-    x = torch.randn(1, 3, dtype=DTYPE)
+    model = make()
+    x = torch.randn(1, *shape, dtype=DTYPE)
     moved = _moved(model, 0.05)
     gn = dense_gauss_newton(model, x, metric)
     delta = _flat_delta(model, moved)
@@ -194,9 +275,14 @@ def test_save_load_roundtrip_and_tampered_factors(tmp_path):
 @pytest.mark.parametrize("model,message", [
     (nn.Sequential(nn.Conv1d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2)), "Conv1d at '0'"),
     (nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3), nn.Linear(3, 2)), "LayerNorm at '1'"),
+    (nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten()), "groups=1.*groups=2"),
+    (nn.Sequential(nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"), nn.Flatten()),
+     "padding_mode='reflect'"),
+    (nn.Sequential(nn.Conv2d(2, 2, 2, padding="same"), nn.Flatten()), "even kernel"),
 ])
-def test_models_beyond_linear_layers_are_refused(model, message):
-    x = torch.randn(4, 1, 6) if isinstance(model[0], nn.Conv1d) else torch.randn(4, 3)
+def test_models_beyond_linear_and_conv2d_layers_are_refused(model, message):
+    x = torch.randn(4, 1, 6) if isinstance(model[0], nn.Conv1d) else (
+        torch.randn(4, 2, 5, 5) if isinstance(model[0], nn.Conv2d) else torch.randn(4, 3))
     with pytest.raises(ValueError, match=message):
         fsd.KFAC().fit(model, x)
 
@@ -214,15 +300,21 @@ def test_a_linear_called_twice_is_refused():
         fsd.KFAC().fit(Twice(), torch.randn(4, 3))
 
 
-def test_factors_agree_with_backpack_kflr():
+@pytest.mark.parametrize("make,shape", [
+    (lambda: nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 4)).to(DTYPE), (3,)),
+    (lambda: _cnn(same=False), (2, 7, 7)),  # BackPACK cuts patches with numeric padding only
+])
+def test_factors_agree_with_backpack_kflr(make, shape):
     # an independent implementation: BackPACK's exact Kronecker factors (KFLR) of the
-    # cross-entropy Gauss-Newton; BackPACK has no bias column in A, so compare A's weight block
+    # cross-entropy Gauss-Newton; BackPACK has no bias column in A, so compare A's weight
+    # block. Its Conv2d G is Σ_k (Σ_t g_kt)(Σ_t g_kt)ᵀ (the bias block), not KFC's, so a
+    # convolution's G is checked patch by patch above instead
     backpack = pytest.importorskip("backpack")
     from backpack.extensions import KFLR
 
     torch.manual_seed(7)
-    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 4)).to(DTYPE)
-    x = torch.randn(20, 3, dtype=DTYPE)
+    model = make()
+    x = torch.randn(20, *shape, dtype=DTYPE)
     est = fsd.KFAC(metric="kl").fit(model, x)
     extended = backpack.extend(copy.deepcopy(model))
     loss_fn = backpack.extend(nn.CrossEntropyLoss())
@@ -230,11 +322,14 @@ def test_factors_agree_with_backpack_kflr():
         labels = extended(x).argmax(1)  # any labels: the GN does not depend on them
     with backpack.backpack(KFLR()):
         loss_fn(extended(x), labels).backward()
-    for path in ("0", "2"):
+    for path, module in model.named_children():
+        if not isinstance(module, (nn.Linear, nn.Conv2d)):
+            continue
         g, a = extended.get_parameter(f"{path}.weight").kflr
-        torch.testing.assert_close(est._state[f"kfac.{path}.G"], g, rtol=1e-10, atol=1e-14)
         torch.testing.assert_close(est._state[f"kfac.{path}.A"][:-1, :-1], a, rtol=1e-10,
                                    atol=1e-14)
+        if isinstance(module, nn.Linear):
+            torch.testing.assert_close(est._state[f"kfac.{path}.G"], g, rtol=1e-10, atol=1e-14)
 
 
 @pytest.mark.parametrize("metric", ["euclidean", "kl"])

@@ -15,6 +15,16 @@ structured Laplace approximation (OSLA, Ritter et al. 2018) of the paper's table
 The factorisation is exact when either factor does not vary with x: a single example, or a
 one-layer network under the Euclidean metric (H = I, so G = I). Then the penalty equals the
 dense Gauss-Newton quadratic, and for a linear network the exact FSD.
+
+An ``nn.Conv2d`` is a Linear applied to every input patch at each of its T output locations.
+Its factors are KFC's (Grosse & Martens 2016), which assume derivatives uncorrelated across
+locations and independent of the patches::
+
+    A_l = E[Σ_t ā_t ā_tᵀ],   G_l = E[(1/T) Σ_t Σ_k g_kt g_ktᵀ],
+
+with ā_t = [patch_t; 1] in the order of ``weight.reshape(out_channels, -1)``. They are exact
+for a one-layer network under the Euclidean metric (Σ_k g_kt g_kt'ᵀ = δ_tt' I there) and, as
+for a Linear, on one example when T = 1. BackPACK's KFLR puts the 1/T on neither factor.
 """
 
 from __future__ import annotations
@@ -22,22 +32,25 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
 from . import distributed
 from .estimator import Data, Estimator, iter_batches
 from .metrics import check_metric, output_hessian_factors
-from .validation import SummaryFormatError, require_psd, require_shape
+from .validation import SummaryFormatError, require, require_psd, require_shape
 
 
 class KFAC(Estimator):
-    """Kronecker-factored Gauss-Newton penalty of every ``nn.Linear`` layer.
+    """Kronecker-factored Gauss-Newton penalty of every ``nn.Linear`` and ``nn.Conv2d`` layer.
 
-    Every parameter of the model must belong to an ``nn.Linear`` that the forward calls once
-    on (batch, features) inputs (an MLP); anything else raises ``ValueError`` at ``fit``. The
-    factors are the exact expectations over the data and over the metric's Hessian factors
-    (EWC's ``fisher="true"``), one backward pass per factor and batch.
+    Every parameter of the model must belong to an ``nn.Linear`` (called on (batch, features)
+    inputs) or an ``nn.Conv2d`` (on (batch, channels, height, width) inputs, zero padding, one
+    group), each called once by the forward; the forward itself may be any graph. Anything
+    else raises ``ValueError`` at ``fit``. The factors are the exact expectations over the data
+    and over the metric's Hessian factors (EWC's ``fisher="true"``), one backward pass per
+    factor and batch; convolutions take KFC's factors (module docstring).
 
     Args:
         metric: output metric whose Hessian H defines the Gauss-Newton matrix:
@@ -47,19 +60,24 @@ class KFAC(Estimator):
     def __init__(self, metric: str = "euclidean") -> None:
         super().__init__(metric=check_metric(metric))
 
-    def _layers(self, model: nn.Module) -> dict[str, nn.Linear]:
-        layers: dict[str, nn.Linear] = {}
+    def _layers(self, model: nn.Module) -> dict[str, nn.Linear | nn.Conv2d]:
+        layers: dict[str, nn.Linear | nn.Conv2d] = {}
         others = []
         for path, module in model.named_modules():
             if next(module.parameters(recurse=False), None) is None:
                 continue
-            if type(module) is nn.Linear:
+            if type(module) is nn.Linear or type(module) is nn.Conv2d:
                 layers[path] = module
             else:
                 others.append(f"{type(module).__name__} at '{path or '<root>'}'")
         if others or not layers:
-            raise ValueError("KFAC needs a model whose parameters all belong to nn.Linear "
-                             f"layers; this one has {', '.join(others) or 'no Linear layer'}")
+            raise ValueError("KFAC needs a model whose parameters all belong to nn.Linear or "
+                             "nn.Conv2d layers; this one has "
+                             f"{', '.join(others) or 'no Linear or Conv2d layer'} "
+                             "(EWC, NTK and ExactFSD take any model)")
+        for path, module in layers.items():
+            if isinstance(module, nn.Conv2d):
+                _conv_padding(module, path)  # refuse what patches cannot reproduce, before data
         return layers
 
     def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
@@ -70,9 +88,9 @@ class KFAC(Estimator):
         buffers = {k[len("buffer0."):]: v for k, v in self._state.items()
                    if k.startswith("buffer0.")}
         # sums over examples, zero-initialised so every rank reduces the same tensors
-        inputs_sq = {p: torch.zeros(m.in_features + 1, m.in_features + 1, dtype=dtype,
-                                    device=device) for p, m in layers.items()}
-        grads_sq = {p: torch.zeros(m.out_features, m.out_features, dtype=dtype, device=device)
+        inputs_sq = {p: torch.zeros(_fan_in(m) + 1, _fan_in(m) + 1, dtype=dtype, device=device)
+                     for p, m in layers.items()}
+        grads_sq = {p: torch.zeros(_fan_out(m), _fan_out(m), dtype=dtype, device=device)
                     for p, m in layers.items()}
         count = 0
         for x, _ in iter_batches(data, dtype=dtype, device=device, progress=progress,
@@ -84,22 +102,17 @@ class KFAC(Estimator):
             finally:
                 for handle in handles:
                     handle.remove()
-            calls = {p: len(v) for p, v in seen.items() if len(v) != 1}
-            if calls or any(v[0][0].dim() != 2 for v in seen.values()):
-                raise ValueError(f"KFAC needs each Linear called once on (batch, features) "
-                                 f"inputs; calls per layer: {calls or 'non-2-d inputs'}")
+            _check_calls(layers, seen)
             hs = output_hessian_factors(self.config["metric"], z.detach())
             outputs = [seen[p][0][1] for p in layers]
             for j in range(hs.shape[1]):
                 gs = torch.autograd.grad((z * hs[:, j]).sum(), outputs,
                                          retain_graph=j < hs.shape[1] - 1, allow_unused=True)
-                for path, g in zip(layers, gs, strict=True):
+                for (path, module), g in zip(layers.items(), gs, strict=True):
                     if g is not None:  # None: the selected outputs do not use this layer
-                        grads_sq[path] += g.T @ g
-            for path in layers:
-                a = seen[path][0][0]
-                a = torch.cat([a, torch.ones_like(a[:, :1])], dim=1)
-                inputs_sq[path] += a.T @ a
+                        grads_sq[path] += _grad_gram(module, g)
+            for path, module in layers.items():
+                inputs_sq[path] += _input_gram(module, path, seen[path][0][0])
             count += x.shape[0]
         sums, count = distributed.sum_tensors(
             {**{f"A:{p}": v for p, v in inputs_sq.items()},
@@ -113,8 +126,11 @@ class KFAC(Estimator):
     def _check_summary(self) -> None:
         for path, _ in self._meta.get("layers", []):
             key = f"{path}." if path else ""
-            weight = require_shape(self._stored, f"theta0.{key}weight", [None, None])
-            out_features, in_features = weight.shape
+            weight = require(self._stored, f"theta0.{key}weight")
+            if weight.dim() not in (2, 4):  # Linear (out, in) or Conv2d (out, in, kh, kw)
+                raise SummaryFormatError(f"field 'theta0.{key}weight': shape "
+                                         f"{tuple(weight.shape)}, expected 2 or 4 dimensions")
+            out_features, in_features = weight.shape[0], weight[0].numel()
             require_shape(self._stored, f"kfac.{key}A", [in_features + 1, in_features + 1])
             require_shape(self._stored, f"kfac.{key}G", [out_features, out_features])
             require_psd(self._stored, f"kfac.{key}A")
@@ -130,6 +146,7 @@ class KFAC(Estimator):
         for path, has_bias in self._meta["layers"]:
             key = f"{path}." if path else ""
             delta = current[f"{key}weight"] - theta0[f"{key}weight"]
+            delta = delta.reshape(delta.shape[0], -1)  # a Conv2d's rows in patch order
             bias = (current[f"{key}bias"] - theta0[f"{key}bias"] if has_bias
                     else delta.new_zeros(delta.shape[0]))
             delta = torch.cat([delta, bias.unsqueeze(1)], dim=1)  # ΔW̄ = [ΔW, Δb]
@@ -198,3 +215,63 @@ def _recorder(calls: list[tuple[Tensor, Tensor]]):
         calls.append((args[0].detach(), output))
         return output.clone()
     return hook
+
+
+def _fan_in(module: nn.Linear | nn.Conv2d) -> int:
+    return module.weight[0].numel()
+
+
+def _fan_out(module: nn.Linear | nn.Conv2d) -> int:
+    return module.weight.shape[0]
+
+
+def _conv_padding(module: nn.Conv2d, path: str) -> tuple[int, int]:
+    """The symmetric zero padding that ``F.unfold`` must use to see the layer's patches."""
+    where = f"Conv2d at '{path or '<root>'}'"
+    if module.groups != 1 or module.padding_mode != "zeros":
+        raise ValueError(f"KFAC needs Conv2d layers with groups=1 and padding_mode='zeros'; "
+                         f"{where} has groups={module.groups}, "
+                         f"padding_mode={module.padding_mode!r}")
+    if module.padding == "valid":
+        return (0, 0)
+    if module.padding == "same":
+        totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size, strict=True)]
+        if any(t % 2 for t in totals):  # torch pads one more on one side: no unfold equivalent
+            raise ValueError(f"KFAC cannot take padding='same' with an even kernel extent "
+                             f"({where}); give the padding as numbers")
+        return (totals[0] // 2, totals[1] // 2)
+    return (int(module.padding[0]), int(module.padding[1]))
+
+
+def _check_calls(layers: dict[str, nn.Linear | nn.Conv2d],
+                 seen: dict[str, list[tuple[Tensor, Tensor]]]) -> None:
+    calls = {p: len(v) for p, v in seen.items() if len(v) != 1}
+    if calls:
+        raise ValueError(f"KFAC needs each layer called once by the forward; calls per "
+                         f"layer: {calls}")
+    for path, module in layers.items():
+        dims = 4 if isinstance(module, nn.Conv2d) else 2
+        if seen[path][0][0].dim() != dims:
+            shape = "(batch, channels, height, width)" if dims == 4 else "(batch, features)"
+            raise ValueError(f"KFAC needs {type(module).__name__} at '{path or '<root>'}' "
+                             f"called on {shape} inputs; it got shape "
+                             f"{tuple(seen[path][0][0].shape)}")
+
+
+def _input_gram(module: nn.Linear | nn.Conv2d, path: str, x: Tensor) -> Tensor:
+    """Σ ā āᵀ over the batch (and a Conv2d's output locations), ā = [input; 1]."""
+    if isinstance(module, nn.Conv2d):
+        patches = F.unfold(x, module.kernel_size, dilation=module.dilation,
+                           padding=_conv_padding(module, path), stride=module.stride)
+        x = patches.transpose(1, 2).reshape(-1, patches.shape[1])  # (batch · T, C·kh·kw)
+    rows = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
+    return rows.T @ rows
+
+
+def _grad_gram(module: nn.Linear | nn.Conv2d, g: Tensor) -> Tensor:
+    """Σ g gᵀ over the batch; a Conv2d's is the mean over its T output locations."""
+    if isinstance(module, nn.Conv2d):
+        locations = g.shape[2] * g.shape[3]
+        g = g.flatten(2).transpose(1, 2).reshape(-1, g.shape[1])
+        return g.T @ g / locations
+    return g.T @ g

@@ -74,15 +74,14 @@ class Preset:
     def convolutional(self) -> bool:
         """Runs on convolutional networks (``fsd cl --model cnn``).
 
-        All but BGLN-D with exact moments or layer-wise statistics (which would carry
-        (C·H·W)² second moments; Algorithm 2 runs, :mod:`fsd.conv_moments`) and K-FAC (OSLA),
-        whose factors cover ``nn.Linear`` layers only.
+        All but BGLN-D with exact moments or layer-wise statistics, which would carry
+        (C·H·W)² second moments (Algorithm 2 runs, :mod:`fsd.conv_moments`).
         """
         if self.estimator is BGLN:
             return not self.options.get("deterministic", False) or (
                 self.options.get("moments", "paper") == "paper"
                 and self.options.get("reference", "propagated") == "propagated")
-        return self.estimator is not KFAC
+        return True
 
     @property
     def needs_statistics(self) -> bool:
