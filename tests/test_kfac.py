@@ -157,6 +157,20 @@ def test_penalty_of_a_cnn_is_the_kronecker_quadratic_formed_densely():
     torch.testing.assert_close(value, 0.5 * expected, rtol=1e-10, atol=1e-13)
 
 
+def test_float32_convolution_factors_are_symmetric_and_load_back(tmp_path):
+    # a float32 Gram over many patches is asymmetric at round-off, which fsd.load refused
+    torch.manual_seed(13)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(8 * 26 * 26, 2))
+    x = torch.rand(256, 1, 28, 28)
+    est = fsd.KFAC().fit(model, [x[i:i + 64] for i in range(0, 256, 64)])
+    for key, value in est._state.items():
+        if key.startswith("kfac."):
+            assert torch.equal(value, value.T), key
+    est.save(tmp_path / "k.fsd")
+    fsd.load(tmp_path / "k.fsd")
+
+
 def test_one_convolution_under_the_euclidean_metric_is_the_exact_fsd():
     # Σ_k g_kt g_kt'ᵀ = δ_tt' I for a convolution read out directly, so KFC's factorisation
     # is the full Gauss-Newton, and for a linear network that is the exact FSD

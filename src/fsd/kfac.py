@@ -119,8 +119,11 @@ class KFAC(Estimator):
              **{f"G:{p}": v for p, v in grads_sq.items()}}, count)
         for path in layers:
             key = f"{path}." if path else ""
-            self._state[f"kfac.{key}A"] = sums[f"A:{path}"] / count
-            self._state[f"kfac.{key}G"] = sums[f"G:{path}"] / count
+            for factor in "AG":
+                # a float32 Gram over millions of patches is symmetric only to round-off,
+                # which fsd.load's check can exceed: store the symmetric part
+                total = sums[f"{factor}:{path}"]
+                self._state[f"kfac.{key}{factor}"] = (total + total.T) / (2 * count)
         self._meta["layers"] = [[path, layer.bias is not None] for path, layer in layers.items()]
 
     def _check_summary(self) -> None:
