@@ -211,8 +211,20 @@ def _one_location_cnn() -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4, 3)).to(DTYPE)
 
 
+class _ResidualMLP(nn.Module):
+    """x + relu(fc1(x)) into a head: KFAC runs the forward, so graphs are fine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.head = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + torch.relu(self.fc1(x)))
+
+
 @pytest.mark.parametrize("metric", ["euclidean", "kl"])
-@pytest.mark.parametrize("make,shape", [(_mlp, (3,)), (_one_location_cnn, (2, 3, 3))])
+@pytest.mark.parametrize("make,shape", [(_mlp, (3,)), (_one_location_cnn, (2, 3, 3)),
+                                        (lambda: _ResidualMLP().to(DTYPE), (3,))])
 def test_one_example_gives_the_block_diagonal_of_the_dense_gauss_newton(metric, make, shape):
     # with one example (and any number of factors) E[āāᵀ ⊗ ggᵀ] factorizes exactly
     torch.manual_seed(2)
