@@ -326,6 +326,13 @@ def test_a_linear_called_twice_is_refused():
         fsd.KFAC().fit(Twice(), torch.randn(4, 3))
 
 
+def test_a_linear_on_sequences_is_refused():
+    # a Linear on (batch, length, features) has one ā per position, which K-FAC does not sum
+    with pytest.raises(ValueError, match=r"Linear at '0' called on \(batch, features\) inputs; "
+                                         r"it got shape \(4, 5, 3\)"):
+        fsd.KFAC().fit(nn.Sequential(nn.Linear(3, 2)), torch.randn(4, 5, 3))
+
+
 @pytest.mark.parametrize("make,shape", [
     (lambda: nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 4)).to(DTYPE), (3,)),
     (lambda: _cnn(same=False), (2, 7, 7)),  # BackPACK cuts patches with numeric padding only

@@ -60,14 +60,16 @@ class KFAC(Estimator):
     def __init__(self, metric: str = "euclidean") -> None:
         super().__init__(metric=check_metric(metric))
 
-    def _layers(self, model: nn.Module) -> dict[str, nn.Linear | nn.Conv2d]:
-        layers: dict[str, nn.Linear | nn.Conv2d] = {}
+    def _layers(self, model: nn.Module) -> dict[str, _LinearLayer]:
+        layers: dict[str, _LinearLayer] = {}
         others = []
         for path, module in model.named_modules():
             if next(module.parameters(recurse=False), None) is None:
                 continue
-            if type(module) is nn.Linear or type(module) is nn.Conv2d:
-                layers[path] = module
+            if type(module) is nn.Linear:
+                layers[path] = _LinearLayer(module, path)
+            elif type(module) is nn.Conv2d:
+                layers[path] = _ConvLayer(module, path)  # refuses what unfold cannot cut
             else:
                 others.append(f"{type(module).__name__} at '{path or '<root>'}'")
         if others or not layers:
@@ -75,9 +77,6 @@ class KFAC(Estimator):
                              "nn.Conv2d layers; this one has "
                              f"{', '.join(others) or 'no Linear or Conv2d layer'} "
                              "(EWC, NTK and ExactFSD take any model)")
-        for path, module in layers.items():
-            if isinstance(module, nn.Conv2d):
-                _conv_padding(module, path)  # refuse what patches cannot reproduce, before data
         return layers
 
     def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
@@ -88,31 +87,37 @@ class KFAC(Estimator):
         buffers = {k[len("buffer0."):]: v for k, v in self._state.items()
                    if k.startswith("buffer0.")}
         # sums over examples, zero-initialised so every rank reduces the same tensors
-        inputs_sq = {p: torch.zeros(_fan_in(m) + 1, _fan_in(m) + 1, dtype=dtype, device=device)
-                     for p, m in layers.items()}
-        grads_sq = {p: torch.zeros(_fan_out(m), _fan_out(m), dtype=dtype, device=device)
-                    for p, m in layers.items()}
+        inputs_sq = {p: torch.zeros(layer.fan_in + 1, layer.fan_in + 1, dtype=dtype,
+                                    device=device) for p, layer in layers.items()}
+        grads_sq = {p: torch.zeros(layer.fan_out, layer.fan_out, dtype=dtype, device=device)
+                    for p, layer in layers.items()}
         count = 0
         for x, _ in iter_batches(data, dtype=dtype, device=device, progress=progress,
                                  desc="KFAC: factors"):
             seen: dict[str, list[tuple[Tensor, Tensor]]] = {path: [] for path in layers}
-            handles = [m.register_forward_hook(_recorder(seen[p])) for p, m in layers.items()]
+            handles = [layer.module.register_forward_hook(_recorder(seen[p]))
+                       for p, layer in layers.items()]
             try:
                 z = self._select(functional_call(model, {**params, **buffers}, (x,)))
             finally:
                 for handle in handles:
                     handle.remove()
-            _check_calls(layers, seen)
+            calls = {p: len(v) for p, v in seen.items() if len(v) != 1}
+            if calls:
+                raise ValueError(f"KFAC needs each layer called once by the forward; calls "
+                                 f"per layer: {calls}")
+            for path, layer in layers.items():  # first: input_rows checks the input's shape
+                rows = layer.input_rows(seen[path][0][0])
+                rows = torch.cat([rows, torch.ones_like(rows[:, :1])], dim=1)  # ā = [a; 1]
+                inputs_sq[path] += rows.T @ rows
             hs = output_hessian_factors(self.config["metric"], z.detach())
             outputs = [seen[p][0][1] for p in layers]
             for j in range(hs.shape[1]):
                 gs = torch.autograd.grad((z * hs[:, j]).sum(), outputs,
                                          retain_graph=j < hs.shape[1] - 1, allow_unused=True)
-                for (path, module), g in zip(layers.items(), gs, strict=True):
+                for (path, layer), g in zip(layers.items(), gs, strict=True):
                     if g is not None:  # None: the selected outputs do not use this layer
-                        grads_sq[path] += _grad_gram(module, g)
-            for path, module in layers.items():
-                inputs_sq[path] += _input_gram(module, path, seen[path][0][0])
+                        grads_sq[path] += layer.grad_gram(g)
             count += x.shape[0]
         sums, count = distributed.sum_tensors(
             {**{f"A:{p}": v for p, v in inputs_sq.items()},
@@ -124,7 +129,8 @@ class KFAC(Estimator):
                 # which fsd.load's check can exceed: store the symmetric part
                 total = sums[f"{factor}:{path}"]
                 self._state[f"kfac.{key}{factor}"] = (total + total.T) / (2 * count)
-        self._meta["layers"] = [[path, layer.bias is not None] for path, layer in layers.items()]
+        self._meta["layers"] = [[path, layer.module.bias is not None]
+                                for path, layer in layers.items()]
 
     def _check_summary(self) -> None:
         for path, _ in self._meta.get("layers", []):
@@ -220,61 +226,65 @@ def _recorder(calls: list[tuple[Tensor, Tensor]]):
     return hook
 
 
-def _fan_in(module: nn.Linear | nn.Conv2d) -> int:
-    return module.weight[0].numel()
+class _LinearLayer:
+    """What K-FAC reads from an ``nn.Linear``: one row of ā and of g per example."""
+
+    dims, layout = 2, "(batch, features)"
+
+    def __init__(self, module: nn.Linear | nn.Conv2d, path: str) -> None:
+        self.module, self.path = module, path
+        self.fan_in, self.fan_out = module.weight[0].numel(), module.weight.shape[0]
+
+    def _check(self, x: Tensor) -> None:
+        if x.dim() != self.dims:
+            raise ValueError(f"KFAC needs {type(self.module).__name__} at "
+                             f"'{self.path or '<root>'}' called on {self.layout} inputs; it "
+                             f"got shape {tuple(x.shape)}")
+
+    def input_rows(self, x: Tensor) -> Tensor:
+        """The layer's inputs as rows a (without the bias's 1), Σ ā āᵀ summing over them."""
+        self._check(x)
+        return x
+
+    def grad_gram(self, g: Tensor) -> Tensor:
+        """Σ g gᵀ over the batch, g the gradient of the layer's output."""
+        return g.T @ g
 
 
-def _fan_out(module: nn.Linear | nn.Conv2d) -> int:
-    return module.weight.shape[0]
+class _ConvLayer(_LinearLayer):
+    """An ``nn.Conv2d``: a Linear on the patch at each of its T output locations (KFC)."""
 
+    dims, layout = 4, "(batch, channels, height, width)"
 
-def _conv_padding(module: nn.Conv2d, path: str) -> tuple[int, int]:
-    """The symmetric zero padding that ``F.unfold`` must use to see the layer's patches."""
-    where = f"Conv2d at '{path or '<root>'}'"
-    if module.groups != 1 or module.padding_mode != "zeros":
-        raise ValueError(f"KFAC needs Conv2d layers with groups=1 and padding_mode='zeros'; "
-                         f"{where} has groups={module.groups}, "
-                         f"padding_mode={module.padding_mode!r}")
-    if module.padding == "valid":
-        return (0, 0)
-    if module.padding == "same":
-        totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size, strict=True)]
-        if any(t % 2 for t in totals):  # torch pads one more on one side: no unfold equivalent
-            raise ValueError(f"KFAC cannot take padding='same' with an even kernel extent "
-                             f"({where}); give the padding as numbers")
-        return (totals[0] // 2, totals[1] // 2)
-    return (int(module.padding[0]), int(module.padding[1]))
+    def __init__(self, module: nn.Conv2d, path: str) -> None:
+        super().__init__(module, path)
+        where = f"Conv2d at '{path or '<root>'}'"
+        if module.groups != 1 or module.padding_mode != "zeros":
+            raise ValueError(f"KFAC needs Conv2d layers with groups=1 and padding_mode='zeros'"
+                             f"; {where} has groups={module.groups}, "
+                             f"padding_mode={module.padding_mode!r}")
+        self.conv = module
+        if module.padding == "valid":
+            self.padding = (0, 0)
+        elif module.padding == "same":
+            totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size,
+                                                  strict=True)]
+            if any(t % 2 for t in totals):  # torch pads one more on one side: unfold cannot
+                raise ValueError(f"KFAC cannot take padding='same' with an even kernel extent "
+                                 f"({where}); give the padding as numbers")
+            self.padding = (totals[0] // 2, totals[1] // 2)
+        else:
+            self.padding = (int(module.padding[0]), int(module.padding[1]))
 
+    def input_rows(self, x: Tensor) -> Tensor:
+        """One row per (example, output location): the patch, in the weight's (C, kh, kw) order."""
+        self._check(x)
+        patches = F.unfold(x, self.conv.kernel_size, dilation=self.conv.dilation,
+                           padding=self.padding, stride=self.conv.stride)
+        return patches.transpose(1, 2).reshape(-1, patches.shape[1])
 
-def _check_calls(layers: dict[str, nn.Linear | nn.Conv2d],
-                 seen: dict[str, list[tuple[Tensor, Tensor]]]) -> None:
-    calls = {p: len(v) for p, v in seen.items() if len(v) != 1}
-    if calls:
-        raise ValueError(f"KFAC needs each layer called once by the forward; calls per "
-                         f"layer: {calls}")
-    for path, module in layers.items():
-        dims = 4 if isinstance(module, nn.Conv2d) else 2
-        if seen[path][0][0].dim() != dims:
-            shape = "(batch, channels, height, width)" if dims == 4 else "(batch, features)"
-            raise ValueError(f"KFAC needs {type(module).__name__} at '{path or '<root>'}' "
-                             f"called on {shape} inputs; it got shape "
-                             f"{tuple(seen[path][0][0].shape)}")
-
-
-def _input_gram(module: nn.Linear | nn.Conv2d, path: str, x: Tensor) -> Tensor:
-    """Σ ā āᵀ over the batch (and a Conv2d's output locations), ā = [input; 1]."""
-    if isinstance(module, nn.Conv2d):
-        patches = F.unfold(x, module.kernel_size, dilation=module.dilation,
-                           padding=_conv_padding(module, path), stride=module.stride)
-        x = patches.transpose(1, 2).reshape(-1, patches.shape[1])  # (batch · T, C·kh·kw)
-    rows = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
-    return rows.T @ rows
-
-
-def _grad_gram(module: nn.Linear | nn.Conv2d, g: Tensor) -> Tensor:
-    """Σ g gᵀ over the batch; a Conv2d's is the mean over its T output locations."""
-    if isinstance(module, nn.Conv2d):
+    def grad_gram(self, g: Tensor) -> Tensor:
+        """Σ over the batch of the mean over output locations of g_t g_tᵀ."""
         locations = g.shape[2] * g.shape[3]
         g = g.flatten(2).transpose(1, 2).reshape(-1, g.shape[1])
         return g.T @ g / locations
-    return g.T @ g
