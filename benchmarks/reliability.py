@@ -119,6 +119,17 @@ def _():
     fsd.BGLN(deterministic=True, moments="exact").fit(_Residual(norm=True), X)
 
 
+@case("KFAC on a residual network with LayerNorm")
+def _():
+    fsd.KFAC().fit(_Residual(norm=True), X)
+
+
+@case("KFAC on a grouped convolution")
+def _():
+    fsd.KFAC().fit(nn.Sequential(nn.Conv2d(2, 4, 3, groups=2), nn.Flatten()),
+                   torch.randn(8, 2, 5, 5))
+
+
 @case("`distance` of a model with another architecture")
 def _():
     est = fsd.EWC().fit(_mlp(), X)

@@ -242,7 +242,8 @@ class DataDependent(nn.Module):
 
 
 @pytest.mark.parametrize("model,message", [
-    (Residual(), r"not a chain of layers at graph node 'add'.*ExactFSD, NTK, EWC and KFAC"),
+    (Residual(), r"not a chain of layers at graph node 'add'.*ExactFSD, NTK and EWC any model, "
+                r"KFAC any model of Linear and Conv2d layers"),
     (SoftmaxMLP(), r"operation softmax \(call_function\) at graph node 'softmax'.*register_rule"),
     (DataDependent(), r"cannot trace DataDependent\.forward"),
 ])

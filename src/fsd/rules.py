@@ -597,7 +597,7 @@ def rule_for(module: nn.Module, path: str) -> Rule:
         raise UnsupportedModuleError(
             f"module {type(module).__name__} at '{where}' has no rule, so BGLN-D cannot walk "
             f"it (rules: {supported}); LAFTR and BGLN-S linearize it on the graph path, "
-            f"ExactFSD, NTK, EWC and KFAC run the model's forward, or add a rule with "
+            f"ExactFSD, NTK and EWC run the model's forward, or add a rule with "
             f"fsd.register_rule"
         )
     return rule
