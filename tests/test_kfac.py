@@ -171,21 +171,6 @@ def test_float32_convolution_factors_are_symmetric_and_load_back(tmp_path):
     fsd.load(tmp_path / "k.fsd")
 
 
-def test_one_convolution_under_the_euclidean_metric_is_the_exact_fsd():
-    # Σ_k g_kt g_kt'ᵀ = δ_tt' I for a convolution read out directly, so KFC's factorisation
-    # is the full Gauss-Newton, and for a linear network that is the exact FSD
-    torch.manual_seed(12)
-    model = nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, padding=2), nn.Flatten()).to(DTYPE)
-    x = torch.randn(30, 2, 6, 5, dtype=DTYPE) * 2 + 1
-    moved = _moved(model, 0.5)
-    kfac = fsd.KFAC().fit(model, x).distance(moved)
-    torch.testing.assert_close(kfac, fsd.ExactFSD().fit(model, x).distance(moved),
-                               rtol=1e-10, atol=1e-13)
-    gn = dense_gauss_newton(model, x, "euclidean")
-    delta = _flat_delta(model, moved)
-    torch.testing.assert_close(kfac, 0.5 * delta @ gn @ delta, rtol=1e-10, atol=1e-13)
-
-
 @pytest.mark.parametrize("metric", ["euclidean", "kl"])
 def test_penalty_is_the_kronecker_quadratic_formed_densely(metric):
     torch.manual_seed(1)
@@ -240,11 +225,17 @@ def test_one_example_gives_the_block_diagonal_of_the_dense_gauss_newton(metric, 
     torch.testing.assert_close(value, 0.5 * expected, rtol=1e-10, atol=1e-14)
 
 
-def test_linear_network_under_the_euclidean_metric_is_exact():
-    # G = I: K-FAC is the full Gauss-Newton, which is the exact FSD of a linear network
+@pytest.mark.parametrize("make,shape", [
+    (lambda: nn.Sequential(nn.Linear(4, 3)), (40, 4)),
+    (lambda: nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, padding=2), nn.Flatten()), (30, 2, 6, 5)),
+])
+def test_one_layer_under_the_euclidean_metric_is_the_exact_fsd(make, shape):
+    # Linear: G = I, so K-FAC is the full Gauss-Newton, which is the exact FSD of a linear
+    # network. Conv2d read out directly: Σ_k g_kt g_kt'ᵀ = δ_tt' I, so KFC's factorisation is
+    # the full Gauss-Newton too
     torch.manual_seed(3)
-    model = nn.Sequential(nn.Linear(4, 3)).to(DTYPE)
-    x = torch.randn(40, 4, dtype=DTYPE) * 2 + 1
+    model = make().to(DTYPE)
+    x = torch.randn(*shape, dtype=DTYPE) * 2 + 1
     moved = _moved(model, 0.5)
     kfac = fsd.KFAC().fit(model, x).distance(moved)
     torch.testing.assert_close(kfac, fsd.ExactFSD().fit(model, x).distance(moved),
