@@ -25,7 +25,7 @@ from fsd_experiments.models import cifar_cnn, conv_net
 from fsd_experiments.presets import CNN_METHODS
 
 #: the methods the paper runs on Split CIFAR-100; the first three fit no input moments
-CHEAP = ["finetune", "ntk", "laftr-coreset"]
+CHEAP = ["finetune", "ntk", "laftr-coreset", "osla"]
 MOMENTS = ["laftr", "bgln-s", "bgln-s-cw"]
 TINY = ["--seeds", "3", "--epochs", "1", "--train-subset", "12",
         "--test-subset", "10", "--num-samples", "2", "--coreset-size", "5", "--no-progress",
