@@ -33,6 +33,9 @@ def test_counts_of_hand_counted_mlp():
     assert (arch.P, arch.A, arch.d) == (26, 4, 3)
     assert arch.layer_params == [16, 10]
     assert arch.osla_blocks == 16 ** 2 + 10 ** 2
+    # K-FAC: A_l is (fan-in + 1)², with the bias row; G_l is fan-out²
+    assert arch.kfac_factors == [(4, 4), (5, 2)]
+    assert arch.kfac_numbers == 4 ** 2 + 4 ** 2 + 5 ** 2 + 2 ** 2
 
 
 def test_counts_of_hand_counted_cnn():
@@ -42,11 +45,14 @@ def test_counts_of_hand_counted_cnn():
                           nn.Linear(32, 3))
     arch = count_architecture(model, (1, 4, 4))
     assert (arch.P, arch.A, arch.d) == (119, 32, 16)
+    # the convolution's A is over patches: 1 channel · 3 · 3 + 1
+    assert arch.kfac_factors == [(10, 2), (33, 3)]
 
 
 def test_formulas_on_hand_counted_mlp():
     P, A, d, N, C = 26, 4, 3, 5, 2
-    costs = memory_costs(P, A, d, N, C, layer_params=[16, 10])
+    costs = memory_costs(P, A, d, N, C, layer_params=[16, 10],
+                         kfac_factors=[(4, 4), (5, 2)])
     assert costs["EWC"] == 52
     assert costs["NTK (coreset)"] == 52 + 15
     assert costs["FROMP (coreset)"] == 52 + 15 + 4 * 25
@@ -58,6 +64,8 @@ def test_formulas_on_hand_counted_mlp():
     assert costs["BGLN-S-CW / BGLN-D-CW"] == 26 + 2 * 16
     assert costs["BGLN-S-Var / BGLN-D-Var"] == 26 + 4 + 6
     assert costs["OSLA"] == 26 + 356
+    assert costs["OSLA (K-FAC factors)"] == 26 + 61
+    assert "OSLA (K-FAC factors)" not in memory_costs(P, A, d, N, C)
     assert percentage_reduction(200, 50) == 75.0
 
 
@@ -83,6 +91,16 @@ def test_measured_nbytes_match_formulas_on_small_mlp():
     assert rows["BGLN-S-Var"].measured_count == P + A + 2 * d + 1
     assert rows["BGLN-S-CW"].measured_count == P + C * (A + d + d * d) + C
     assert rows["BGLN-S (coreset)"].measured_count == P + A + N * d + 1
+    assert rows["OSLA (K-FAC)"].measured_count == P + 61 == rows["OSLA (K-FAC)"].formula_count
+
+
+def test_measured_kfac_factors_of_a_cnn():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(32, 3))
+    rows = {r.estimator: r for r in measured_counts(model, (1, 4, 4), N=5, C=3,
+                                                     classwise=False, deterministic=False)}
+    assert rows["OSLA (K-FAC)"].measured_count == 119 + 10 ** 2 + 2 ** 2 + 33 ** 2 + 3 ** 2
 
 
 def test_cli_memory(tmp_path, capsys):

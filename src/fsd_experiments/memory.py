@@ -4,7 +4,7 @@ Counts are *numbers stored per task* (the paper's unit), with
 
 - P: parameters, p_l: parameters of layer l (for OSLA), A: activations (ReLU outputs of
   one example, i.e. the Bernoulli means BGLN keeps), d: input dimension, N: coreset size,
-  C: classes.
+  C: classes; a_l, g_l: the sides of layer l's Kronecker factors A_l, G_l (for K-FAC).
 
 :func:`memory_gain_table` recomputes the paper's percentage-reduction table
 100·(B − L)/B for LAFTR (L = P + d + d²) and LAFTR (coreset) (L = P + Nd) against the
@@ -55,21 +55,31 @@ class Architecture:
     A: int
     d: int
     layer_params: list[int] = field(default_factory=list)
+    #: (a_l, g_l) per nn.Linear / nn.Conv2d: fan-in + 1 (the bias row ā = [a; 1]) and fan-out
+    kfac_factors: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def osla_blocks(self) -> int:
         """Σ_l p_l², the block-diagonal Fisher of OSLA."""
         return sum(p * p for p in self.layer_params)
 
+    @property
+    def kfac_numbers(self) -> int:
+        """Σ_l (a_l² + g_l²), the Kronecker factors ``fsd.KFAC`` stores."""
+        return sum(a * a + g * g for a, g in self.kfac_factors)
+
 
 def count_architecture(model: nn.Module, input_shape: Sequence[int]) -> Architecture:
-    """P, A (ReLU outputs per example), d = prod(input_shape) and per-layer p_l of ``model``.
+    """P, A (ReLU outputs per example), d = prod(input_shape), per-layer p_l of ``model``.
 
     A is measured with one forward pass of a zero input through forward hooks on every
-    ``nn.ReLU``; p_l counts each module's own (non-recursive) parameters.
+    ``nn.ReLU``; p_l counts each module's own (non-recursive) parameters; the K-FAC factor
+    sides are read from every ``nn.Linear`` and ``nn.Conv2d``.
     """
     layer_params = [n for m in model.modules()
                     if (n := sum(p.numel() for p in m.parameters(recurse=False)))]
+    kfac_factors = [(m.weight[0].numel() + 1, m.weight.shape[0]) for m in model.modules()
+                    if isinstance(m, (nn.Linear, nn.Conv2d))]
     activations: list[int] = []
     hooks = [m.register_forward_hook(lambda mod, inp, out: activations.append(out[0].numel()))
              for m in model.modules() if isinstance(m, nn.ReLU)]
@@ -81,14 +91,17 @@ def count_architecture(model: nn.Module, input_shape: Sequence[int]) -> Architec
         for h in hooks:
             h.remove()
     return Architecture(P=sum(layer_params), A=sum(activations), d=math.prod(input_shape),
-                        layer_params=layer_params)
+                        layer_params=layer_params, kfac_factors=kfac_factors)
 
 
 def memory_costs(P: int, A: int, d: int, N: int, C: int,
-                 layer_params: Sequence[int] | None = None) -> dict[str, int]:
+                 layer_params: Sequence[int] | None = None,
+                 kfac_factors: Sequence[tuple[int, int]] | None = None) -> dict[str, int]:
     """Numbers stored per task by each method (the paper's memory-cost column).
 
-    OSLA needs ``layer_params``; without it OSLA is left out.
+    OSLA needs ``layer_params`` (the paper's count, a dense p_l × p_l block per layer);
+    without it OSLA is left out. ``kfac_factors`` ((a_l, g_l) per layer) adds the row of what
+    ``fsd.KFAC``, our OSLA, stores: θ0 and the factors A_l (a_l²) and G_l (g_l²).
     """
     costs = {
         "VCL (coreset)": 2 * P + N * d,
@@ -109,6 +122,8 @@ def memory_costs(P: int, A: int, d: int, N: int, C: int,
     }
     if layer_params is not None:
         costs["OSLA"] = P + sum(p * p for p in layer_params)
+    if kfac_factors is not None:
+        costs["OSLA (K-FAC factors)"] = P + sum(a * a + g * g for a, g in kfac_factors)
     return costs
 
 
@@ -175,13 +190,14 @@ def measured_counts(model: nn.Module, input_shape: Sequence[int], N: int, C: int
     x = torch.randn(n, *input_shape, generator=generator, dtype=dtype)
     y = torch.arange(n) % C
     data = [(x, y)]
-    costs = memory_costs(P, A, d, N, C)
+    costs = memory_costs(P, A, d, N, C, kfac_factors=arch.kfac_factors)
 
     def fitted(method: str) -> Callable[[], Estimator]:
         preset = PRESETS[method]
-        if method == "ewc":  # the Fisher's size does not depend on how many examples it
-            # averages: fit on a few
-            return lambda: preset.make(chunk_size=1).fit(model, [(x[:2], y[:2])])
+        if method in ("ewc", "osla"):  # the curvature's size does not depend on how many
+            # examples it averages: fit on a few
+            options = {"chunk_size": 1} if method == "ewc" else {}
+            return lambda: preset.make(**options).fit(model, [(x[:2], y[:2])])
         options = {"coreset_size": N} if preset.coreset else {}
         return lambda: preset.make(**options).fit(model, data)
 
@@ -202,6 +218,8 @@ def measured_counts(model: nn.Module, input_shape: Sequence[int], N: int, C: int
         rows_wanted.append(("bgln-s-cw", "BGLN-S-CW / BGLN-D-CW", "P + C(A + d + d²)",
                             "+C mixture weights"))
     rows_wanted.append(("ewc", "EWC", "2P", "θ0 + diagonal Fisher"))
+    rows_wanted.append(("osla", "OSLA (K-FAC factors)", "P + Σ (a_l² + g_l²)",
+                        "θ0 + A_l, G_l per layer; our formula: the paper counts P + Σ p_l²"))
     specs = [(PRESETS[m].title, key, formula, fitted(m), note)
              for m, key, formula, note in rows_wanted]
     rows = []
@@ -216,9 +234,9 @@ def measured_counts(model: nn.Module, input_shape: Sequence[int], N: int, C: int
 # ----- formatting -------------------------------------------------------------------------
 def format_costs(arch: Architecture, N: int, C: int) -> str:
     """Markdown table of every formula evaluated for ``arch``."""
-    costs = memory_costs(arch.P, arch.A, arch.d, N, C, arch.layer_params)
+    costs = memory_costs(arch.P, arch.A, arch.d, N, C, arch.layer_params, arch.kfac_factors)
     lines = [f"P = {arch.P:,}, A = {arch.A:,}, d = {arch.d:,}, N = {N}, C = {C}, "
-             f"Σ p_l² = {arch.osla_blocks:,}\n",
+             f"Σ p_l² = {arch.osla_blocks:,}, Σ (a_l² + g_l²) = {arch.kfac_numbers:,}\n",
              "| method | numbers stored per task | MB at float32 |", "|---|---:|---:|"]
     for name, count in costs.items():
         lines.append(f"| {name} | {count:,} | {count * 4 / 1e6:.2f} |")
@@ -277,7 +295,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     arch = Architecture(P=args.P if args.P is not None else arch.P,
                         A=args.A if args.A is not None else arch.A,
                         d=args.d if args.d is not None else arch.d,
-                        layer_params=arch.layer_params)
+                        layer_params=arch.layer_params, kfac_factors=arch.kfac_factors)
     sections = [f"## Memory formulas: {args.arch}\n", format_costs(arch, args.N, args.C), "",
                 f"## Percentage reduction vs B = 2P + Nd + C²N², Split CIFAR100 CNN "
                 f"(P = {CIFAR_CNN_P:,}; paper's value in parentheses where it differs)\n",
@@ -287,7 +305,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                      format_gain_table(memory_gain_table(arch.P)), ""]
     result: dict[str, Any] = {"architecture": asdict(arch), "N": args.N, "C": args.C,
                               "costs": memory_costs(arch.P, arch.A, arch.d, args.N, args.C,
-                                                    arch.layer_params),
+                                                    arch.layer_params, arch.kfac_factors),
                               "gain_table": memory_gain_table(CIFAR_CNN_P),
                               "gain_table_this_arch": memory_gain_table(arch.P)}
     if args.measure:
