@@ -493,6 +493,23 @@ def test_penalty_gap_compares_each_summary_with_the_true_fsd(tmp_path, capsys):
                  "200"]) == 0
     assert "| 3 | 2 |" in capsys.readouterr().out
 
+    # --linearized: ½‖J(θ − θ_t)‖², J by reverse mode per input (the estimator uses forward
+    # mode), in chunks smaller than the 200 inputs so the weighting of chunks is exercised
+    from torch.func import functional_call, jacrev
+
+    from fsd_experiments.continual import reporting
+    theta0 = {k: v.detach() for k, v in reference.named_parameters()}
+    delta = {k: v.detach() - theta0[k] for k, v in final.named_parameters()}
+    jac = jacrev(lambda p: functional_call(reference, p, (x,))[:, head])(theta0)
+    jdelta = sum((jac[k] * delta[k]).flatten(2).sum(2) for k in theta0)
+    by_hand = 0.5 * (jdelta ** 2).sum(1).mean()
+    linearized = reporting._linearized_fsd(reference, final, x, "euclidean", head, chunk=64)
+    assert linearized == pytest.approx(float(by_hand), rel=1e-5)
+    assert main(["cl", "gap", str(tmp_path), "--data-dir", str(DATA_DIR), "--examples",
+                 "200", "--linearized"]) == 0
+    out = capsys.readouterr().out
+    assert "linearized / true" in out and f"{linearized:.3g}" in out
+
 
 @needs_mnist
 def test_merge_combines_seeds_run_separately(tmp_path, capsys):

@@ -84,7 +84,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_gap(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
-    print(gap_markdown(penalty_gap(args.dir, args.data_dir, args.examples)))
+    print(gap_markdown(penalty_gap(args.dir, args.data_dir, args.examples, args.linearized)))
     return 0
 
 
@@ -181,6 +181,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     gap.add_argument("--data-dir", default=None)
     gap.add_argument("--examples", type=positive_int, default=10_000,
                      help="training inputs per task for the true FSD (10000)")
+    gap.add_argument("--linearized", action="store_true",
+                     help="also the FSD of the final network linearized around each task's "
+                          "(what a Gauss-Newton penalty approximates), to split the gap "
+                          "between the linearization and the summary's own approximation")
     add_threads_option(gap)
     gap.set_defaults(func=_cmd_gap)
     merge = cl_sub.add_parser("merge", help="combine finished runs of the same settings "

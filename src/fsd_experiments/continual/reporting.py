@@ -14,6 +14,7 @@ import torch
 
 from fsd.estimator import load
 from fsd.exact import ExactFSD
+from fsd.ntk import NTK
 
 from ..benchmarks import make_tasks
 from ..compat import is_cl_results
@@ -214,7 +215,7 @@ def report(paths: Sequence[str]) -> str:
 
 
 def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
-                examples: int = 10_000) -> list[dict[str, Any]]:
+                examples: int = 10_000, linearized: bool = False) -> list[dict[str, Any]]:
     """How well each stored summary tracks the FSD it was meant to bound, at the end of a run.
 
     For every seed's final model (``checkpoints/seed<S>/state.pt``) and every previous task t,
@@ -223,7 +224,13 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
     own metric and outputs. An estimate far below the truth means training found directions
     the penalty does not see (e.g. ReLU gates that flip, which a linearization cannot show).
 
-    Returns one row per (seed, task): ``seed, task, true_fsd, estimate, ratio``.
+    With ``linearized``, each row also has ``linearized``: the FSD of the final network
+    linearized in its parameters around θ_t (:class:`fsd.NTK` on the same inputs), the
+    quadratic model that a Gauss-Newton penalty such as OSLA's approximates further. The
+    truth over it is the linearization's share of the gap; it over the estimate is the rest.
+
+    Returns one row per (seed, task): ``seed, task, true_fsd, estimate, ratio`` (and
+    ``linearized``).
     """
     run = Path(run_dir)
     results = RunResults.read(run / "results.json")
@@ -244,21 +251,54 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
             reference = build_model(hp, shape, n_out)
             reference.load_state_dict(summary.reference_state_dict())
             x = tasks[t].x_train[:examples]
-            truth = ExactFSD(metric=summary.config.get("metric", "euclidean")).fit(
-                reference, x, outputs=summary_outputs(tasks[t], hp))
+            metric, outputs = summary.config.get("metric", "euclidean"), summary_outputs(
+                tasks[t], hp)
+            truth = ExactFSD(metric=metric).fit(reference, x, outputs=outputs)
             with torch.no_grad():
                 true_fsd = float(truth.distance(final))
                 estimate = float(summary.distance(final))
-            rows.append({"seed": int(seed), "task": t + 1, "true_fsd": true_fsd,
-                         "estimate": estimate,
-                         "ratio": estimate / true_fsd if true_fsd > 0 else math.nan})
+            row = {"seed": int(seed), "task": t + 1, "true_fsd": true_fsd,
+                   "estimate": estimate,
+                   "ratio": estimate / true_fsd if true_fsd > 0 else math.nan}
+            if linearized:
+                row["linearized"] = _linearized_fsd(reference, final, x, metric, outputs)
+            rows.append(row)
     return rows
 
 
+def _linearized_fsd(reference: torch.nn.Module, final: torch.nn.Module, x: torch.Tensor,
+                    metric: str, outputs: Any, chunk: int = 1000) -> float:
+    """The FSD of ``final`` linearized around ``reference`` over ``x``, in chunks.
+
+    The FSD is a mean over inputs, so the chunks' means weighted by their sizes give it
+    exactly while one forward-mode pass holds only ``chunk`` inputs.
+    """
+    total = 0.0
+    for start in range(0, len(x), chunk):
+        part = x[start:start + chunk]
+        ntk = NTK(coreset_size=None, metric=metric).fit(reference, part, outputs=outputs)
+        with torch.no_grad():
+            total += float(ntk.distance(final)) * len(part)
+    return total / len(x)
+
+
 def gap_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """Markdown table of :func:`penalty_gap` rows."""
+    """Markdown table of :func:`penalty_gap` rows, with the linearized columns if present."""
+    if rows and "linearized" in rows[0]:
+        lines = ["| seed | task | true FSD | linearized FSD | summary's estimate | "
+                 "estimate / true | linearized / true | estimate / linearized |",
+                 "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['seed']} | {r['task']} | {r['true_fsd']:.3g} | "
+                  f"{r['linearized']:.3g} | {r['estimate']:.3g} | {r['ratio']:.3f} | "
+                  f"{_share(r['linearized'], r['true_fsd'])} | "
+                  f"{_share(r['estimate'], r['linearized'])} |" for r in rows]
+        return "\n".join(lines) + "\n"
     lines = ["| seed | task | true FSD | summary's estimate | estimate / true |",
              "|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['seed']} | {r['task']} | {r['true_fsd']:.3g} | {r['estimate']:.3g} | "
               f"{r['ratio']:.3f} |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def _share(numerator: float, denominator: float) -> str:
+    return f"{numerator / denominator:.3f}" if denominator > 0 else "–"
