@@ -284,19 +284,21 @@ def _linearized_fsd(reference: torch.nn.Module, final: torch.nn.Module, x: torch
 
 def gap_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown table of :func:`penalty_gap` rows, with the linearized columns if present."""
-    if rows and "linearized" in rows[0]:
-        lines = ["| seed | task | true FSD | linearized FSD | summary's estimate | "
-                 "estimate / true | linearized / true | estimate / linearized |",
-                 "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['seed']} | {r['task']} | {r['true_fsd']:.3g} | "
-                  f"{r['linearized']:.3g} | {r['estimate']:.3g} | {r['ratio']:.3f} | "
-                  f"{_share(r['linearized'], r['true_fsd'])} | "
-                  f"{_share(r['estimate'], r['linearized'])} |" for r in rows]
-        return "\n".join(lines) + "\n"
-    lines = ["| seed | task | true FSD | summary's estimate | estimate / true |",
-             "|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['seed']} | {r['task']} | {r['true_fsd']:.3g} | {r['estimate']:.3g} | "
-              f"{r['ratio']:.3f} |" for r in rows]
+    linearized = bool(rows) and "linearized" in rows[0]
+    # (header, cell of a row)
+    columns: list[tuple[str, Any]] = [
+        ("seed", lambda r: str(r["seed"])), ("task", lambda r: str(r["task"])),
+        ("true FSD", lambda r: f"{r['true_fsd']:.3g}")]
+    if linearized:
+        columns.append(("linearized FSD", lambda r: f"{r['linearized']:.3g}"))
+    columns += [("summary's estimate", lambda r: f"{r['estimate']:.3g}"),
+                ("estimate / true", lambda r: f"{r['ratio']:.3f}")]
+    if linearized:
+        columns += [("linearized / true", lambda r: _share(r["linearized"], r["true_fsd"])),
+                    ("estimate / linearized", lambda r: _share(r["estimate"],
+                                                               r["linearized"]))]
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---:|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
