@@ -145,16 +145,21 @@ def test_penalty_of_a_cnn_is_the_kronecker_quadratic_formed_densely():
     model = _cnn()
     x = torch.randn(6, 2, 7, 7, dtype=DTYPE)
     moved = _moved(model)
-    expected = 0
+    expected = {}
     for path, (a, g) in brute_force_factors(model, x, "kl").items():
         layer, other = model[int(path)], moved[int(path)]
         dw = (other.weight - layer.weight).detach().reshape(layer.weight.shape[0], -1)
         db = ((other.bias - layer.bias).detach() if layer.bias is not None
               else torch.zeros(dw.shape[0], dtype=DTYPE))
         vec = torch.cat([dw, db.unsqueeze(1)], dim=1).T.reshape(-1)
-        expected = expected + vec @ torch.kron(a, g) @ vec
-    value = fsd.KFAC(metric="kl").fit(model, x).distance(moved)
-    torch.testing.assert_close(value, 0.5 * expected, rtol=1e-10, atol=1e-13)
+        expected[path] = 0.5 * vec @ torch.kron(a, g) @ vec
+    est = fsd.KFAC(metric="kl").fit(model, x)
+    terms = est.layer_terms(moved)  # the distance split by layer, each its own quadratic
+    assert terms.keys() == expected.keys()
+    for path, value in terms.items():
+        torch.testing.assert_close(value, expected[path], rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(est.distance(moved), sum(expected.values()), rtol=1e-10,
+                               atol=1e-13)
 
 
 def test_float32_convolution_factors_are_symmetric_and_load_back(tmp_path):

@@ -37,7 +37,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from . import distributed
-from .estimator import Data, Estimator, iter_batches
+from .estimator import Data, Estimator, iter_batches, model_dtype_device
+from .graph import unwrap
 from .metrics import check_metric, output_hessian_factors
 from .validation import SummaryFormatError, require, require_psd, require_shape
 
@@ -147,11 +148,23 @@ class KFAC(Estimator):
         if not self._meta.get("layers"):
             raise SummaryFormatError("meta 'layers': no layer recorded")
 
-    def _distance(self, model: nn.Module) -> Tensor:
+    def layer_terms(self, model: nn.Module) -> dict[str, Tensor]:
+        """Each layer's term ½ tr(ΔW̄ᵀ G ΔW̄ A) of the distance, by module path.
+
+        The distance is their sum; a term far below the layer's share of the true FSD shows
+        where the factorization loses it (for a convolution, KFC drops the terms between
+        output locations). Differentiable, like :meth:`distance`.
+        """
+        self.require_fitted()
+        model = unwrap(model)
+        self.check_architecture(model)
+        self.place(*model_dtype_device(model))
+        return self._layer_terms(model)
+
+    def _layer_terms(self, model: nn.Module) -> dict[str, Tensor]:
         theta0 = self.reference_parameters()
         current = dict(model.named_parameters())
-        total = torch.zeros((), dtype=theta0[next(iter(theta0))].dtype,
-                            device=theta0[next(iter(theta0))].device)
+        terms = {}
         for path, has_bias in self._meta["layers"]:
             key = f"{path}." if path else ""
             delta = current[f"{key}weight"] - theta0[f"{key}weight"]
@@ -159,9 +172,12 @@ class KFAC(Estimator):
             bias = (current[f"{key}bias"] - theta0[f"{key}bias"] if has_bias
                     else delta.new_zeros(delta.shape[0]))
             delta = torch.cat([delta, bias.unsqueeze(1)], dim=1)  # ΔW̄ = [ΔW, Δb]
-            total = total + _KroneckerQuadratic.apply(
+            terms[path] = 0.5 * _KroneckerQuadratic.apply(
                 delta, self._state[f"kfac.{key}G"], self._state[f"kfac.{key}A"])[0]
-        return 0.5 * total
+        return terms
+
+    def _distance(self, model: nn.Module) -> Tensor:
+        return torch.stack(list(self._layer_terms(model).values())).sum()
 
 
 class _KroneckerQuadratic(torch.autograd.Function):
