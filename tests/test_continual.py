@@ -509,6 +509,43 @@ def test_penalty_gap_compares_each_summary_with_the_true_fsd(tmp_path, capsys):
                  "200", "--linearized"]) == 0
     out = capsys.readouterr().out
     assert "linearized / true" in out and f"{linearized:.3g}" in out
+    with pytest.raises(ValueError, match="--by-layer splits K-FAC summaries"):
+        continual.penalty_gap(tmp_path, str(DATA_DIR), examples=20, by_layer=True)
+
+
+@needs_mnist
+def test_penalty_gap_by_layer_splits_an_osla_run(tmp_path, capsys):
+    from torch.func import functional_call, jacrev
+
+    from fsd_experiments.models import mlp
+    _run(tmp_path, "split-mnist", "osla", "--tasks", "2", "--width", "16")
+    rows = continual.penalty_gap(tmp_path, str(DATA_DIR), examples=100, by_layer=True)
+    (row,) = rows
+    layers = {part["layer"]: part for part in row["layers"]}
+    assert list(layers) == ["1", "3", "5"]  # the MLP's three Linear layers (0 flattens)
+    # the summary's terms add up to its estimate
+    assert sum(p["estimate"] for p in layers.values()) == pytest.approx(row["estimate"],
+                                                                        rel=1e-5)
+    # each layer's linearized FSD by hand: ½‖J_l(θ_l − θ_l,0)‖², J_l by reverse mode
+    tasks, _ = continual.make_tasks("split-mnist", str(DATA_DIR), 3, train_subset=200,
+                                    test_subset=100, num_tasks=2)
+    final, reference = mlp(784, 16, 2, 10), mlp(784, 16, 2, 10)
+    final.load_state_dict(torch.load(tmp_path / "checkpoints" / "seed3" / "state.pt",
+                                     weights_only=True)["model"])
+    reference.load_state_dict(fsd_load(tmp_path / "checkpoints" / "seed3" / "task0.fsd")
+                              .reference_state_dict())
+    x, head = tasks[0].x_train[:100], tasks[0].outputs
+    theta0 = {k: v.detach() for k, v in reference.named_parameters()}
+    jac = jacrev(lambda p: functional_call(reference, p, (x,))[:, head])(theta0)
+    for layer, part in layers.items():
+        names = [k for k in theta0 if k.startswith(f"{layer}.")]
+        jdelta = sum((jac[k] * (dict(final.named_parameters())[k].detach() - theta0[k]))
+                     .flatten(2).sum(2) for k in names)
+        by_hand = 0.5 * (jdelta ** 2).sum(1).mean()
+        assert part["linearized"] == pytest.approx(float(by_hand), rel=1e-5)
+    assert main(["cl", "gap", str(tmp_path), "--data-dir", str(DATA_DIR), "--examples", "100",
+                 "--by-layer"]) == 0
+    assert "| 3 | 1 | 3 |" in capsys.readouterr().out
 
 
 @needs_mnist

@@ -21,7 +21,7 @@ from ..argtypes import (
 from ..benchmarks import MODELS
 from ..io import DirectoryInUseError, atomic_write_text
 from ..presets import CNN_METHODS
-from .reporting import gap_markdown, merge_runs, penalty_gap, report
+from .reporting import gap_layers_markdown, gap_markdown, merge_runs, penalty_gap, report
 from .results import results_markdown
 from .runner import BENCHMARKS, METHODS, CheckpointMismatchError, run
 from .settings import OPTIMIZER_MODES, PENALTY_MODES, PENALTY_OUTPUTS, RunSettings
@@ -84,7 +84,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_gap(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
-    print(gap_markdown(penalty_gap(args.dir, args.data_dir, args.examples, args.linearized)))
+    rows = penalty_gap(args.dir, args.data_dir, args.examples, args.linearized, args.by_layer)
+    print(gap_markdown(rows))
+    if args.by_layer:
+        print(gap_layers_markdown(rows))
     return 0
 
 
@@ -185,6 +188,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                      help="also the FSD of the final network linearized around each task's "
                           "(what a Gauss-Newton penalty approximates), to split the gap "
                           "between the linearization and the summary's own approximation")
+    gap.add_argument("--by-layer", action="store_true",
+                     help="for K-FAC summaries (--method osla): each layer's term against "
+                          "the linearized FSD when only that layer moves")
     add_threads_option(gap)
     gap.set_defaults(func=_cmd_gap)
     merge = cl_sub.add_parser("merge", help="combine finished runs of the same settings "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import torch
 
 from fsd.estimator import load
 from fsd.exact import ExactFSD
+from fsd.kfac import KFAC
 from fsd.ntk import NTK
 
 from ..benchmarks import make_tasks
@@ -215,7 +217,8 @@ def report(paths: Sequence[str]) -> str:
 
 
 def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
-                examples: int = 10_000, linearized: bool = False) -> list[dict[str, Any]]:
+                examples: int = 10_000, linearized: bool = False,
+                by_layer: bool = False) -> list[dict[str, Any]]:
     """How well each stored summary tracks the FSD it was meant to bound, at the end of a run.
 
     For every seed's final model (``checkpoints/seed<S>/state.pt``) and every previous task t,
@@ -229,8 +232,16 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
     quadratic model that a Gauss-Newton penalty such as OSLA's approximates further. The
     truth over it is the linearization's share of the gap; it over the estimate is the rest.
 
+    With ``by_layer`` (K-FAC summaries, ``--method osla``), each row also has ``layers``:
+    per layer, the linearized FSD when only that layer moves (the Gauss-Newton's diagonal
+    block) and the summary's term for it (:meth:`fsd.KFAC.layer_terms`), which shows the
+    layers whose factorization loses the FSD.
+
     Returns one row per (seed, task): ``seed, task, true_fsd, estimate, ratio`` (and
-    ``linearized``).
+    ``linearized``, ``layers``).
+
+    Raises:
+        ValueError: ``by_layer`` on a run whose summaries are not K-FAC's.
     """
     run = Path(run_dir)
     results = RunResults.read(run / "results.json")
@@ -248,6 +259,9 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
             if not path.exists():
                 continue
             summary = load(path)
+            if by_layer and not isinstance(summary, KFAC):
+                raise ValueError(f"--by-layer splits K-FAC summaries (fsd cl --method osla); "
+                                 f"{path} holds a {type(summary).__name__} summary")
             reference = build_model(hp, shape, n_out)
             reference.load_state_dict(summary.reference_state_dict())
             x = tasks[t].x_train[:examples]
@@ -262,8 +276,24 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
                    "ratio": estimate / true_fsd if true_fsd > 0 else math.nan}
             if linearized:
                 row["linearized"] = _linearized_fsd(reference, final, x, metric, outputs)
+            if isinstance(summary, KFAC) and by_layer:
+                with torch.no_grad():
+                    terms = summary.layer_terms(final)
+                row["layers"] = [
+                    {"layer": layer, "estimate": float(term),
+                     "linearized": _linearized_fsd(reference, _moved_layer(reference, final, layer),
+                                                   x, metric, outputs)}
+                    for layer, term in terms.items()]
             rows.append(row)
     return rows
+
+
+def _moved_layer(reference: torch.nn.Module, final: torch.nn.Module,
+                 layer: str) -> torch.nn.Module:
+    """A copy of ``reference`` whose module ``layer`` has ``final``'s parameters."""
+    moved = copy.deepcopy(reference)
+    moved.get_submodule(layer).load_state_dict(final.get_submodule(layer).state_dict())
+    return moved
 
 
 def _linearized_fsd(reference: torch.nn.Module, final: torch.nn.Module, x: torch.Tensor,
@@ -299,6 +329,16 @@ def gap_markdown(rows: Sequence[dict[str, Any]]) -> str:
                                                                r["linearized"]))]
     lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---:|" * len(columns)]
     lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def gap_layers_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown table of the ``layers`` of :func:`penalty_gap` rows (``by_layer``)."""
+    lines = ["| seed | task | layer | linearized FSD, this layer moved | summary's term | "
+             "term / linearized |", "|---:|---:|---|---:|---:|---:|"]
+    lines += [f"| {r['seed']} | {r['task']} | {part['layer']} | {part['linearized']:.3g} | "
+              f"{part['estimate']:.3g} | {_share(part['estimate'], part['linearized'])} |"
+              for r in rows for part in r.get("layers", [])]
     return "\n".join(lines) + "\n"
 
 
