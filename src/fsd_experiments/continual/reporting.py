@@ -246,6 +246,9 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
     run = Path(run_dir)
     results = RunResults.read(run / "results.json")
     hp, benchmark = results.hyperparameters, results.benchmark
+    if by_layer and results.method != "osla":  # before any data loads
+        raise ValueError(f"--by-layer splits K-FAC summaries (fsd cl --method osla); {run} is "
+                         f"a run of {results.method}")
     rows: list[dict[str, Any]] = []
     for seed in results.seeds:
         ckpt = run / "checkpoints" / f"seed{seed}"
@@ -259,9 +262,6 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
             if not path.exists():
                 continue
             summary = load(path)
-            if by_layer and not isinstance(summary, KFAC):
-                raise ValueError(f"--by-layer splits K-FAC summaries (fsd cl --method osla); "
-                                 f"{path} holds a {type(summary).__name__} summary")
             reference = build_model(hp, shape, n_out)
             reference.load_state_dict(summary.reference_state_dict())
             x = tasks[t].x_train[:examples]
