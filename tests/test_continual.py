@@ -512,6 +512,23 @@ def test_penalty_gap_compares_each_summary_with_the_true_fsd(tmp_path, capsys):
     with pytest.raises(ValueError, match="--by-layer splits K-FAC summaries"):
         continual.penalty_gap(tmp_path, str(DATA_DIR), examples=20, by_layer=True)
 
+    # a seed that has not finished: settings from its checkpoint, compared on the tasks
+    # trained before its latest one (here the checkpoint is made to say two tasks of three)
+    state_path = tmp_path / "checkpoints" / "seed3" / "state.pt"
+    state = torch.load(state_path, weights_only=True)
+    torch.save({**state, "matrix": state["matrix"][:2]}, state_path)
+    (tmp_path / "results.json").unlink()
+    (partial,) = continual.penalty_gap(tmp_path, str(DATA_DIR), examples=200)
+    assert (partial["task"], partial["after_task"], partial["finished"]) == (1, 2, False)
+    assert partial["true_fsd"] == rows[0]["true_fsd"] and partial["estimate"] == rows[0][
+        "estimate"]
+    assert main(["cl", "gap", str(tmp_path), "--data-dir", str(DATA_DIR), "--examples",
+                 "200"]) == 0
+    assert "seed 3 has not finished: compared at its latest checkpoint, after task 2" in \
+        capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"neither results\.json nor a checkpoint"):
+        continual.penalty_gap(tmp_path / "checkpoints", str(DATA_DIR))
+
 
 @needs_mnist
 def test_penalty_gap_by_layer_splits_an_osla_run(tmp_path, capsys):

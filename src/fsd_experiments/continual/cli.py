@@ -85,6 +85,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_gap(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     rows = penalty_gap(args.dir, args.data_dir, args.examples, args.linearized, args.by_layer)
+    for seed in dict.fromkeys(r["seed"] for r in rows if not r["finished"]):
+        after = max(r["after_task"] for r in rows if r["seed"] == seed)
+        print(f"seed {seed} has not finished: compared at its latest checkpoint, after task "
+              f"{after}\n")
     print(gap_markdown(rows))
     if args.by_layer:
         print(gap_layers_markdown(rows))

@@ -19,7 +19,7 @@ from fsd.kfac import KFAC
 from fsd.ntk import NTK
 
 from ..benchmarks import make_tasks
-from ..compat import is_cl_results
+from ..compat import cl_checkpoint_settings, is_cl_results
 from ..presets import default_hyperparameters
 from .results import RunResults, SeedResult, _pm, write_results
 from .runner import build_model, summary_outputs
@@ -237,27 +237,33 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
     block) and the summary's term for it (:meth:`fsd.KFAC.layer_terms`), which shows the
     layers whose factorization loses the FSD.
 
-    Returns one row per (seed, task): ``seed, task, true_fsd, estimate, ratio`` (and
-    ``linearized``, ``layers``).
+    A seed still running (or stopped before its last task) is compared at its latest
+    checkpoint: its model then stands for the final one, and the tasks trained before it
+    are compared; each row's ``after_task`` says how many tasks the model had trained.
+
+    Returns one row per (seed, task): ``seed, task, after_task, finished, true_fsd,
+    estimate, ratio`` (and ``linearized``, ``layers``).
 
     Raises:
-        ValueError: ``by_layer`` on a run whose summaries are not K-FAC's.
+        ValueError: ``by_layer`` on a run whose summaries are not K-FAC's; a directory
+            with neither results.json nor a checkpoint.
     """
     run = Path(run_dir)
-    results = RunResults.read(run / "results.json")
-    hp, benchmark = results.hyperparameters, results.benchmark
-    if by_layer and results.method != "osla":  # before any data loads
+    benchmark, method, hp, seeds = _run_settings(run)
+    if by_layer and method != "osla":  # before any data loads
         raise ValueError(f"--by-layer splits K-FAC summaries (fsd cl --method osla); {run} is "
-                         f"a run of {results.method}")
+                         f"a run of {method}")
     rows: list[dict[str, Any]] = []
-    for seed in results.seeds:
+    for seed in seeds:
         ckpt = run / "checkpoints" / f"seed{seed}"
         tasks, n_out = make_tasks(benchmark, data_dir, int(seed), train_subset=hp.train_subset,
                                   test_subset=hp.test_subset, num_tasks=hp.tasks)
         shape = tasks[0].x_train.shape[1:]
         final = build_model(hp, shape, n_out)
-        final.load_state_dict(torch.load(ckpt / "state.pt", weights_only=True)["model"])
-        for t in range(len(tasks) - 1):
+        state = torch.load(ckpt / "state.pt", weights_only=True)
+        final.load_state_dict(state["model"])
+        trained = len(state["matrix"])  # one row of accuracies per task trained
+        for t in range(trained - 1):
             path = ckpt / f"task{t}.fsd"
             if not path.exists():
                 continue
@@ -271,7 +277,8 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
             with torch.no_grad():
                 true_fsd = float(truth.distance(final))
                 estimate = float(summary.distance(final))
-            row = {"seed": int(seed), "task": t + 1, "true_fsd": true_fsd,
+            row = {"seed": int(seed), "task": t + 1, "after_task": trained,
+                   "finished": trained == len(tasks), "true_fsd": true_fsd,
                    "estimate": estimate,
                    "ratio": estimate / true_fsd if true_fsd > 0 else math.nan}
             if linearized:
@@ -286,6 +293,32 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
                     for layer, term in terms.items()]
             rows.append(row)
     return rows
+
+
+def _run_settings(run: Path) -> tuple[str, str, Hyperparameters, list[int]]:
+    """Benchmark, method, settings and seeds of a run directory, finished or not.
+
+    The seeds are results.json's and then those that have a checkpoint but have not
+    finished; without results.json, the settings come from a checkpoint.
+    """
+    started = sorted(int(p.parent.name[len("seed"):])
+                     for p in run.glob("checkpoints/seed*/state.pt")
+                     if p.parent.name[len("seed"):].lstrip("-").isdigit())
+    if (run / "results.json").exists():
+        results = RunResults.read(run / "results.json")
+        seeds = [int(s) for s in results.seeds]
+        return (results.benchmark, results.method, results.hyperparameters,
+                [*seeds, *(s for s in started if s not in seeds)])
+    if not started:
+        raise ValueError(f"{run} has neither results.json nor a checkpoint of fsd cl")
+    saved = json.loads(torch.load(run / "checkpoints" / f"seed{started[0]}" / "state.pt",
+                                  weights_only=True)["hyperparameters"])
+    benchmark, method = saved.pop("benchmark", None), saved.pop("method", None)
+    if benchmark is None or method is None:
+        raise ValueError(f"{run}: its checkpoint is older than the settings it would need; "
+                         f"fsd cl gap reads it once a seed has finished (results.json)")
+    settings = cl_checkpoint_settings(json.dumps(saved), benchmark, method)
+    return benchmark, method, Hyperparameters.from_dict(settings), started
 
 
 def _moved_layer(reference: torch.nn.Module, final: torch.nn.Module,
