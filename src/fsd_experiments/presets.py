@@ -230,7 +230,8 @@ def _column(benchmark: str) -> str:
 def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
     """The paper's continual-learning hyper-parameters for (benchmark, method).
 
-    Learning rate 0.001 everywhere except BGLN-S on Split MNIST and BGLN-D on Permuted MNIST
+    Learning rate 0.001 everywhere except BGLN-S on Split MNIST and the BGLN-D methods
+    (Algorithm 2 and its CW, Var, exact-moment and layer-wise variants) on Permuted MNIST
     (0.0001), as the paper states. Gate frequencies: running mean (the paper's momentum
     1/batch_size is exactly a simple moving average), 0.99 for BGLN-S-CW on Split CIFAR-100.
     Split Fashion-MNIST uses Split MNIST's values (the paper has no Fashion-MNIST
@@ -250,8 +251,11 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
     family = PRESETS[method].family
     epochs, scale, batch = _TABLE[family][column]
     lr = 1e-3
-    if (column, method) in (("split", "bgln-s"), ("permuted", "bgln-d"),
-                            ("permuted", "bgln-d-exact"), ("permuted", "bgln-d-layerwise")):
+    # the paper's exception, "the BGLN-D method for Permuted MNIST", read as every BGLN-D row
+    # of its table (CW and Var too): at 1e-3 BGLN-D-Var averages 57.11 over three seeds, at
+    # 1e-4 85.45 (docs/continual-learning.md, P10 and P10b)
+    if (column, method) == ("split", "bgln-s") or (
+            column == "permuted" and family in ("bgln-d", "bgln-d-cw")):
         lr = 1e-4
     metric = "softmax_euclidean" if family in SOFTMAX_FAMILIES else None
     if cifar and PRESETS[method].metric_applies:
