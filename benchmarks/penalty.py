@@ -19,7 +19,8 @@ Prints, in one process, medians of repeated timings:
      replaced (fsd.exact_moments.delta_second_moment), one summary, distance + backward;
  (h) K class-wise Algorithm 2 summaries (10 classes, full covariance, width 512) in one
      fsd.combine call: reference parameters stacked once per summary (what fsd.combine does)
-     against one copy per class (what it did before), distance + backward;
+     against one copy per class (what it did before), distance + backward and, at K = 9,
+     the input layer's tr(P C Pᵀ) alone;
  (i) K fsd.KFAC summaries (the OSLA baseline, width 512), distance + backward: the
      library's backward, which reuses the forward's G ΔW̄ A, against plain autograd through
      ½ Σ (G ΔW̄) ⊙ (ΔW̄ A) (what it did before).
@@ -418,6 +419,7 @@ def section_h(args, x, y, fit_data) -> None:
     # (h) class-wise summaries: the components of one summary share its reference network.
     # The per-class layout is rebuilt here from fsd.combine's own stacked parts, so both
     # layouts run the same delta_moments on the same numbers, interleaved.
+    from fsd.covariance import quadratic_trace
     from fsd.interpreter import delta_moments, model_state, trace
 
     print("\n## (h) K class-wise Algorithm 2 summaries (full covariance, 10 classes, width 512)"
@@ -427,7 +429,9 @@ def section_h(args, x, y, fit_data) -> None:
     torch.manual_seed(0)
     model = mlp(784, 512, 2, 10).to(DEVICE)
     moved = perturbed(model, 0.01, 1)
-    summaries = [fsd.BGLN(deterministic=True, classwise=True).fit(
+    # full input covariances, as `fsd cl --method bgln-d-cw` fits them (BGLN's own default
+    # is a rank-32 factor)
+    summaries = [fsd.BGLN(deterministic=True, classwise=True, covariance="full").fit(
         perturbed(model, 0.02, 10 + k), fit_data) for k in range(9)]
     layers = trace(moved)
 
@@ -455,6 +459,21 @@ def section_h(args, x, y, fit_data) -> None:
         a_ms, b_ms = statistics.median(a), statistics.median(b)
         print(f"| {k} | {a_ms:.1f} | {b_ms:.1f} | {a_ms / b_ms:.2f} | "
               f"{abs(a_value - b_value) / abs(a_value):.1e} |")
+    # where the K = 9 penalty's time goes: the input layer's tr(P C Pᵀ) against the 90 class
+    # covariances alone (forward and backward, P of the penalty's shape)
+    covariances = per_summary["reference"][0][1]
+    rows = torch.randn(covariances.shape[0], 10, covariances.shape[-1], device=DEVICE,
+                       requires_grad=True)
+
+    def input_trace():
+        quadratic_trace(rows, covariances).sum().backward()
+
+    whole = median_ms(lambda s=per_summary: penalty(s), args.repeats)
+    alone = median_ms(input_trace, args.repeats)
+    print(f"\nK = 9: penalty {whole:.1f} ms, of which the input layer's tr(P C Pᵀ) against "
+          f"{covariances.shape[0]} covariances of {covariances.shape[-1]}² "
+          f"({covariances.numel() * covariances.element_size() / 1e6:.0f} MB) is "
+          f"{alone:.1f} ms ({alone / whole:.0%})")
 
 
 def section_i(args, fit_data) -> None:
