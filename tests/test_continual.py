@@ -514,7 +514,8 @@ def test_penalty_gap_compares_each_summary_with_the_true_fsd(tmp_path, capsys):
                  "200", "--linearized"]) == 0
     out = capsys.readouterr().out
     assert "linearized / true" in out and f"{linearized:.3g}" in out
-    with pytest.raises(ValueError, match="--by-layer splits K-FAC summaries"):
+    with pytest.raises(ValueError, match=r"--by-layer splits summaries whose estimate is a "
+                                         r"sum over layers \(fsd cl --method ewc or osla\)"):
         continual.penalty_gap(tmp_path, str(DATA_DIR), examples=20, by_layer=True)
 
     # a seed that has not finished: settings from its checkpoint, compared on the tasks
@@ -536,11 +537,12 @@ def test_penalty_gap_compares_each_summary_with_the_true_fsd(tmp_path, capsys):
 
 
 @needs_mnist
-def test_penalty_gap_by_layer_splits_an_osla_run(tmp_path, capsys):
+@pytest.mark.parametrize("method", ["osla", "ewc"])
+def test_penalty_gap_by_layer_splits_a_run_by_layer(tmp_path, capsys, method):
     from torch.func import functional_call, jacrev
 
     from fsd_experiments.models import mlp
-    _run(tmp_path, "split-mnist", "osla", "--tasks", "2", "--width", "16")
+    _run(tmp_path, "split-mnist", method, "--tasks", "2", "--width", "16")
     rows = continual.penalty_gap(tmp_path, str(DATA_DIR), examples=100, by_layer=True)
     (row,) = rows
     layers = {part["layer"]: part for part in row["layers"]}

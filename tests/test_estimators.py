@@ -673,6 +673,34 @@ def test_ewc_fisher_matches_per_example_brute_force(kind, metric):
     assert abs(float(est.distance(other)) - truth) <= 1e-10 * truth
 
 
+def test_ewc_layer_terms_are_each_modules_share_of_the_brute_force_quadratic():
+    model = mlp([4, 5, 3], seed=90)
+    data = labelled_batches(13, (4,), seed=91, batch=5)
+    est = fsd.EWC(fisher="true", metric="kl", chunk_size=4).fit(model, data)
+    fisher = brute_fisher(model, stack(data)[0], "true", "kl")
+    other = perturbed(model, 0.2, seed=92)
+    expected: dict[str, float] = {}
+    for (name, p0), p1 in zip(model.named_parameters(), other.parameters(), strict=True):
+        module = name.rpartition(".")[0]  # weight and bias of one Linear share a term
+        expected[module] = expected.get(module, 0.0) + 0.5 * float(
+            (fisher[name] * (p1 - p0).pow(2)).sum())
+    terms = est.layer_terms(other)
+    assert list(terms) == list(expected) == ["0", "2"]
+    for module, value in terms.items():
+        assert abs(float(value) - expected[module]) <= 1e-10 * expected[module]
+    torch.testing.assert_close(est.distance(other), sum(terms.values()), rtol=1e-12, atol=0)
+    terms["0"].backward()  # differentiable, and only the first layer's parameters feel it
+    assert other[0].weight.grad is not None and other[2].weight.grad is None
+
+
+def test_layer_terms_refuse_an_estimator_that_does_not_split_by_layer():
+    model = mlp([4, 5, 3], seed=90)
+    est = fsd.NTK(coreset_size=None).fit(model, labelled_batches(6, (4,), seed=91))
+    with pytest.raises(NotImplementedError, match="NTK's distance is not a sum over layers; "
+                                                  "these estimators split by layer: EWC, KFAC"):
+        est.layer_terms(model)
+
+
 def test_ewc_fisher_with_output_restriction():
     model = mlp([4, 5, 4], seed=93)
     data = labelled_batches(9, (4,), seed=94)

@@ -236,6 +236,8 @@ class Estimator:
     """
 
     name: ClassVar[str] = "estimator"
+    #: whether :meth:`distance` is a sum of one term per layer (:meth:`layer_terms`)
+    splits_by_layer: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -320,6 +322,30 @@ class Estimator:
         self.place(dtype, device)
         with evaluation_mode(model):
             return self._distance(model)
+
+    def layer_terms(self, model: nn.Module) -> dict[str, Tensor]:
+        """:meth:`distance` split into one term per layer, by module path; they sum to it.
+
+        Set against the FSD when only that layer moves, a term shows which layers lose the
+        FSD (for :class:`fsd.KFAC` on a convolution, KFC drops the terms between output
+        locations; for :class:`fsd.EWC`, the diagonal drops those between parameters).
+        Differentiable, like :meth:`distance`.
+
+        Raises:
+            NotImplementedError: the estimator's distance is not such a sum
+                (``splits_by_layer`` is false).
+        """
+        if not self.splits_by_layer:
+            split = sorted(name for name, cls in ESTIMATORS.items() if cls.splits_by_layer)
+            raise NotImplementedError(f"{type(self).__name__}'s distance is not a sum over "
+                                      f"layers; these estimators split by layer: "
+                                      f"{', '.join(split)}")
+        self.require_fitted()
+        model = unwrap(model)
+        self.check_architecture(model)
+        self.place(*model_dtype_device(model))
+        with evaluation_mode(model):
+            return self._layer_terms(model)
 
     def statistics_collector(self, model: nn.Module, *, momentum: float | None = None
                              ) -> Any:
@@ -468,6 +494,9 @@ class Estimator:
 
     def _distance(self, model: nn.Module) -> Tensor:
         raise NotImplementedError
+
+    def _layer_terms(self, model: nn.Module) -> dict[str, Tensor]:
+        raise NotImplementedError  # estimators with splits_by_layer override it
 
     def _check_summary(self) -> None:
         """Check the stored fields this estimator reads (raise SummaryFormatError)."""

@@ -37,7 +37,11 @@ class EWC(Estimator):
             (``fisher="true"`` only).
         chunk_size: examples per vectorized per-example-gradient pass (memory only).
         seed: seed for ``fisher="sampled"``.
+
+    The distance is a sum of one term per module that holds parameters (:meth:`layer_terms`).
     """
+
+    splits_by_layer = True
 
     def __init__(self, fisher: str = "true", metric: str = "euclidean", chunk_size: int = 16,
                  seed: int = 0) -> None:
@@ -135,12 +139,16 @@ class EWC(Estimator):
             warnings.warn(f"EWC measures parameter movement only; the buffers {moved[:3]} "
                           f"(e.g. BatchNorm running statistics) moved too and are not "
                           f"counted: use ExactFSD, NTK or LAFTR to include them", stacklevel=3)
+        return torch.stack(list(self._layer_terms(model).values())).sum()
+
+    def _layer_terms(self, model: nn.Module) -> dict[str, Tensor]:
         theta0 = self.reference_parameters()
-        total = 0.0
+        terms: dict[str, Tensor] = {}
         for name, p in model.named_parameters():
-            total = total + (self._state[f"fisher.{name}"] * (p - theta0[name]).pow(2)).sum()
-        assert isinstance(total, Tensor)  # a fitted model has parameters
-        return 0.5 * total
+            path = name.rpartition(".")[0]  # the module that holds the parameter
+            term = 0.5 * (self._state[f"fisher.{name}"] * (p - theta0[name]).pow(2)).sum()
+            terms[path] = terms[path] + term if path in terms else term
+        return terms
 
 
 def _linear_layers(model: nn.Module) -> dict[str, nn.Linear] | None:

@@ -37,8 +37,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from . import distributed
-from .estimator import Data, Estimator, iter_batches, model_dtype_device
-from .graph import unwrap
+from .estimator import Data, Estimator, iter_batches
 from .metrics import check_metric, output_hessian_factors
 from .validation import SummaryFormatError, require, require_psd, require_shape
 
@@ -56,7 +55,11 @@ class KFAC(Estimator):
     Args:
         metric: output metric whose Hessian H defines the Gauss-Newton matrix:
             ``"euclidean"`` (H = I), ``"kl"`` (the softmax Fisher) or ``"softmax_euclidean"``.
+
+    The distance is a sum of one term ½ tr(ΔW̄ᵀ G ΔW̄ A) per layer (:meth:`layer_terms`).
     """
+
+    splits_by_layer = True
 
     def __init__(self, metric: str = "euclidean") -> None:
         super().__init__(metric=check_metric(metric))
@@ -147,19 +150,6 @@ class KFAC(Estimator):
             require_psd(self._stored, f"kfac.{key}G")
         if not self._meta.get("layers"):
             raise SummaryFormatError("meta 'layers': no layer recorded")
-
-    def layer_terms(self, model: nn.Module) -> dict[str, Tensor]:
-        """Each layer's term ½ tr(ΔW̄ᵀ G ΔW̄ A) of the distance, by module path.
-
-        The distance is their sum; a term far below the layer's share of the true FSD shows
-        where the factorization loses it (for a convolution, KFC drops the terms between
-        output locations). Differentiable, like :meth:`distance`.
-        """
-        self.require_fitted()
-        model = unwrap(model)
-        self.check_architecture(model)
-        self.place(*model_dtype_device(model))
-        return self._layer_terms(model)
 
     def _layer_terms(self, model: nn.Module) -> dict[str, Tensor]:
         theta0 = self.reference_parameters()

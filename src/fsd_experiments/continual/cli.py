@@ -193,8 +193,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                           "(what a Gauss-Newton penalty approximates), to split the gap "
                           "between the linearization and the summary's own approximation")
     gap.add_argument("--by-layer", action="store_true",
-                     help="for K-FAC summaries (--method osla): each layer's term against "
-                          "the linearized FSD when only that layer moves")
+                     help="for summaries that split by layer (--method osla or ewc): each "
+                          "layer's term against the linearized FSD when only that layer moves")
     add_threads_option(gap)
     gap.set_defaults(func=_cmd_gap)
     merge = cl_sub.add_parser("merge", help="combine finished runs of the same settings "

@@ -15,12 +15,11 @@ import torch
 
 from fsd.estimator import load
 from fsd.exact import ExactFSD
-from fsd.kfac import KFAC
 from fsd.ntk import NTK
 
 from ..benchmarks import make_tasks
 from ..compat import cl_checkpoint_settings, is_cl_results
-from ..presets import default_hyperparameters
+from ..presets import PRESETS, default_hyperparameters
 from .results import RunResults, SeedResult, _pm, write_results
 from .runner import build_model, summary_outputs
 from .settings import Hyperparameters
@@ -216,6 +215,12 @@ def report(paths: Sequence[str]) -> str:
     return "\n".join(lines + notes) + "\n"
 
 
+#: the ``fsd cl`` methods whose summaries split by layer (``fsd cl gap --by-layer``)
+LAYER_SPLIT_METHODS: tuple[str, ...] = tuple(
+    name for name, preset in PRESETS.items()
+    if preset.estimator is not None and preset.estimator.splits_by_layer)
+
+
 def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
                 examples: int = 10_000, linearized: bool = False,
                 by_layer: bool = False) -> list[dict[str, Any]]:
@@ -232,10 +237,11 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
     quadratic model that a Gauss-Newton penalty such as OSLA's approximates further. The
     truth over it is the linearization's share of the gap; it over the estimate is the rest.
 
-    With ``by_layer`` (K-FAC summaries, ``--method osla``), each row also has ``layers``:
-    per layer, the linearized FSD when only that layer moves (the Gauss-Newton's diagonal
-    block) and the summary's term for it (:meth:`fsd.KFAC.layer_terms`), which shows the
-    layers whose factorization loses the FSD.
+    With ``by_layer`` (summaries whose estimate is a sum over layers: K-FAC's and EWC's,
+    :data:`LAYER_SPLIT_METHODS`), each row also has ``layers``: per layer, the linearized FSD
+    when only that layer moves (the Gauss-Newton's diagonal block) and the summary's term
+    for it (:meth:`fsd.Estimator.layer_terms`), which shows the layers whose factorization
+    (K-FAC) or diagonal (EWC) loses the FSD.
 
     A seed still running (or stopped before its last task) is compared at its latest
     checkpoint: its model then stands for the final one, and the tasks trained before it
@@ -245,14 +251,15 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
     estimate, ratio`` (and ``linearized``, ``layers``).
 
     Raises:
-        ValueError: ``by_layer`` on a run whose summaries are not K-FAC's; a directory
+        ValueError: ``by_layer`` on a run whose summaries do not split by layer; a directory
             with neither results.json nor a checkpoint.
     """
     run = Path(run_dir)
     benchmark, method, hp, seeds = _run_settings(run)
-    if by_layer and method != "osla":  # before any data loads
-        raise ValueError(f"--by-layer splits K-FAC summaries (fsd cl --method osla); {run} is "
-                         f"a run of {method}")
+    if by_layer and method not in LAYER_SPLIT_METHODS:  # before any data loads
+        raise ValueError(f"--by-layer splits summaries whose estimate is a sum over layers "
+                         f"(fsd cl --method {' or '.join(LAYER_SPLIT_METHODS)}); {run} is a "
+                         f"run of {method}")
     rows: list[dict[str, Any]] = []
     for seed in seeds:
         ckpt = run / "checkpoints" / f"seed{seed}"
@@ -283,7 +290,7 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
                    "ratio": estimate / true_fsd if true_fsd > 0 else math.nan}
             if linearized:
                 row["linearized"] = _linearized_fsd(reference, final, x, metric, outputs)
-            if isinstance(summary, KFAC) and by_layer:
+            if by_layer:
                 with torch.no_grad():
                     terms = summary.layer_terms(final)
                 row["layers"] = [
