@@ -27,10 +27,18 @@ from tqdm.auto import tqdm
 
 from .graph import unwrap
 from .signature import check_signature, normalize, parameter_signature
-from .validation import SummaryFormatError, check_common
+from .validation import (
+    SummaryFormatError,
+    check_common,
+    checksum_damage,
+    payload_checksums,
+    require_in_range,
+)
 
 FORMAT = "fsd-summary"
 FORMAT_VERSION = 1
+# what to_payload writes; "checksums" is absent from files written before it was added
+_PAYLOAD_ENTRIES = {"format", "version", "estimator", "config", "meta", "tensors", "checksums"}
 
 ESTIMATORS: dict[str, type["Estimator"]] = {}
 
@@ -404,7 +412,7 @@ class Estimator:
         (e.g. :class:`fsd.ContinualRegularizer`) store these dictionaries.
         """
         self.require_fitted()
-        return {
+        payload = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
             "estimator": type(self).__name__,
@@ -412,6 +420,11 @@ class Estimator:
             "meta": json.dumps(self._meta),
             "tensors": {k: v.detach().cpu() for k, v in self._stored.items()},
         }
+        # sha256 of every part, verified by from_payload: a flipped bit in a tensor loads
+        # as a plausible summary that gives another distance, which no other check sees
+        payload["checksums"] = payload_checksums(payload["estimator"], payload["config"],
+                                                 payload["meta"], payload["tensors"])
+        return payload
 
     def _check_runs_on(self, model: nn.Module, data: Data, dtype: torch.dtype,
                        device: torch.device) -> Data:
@@ -472,6 +485,8 @@ class Estimator:
         if native:
             self._state = self._stored
         else:
+            # a float64 summary's values may overflow float32 once squared: refuse them here
+            require_in_range(self._stored, dtype)
             self._state = {k: v.to(device=device, dtype=dtype) if v.is_floating_point()
                            else v.to(device) for k, v in self._stored.items()}
         self._cache.clear()
@@ -527,7 +542,15 @@ class Estimator:
 
 
 def load(path: str | os.PathLike, map_location: str | torch.device | None = None) -> Estimator:
-    """Load a summary written by :meth:`Estimator.save`. Runs no pickled code."""
+    """Load a summary written by :meth:`Estimator.save`. Runs no pickled code.
+
+    Every stored tensor, the configuration and the metadata are checked against the sha256
+    checksums written with them, and the tensors against the estimator's configuration and
+    architecture (:mod:`fsd.validation`); a damaged or inconsistent file raises
+    :class:`~fsd.validation.SummaryFormatError` naming the field. Files written by fsd
+    versions before checksums (no ``checksums`` entry) still load: their bytes are not
+    checksummed, only checked for consistency.
+    """
     try:
         payload = torch.load(os.fspath(path), map_location=map_location, weights_only=True)
     except (FileNotFoundError, IsADirectoryError, PermissionError):
@@ -550,21 +573,37 @@ def from_payload(payload: Any, origin: str = "summary") -> Estimator:
     if payload.get("version") != FORMAT_VERSION:
         raise SummaryFormatError(f"{origin}: unsupported fsd summary version "
                                  f"{payload.get('version')}")
-    cls = ESTIMATORS.get(payload.get("estimator"))  # type: ignore[arg-type]
+    name = payload.get("estimator")
+    cls = ESTIMATORS.get(name) if isinstance(name, str) else None
     if cls is None:
-        raise SummaryFormatError(f"unknown estimator {payload.get('estimator')!r} in "
-                                 f"{origin}")
+        raise SummaryFormatError(f"unknown estimator {name!r} in {origin}")
+    # an entry of another name (a damaged "checksums" key among them) would otherwise pass
+    # the file off as one written before checksums
+    unexpected = sorted(map(repr, set(payload) - _PAYLOAD_ENTRIES))
+    if unexpected:
+        raise SummaryFormatError(f"{origin}: not a valid {name} summary: unexpected entries "
+                                 f"{', '.join(unexpected)}")
+    damage = checksum_damage(payload)  # None for files written before checksums
     try:
         estimator = cls(**json.loads(payload["config"]))
         estimator._stored = dict(payload["tensors"])
         estimator._state = estimator._stored
         estimator._meta = json.loads(payload["meta"])
+        # the consistency checks run first: their message says what is wrong with the field
         check_common(estimator._stored, estimator._meta)
         estimator._check_summary()
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as error:
         # SummaryFormatError is a ValueError: one message naming the file and the field
         detail = str(error) if isinstance(error, SummaryFormatError) else \
             f"{type(error).__name__}: {error}"
-        raise SummaryFormatError(f"{origin}: not a valid {payload['estimator']} "
-                                 f"summary: {detail}") from None
+        also = "" if damage is None else f" ({damage})"
+        raise SummaryFormatError(f"{origin}: not a valid {name} summary: {detail}{also}"
+                                 ) from None
+    except Exception:
+        if damage is None:
+            raise
+        # damaged bytes can break a check in ways no consistent file does
+        raise SummaryFormatError(f"{origin}: not a valid {name} summary: {damage}") from None
+    if damage is not None:
+        raise SummaryFormatError(f"{origin}: not a valid {name} summary: {damage}")
     return estimator

@@ -10,6 +10,9 @@ sees a malformed tensor.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -59,6 +62,16 @@ def check_common(stored: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
                                      f"{value.dtype}")
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             raise SummaryFormatError(f"field {key!r}: contains NaN or infinite values")
+    require_in_range(stored)
+    floats = [(k, v.dtype) for k, v in stored.items() if v.is_floating_point()]
+    # fit stores every statistic in the model's dtype, θ0's; a summary whose statistics
+    # mix dtypes would fail inside distance's matrix products
+    reference = next((d for k, d in floats if k.startswith("theta0.")), None)
+    for key, dtype in floats:
+        if reference is not None and dtype != reference and not key.startswith(
+                ("theta0.", "buffer0.")):
+            raise SummaryFormatError(f"field {key!r}: dtype {dtype}, expected {reference} "
+                                     f"(the dtype of the stored parameters θ0)")
     expected = parameter_shapes(meta.get("signature"))
     theta0 = {k[len("theta0."):]: v for k, v in stored.items() if k.startswith("theta0.")}
     if set(theta0) != set(expected):
@@ -73,6 +86,89 @@ def check_common(stored: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
         if index.dim() != 1 or index.numel() == 0 or bool((index < 0).any()):
             raise SummaryFormatError("field 'outputs': expected a non-empty list of "
                                      "non-negative output indices")
+
+
+def magnitude_limit(dtype: torch.dtype) -> float:
+    """The largest magnitude a summary value may have when computed with in ``dtype``.
+
+    Every distance is a quadratic form in the summary's values (Δθᵀ F Δθ, tr(P C Pᵀ),
+    ‖f − f0‖², K-FAC's tr(ΔᵀGΔA)), so a value whose square overflows ``dtype`` gives an
+    infinite (or NaN) distance: √max is where that starts (1.8e19 for float32, 1.3e154 for
+    float64), far above any real data, weight or moment.
+    """
+    return math.sqrt(torch.finfo(dtype).max)
+
+
+def require_in_range(stored: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> None:
+    """Every floating tensor's magnitude within :func:`magnitude_limit` of ``dtype``.
+
+    ``dtype=None`` checks each tensor against its own dtype (at load); a dtype checks the
+    values a summary will be converted to (a float64 summary used with a float32 model).
+    """
+    for key, value in stored.items():
+        if not isinstance(value, Tensor) or not value.is_floating_point() or not value.numel():
+            continue
+        target = value.dtype if dtype is None else dtype
+        limit = magnitude_limit(target)
+        largest = float(value.detach().abs().max())
+        if not largest <= limit:
+            raise SummaryFormatError(f"field {key!r}: values up to {largest:.3g} exceed "
+                                     f"{limit:.3g}, beyond which their squares overflow "
+                                     f"{target}")
+
+
+def tensor_digest(value: Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and values in row-major order (hex)."""
+    flat = value.detach().cpu().contiguous().reshape(-1)
+    digest = hashlib.sha256(f"{flat.dtype}|{list(value.shape)}|".encode())
+    if flat.numel():
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def text_digest(text: str) -> str:
+    """sha256 of a string's UTF-8 bytes (hex)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def payload_checksums(estimator: str, config: str, meta: str,
+                      tensors: Mapping[str, Tensor]) -> str:
+    """The ``checksums`` entry written with a summary: JSON of the sha256 of every part."""
+    return json.dumps({"estimator": text_digest(estimator), "config": text_digest(config),
+                       "meta": text_digest(meta),
+                       "tensors": {k: tensor_digest(v) for k, v in tensors.items()}})
+
+
+def checksum_damage(payload: Mapping[str, Any]) -> str | None:
+    """What in a summary payload disagrees with its ``checksums`` entry, or ``None``.
+
+    ``None`` also for a payload without checksums (written before they were): its bytes are
+    not checked. The answer names the first damaged part (a field, the config or the meta).
+    """
+    if "checksums" not in payload:
+        return None
+    damaged = "checksum mismatch: the file was damaged or changed after it was saved"
+    try:
+        sums = json.loads(payload["checksums"])
+        if not isinstance(sums, dict) or not isinstance(sums.get("tensors"), dict):
+            raise ValueError("not a JSON object")
+    except (TypeError, ValueError):
+        return "the checksums are unreadable: the file was damaged"
+    for part in ("estimator", "config", "meta"):
+        text = payload.get(part)
+        if not isinstance(text, str) or sums.get(part) != text_digest(text):
+            return f"{part}: {damaged}"
+    tensors = payload.get("tensors")
+    if not isinstance(tensors, dict):
+        return f"tensors: {damaged}"
+    for key in sorted(set(sums["tensors"]) | set(tensors), key=str):
+        value = tensors.get(key)
+        if key not in tensors:
+            return f"field {key!r} is missing ({damaged})"
+        if key not in sums["tensors"] or not isinstance(value, Tensor) or \
+                sums["tensors"][key] != tensor_digest(value):
+            return f"field {key!r}: {damaged}"
+    return None
 
 
 def positive_int(name: str, value: Any, *, allow_none: bool = False) -> int | None:
