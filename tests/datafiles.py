@@ -1,5 +1,7 @@
 """Tiny data sets in the official file formats, written by the tests themselves.
 
+Also :data:`REAL_DATA_DIR`, where the tests that need real MNIST or the UCI tables find them.
+
 MNIST / Fashion-MNIST idx files, and CIFAR-10/100 "python version" folders and archives with
 the official pickle layout (Python 2 style protocol-2 pickles naming ``numpy.core``).
 """
@@ -17,7 +19,12 @@ from typing import ClassVar
 
 import numpy as np
 
-from fsd_experiments.data import CIFAR_DIRS, MNIST_FILES
+from fsd_experiments.data import CIFAR_DIRS, MNIST_FILES, resolve_data_dir
+
+#: The data directory the tests read real MNIST and the UCI tables from: ``$FSD_DATA_DIR``,
+#: else the per-user cache (``~/.cache/fsd/data``), as the ``fsd`` command. The ``real_data``
+#: fixture (conftest.py) fetches what is missing there once per test session.
+REAL_DATA_DIR = resolve_data_dir()
 
 IDX_CODES = {
     np.dtype(np.uint8): 0x08,

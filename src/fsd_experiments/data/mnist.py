@@ -201,9 +201,11 @@ def load_mnist(
     """Load MNIST or Fashion-MNIST from ``<data-dir>/<kind>/``.
 
     Returns images as float32 in [0, 1] with shape (N, 1, 28, 28) and labels as int64 (N,).
-    Both ``<name>`` and ``<name>.gz`` idx files are accepted; nothing is cached on disk.
-    Raises :class:`DataNotFoundError` if the files are missing and ``ValueError`` if they are
-    inconsistent.
+    Both ``<name>`` and ``<name>.gz`` idx files are accepted. Files missing from the data
+    directory are fetched first (:func:`~fsd_experiments.data.fetching.fetch_on_first_use`:
+    MNIST downloaded and checked by sha256, Fashion-MNIST copied from Debian's package).
+    Raises :class:`DataNotFoundError` if they cannot be, with the command to run, and
+    ``ValueError`` if the files are inconsistent.
     """
     kind = _normalise_mnist_kind(kind)
     split = _check_split(split)
@@ -212,6 +214,10 @@ def load_mnist(
     prefix = _SPLIT_PREFIX[split]
     names = (f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte")
     paths = [_find_idx(directory, n) for n in names]
+    if any(p is None for p in paths):
+        from .fetching import fetch_on_first_use  # fetching reads this module's constants
+        fetch_on_first_use(kind, root)
+        paths = [_find_idx(directory, n) for n in names]
     if any(p is None for p in paths):
         missing = [n for n, p in zip(names, paths, strict=True) if p is None]
         raise DataNotFoundError(

@@ -58,6 +58,9 @@ def _uci_name(name: str) -> str:
 def load_uci(name: str, data_dir: PathLike | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Load a UCI regression set from ``<data-dir>/uci/<name>/``.
 
+    A set missing there is first installed from the copies shipped with this package
+    (:func:`~fsd_experiments.data.fetching.fetch_on_first_use`; no network needed).
+
     Returns float64 ``X`` of shape (N, d) and ``y`` of shape (N, k) (k = 1 for the standard
     sets), with columns chosen by ``index_features.txt`` / ``index_target.txt`` (0-based).
     ``name`` may be a canonical name from :data:`UCI_DATASETS` or an alias
@@ -71,6 +74,10 @@ def load_uci(name: str, data_dir: PathLike | None = None) -> tuple[torch.Tensor,
     directory = root / "uci" / canon
     files = ("data.txt", "index_features.txt", "index_target.txt")
     missing = [f for f in files if not (directory / f).is_file()]
+    if missing:
+        from .fetching import fetch_on_first_use  # fetching reads this module's names
+        fetch_on_first_use("uci", root)
+        missing = [f for f in files if not (directory / f).is_file()]
     if missing:
         raise DataNotFoundError(
             f"UCI data set {canon}: expected {', '.join(missing)} in {directory}. "
