@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .graph import unwrap
+from .precision import float32_view
 from .signature import check_signature, normalize, parameter_signature
 from .validation import (
     SummaryFormatError,
@@ -294,6 +295,20 @@ class Estimator:
             ``self``.
         """
         model = unwrap(model)  # torch.compile / DDP wrappers: the user's model inside
+        # a float16/bfloat16 model is fitted on float32 casts: its sums would overflow
+        with float32_view(model, differentiable=False):
+            data, dtype, device = self._prepare(model, data, outputs, batch_to_input)
+            with evaluation_mode(model):
+                self._fit(model, data, statistics=statistics, dtype=dtype, device=device,
+                          progress=progress)
+        self._meta["fitted"] = True
+        return self
+
+    def _prepare(self, model: nn.Module, data: Data | None,
+                 outputs: Sequence[int] | slice | None,
+                 batch_to_input: Callable[[Any], Any] | None
+                 ) -> tuple[Data | None, torch.dtype, torch.device]:
+        """``fit``'s checks and θ0's snapshot: the data to read, the dtype and the device."""
         dtype, device = model_dtype_device(model)
         self._stored, self._meta, self._cache = {}, {}, {}
         self._state = self._stored
@@ -312,24 +327,23 @@ class Estimator:
             self._state["outputs"] = index
         if data is not None:
             data = self._check_runs_on(model, as_batches(data, batch_to_input), dtype, device)
-        with evaluation_mode(model):
-            self._fit(model, data, statistics=statistics, dtype=dtype, device=device,
-                      progress=progress)
-        self._meta["fitted"] = True
-        return self
+        return data, dtype, device
 
     def distance(self, model: nn.Module) -> Tensor:
         """Estimated FSD between the fitted reference θ0 and ``model``'s current parameters.
 
-        Returns a 0-dim tensor, differentiable w.r.t. the model's parameters.
+        Returns a 0-dim tensor, differentiable w.r.t. the model's parameters. A float16 or
+        bfloat16 model is measured through float32 casts of its parameters (as at ``fit``),
+        so its distance is float32: the one its float32 copy gets (:mod:`fsd.precision`).
         """
         self.require_fitted()
         model = unwrap(model)
         self.check_architecture(model)
-        dtype, device = model_dtype_device(model)
-        self.place(dtype, device)
-        with evaluation_mode(model):
-            return self._distance(model)
+        with float32_view(model, differentiable=True):
+            dtype, device = model_dtype_device(model)
+            self.place(dtype, device)
+            with evaluation_mode(model):
+                return self._distance(model)
 
     def layer_terms(self, model: nn.Module) -> dict[str, Tensor]:
         """:meth:`distance` split into one term per layer, by module path; they sum to it.
@@ -351,9 +365,10 @@ class Estimator:
         self.require_fitted()
         model = unwrap(model)
         self.check_architecture(model)
-        self.place(*model_dtype_device(model))
-        with evaluation_mode(model):
-            return self._layer_terms(model)
+        with float32_view(model, differentiable=True):  # as distance() does
+            self.place(*model_dtype_device(model))
+            with evaluation_mode(model):
+                return self._layer_terms(model)
 
     def statistics_collector(self, model: nn.Module, *, momentum: float | None = None
                              ) -> Any:

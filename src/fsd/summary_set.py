@@ -22,6 +22,7 @@ from .exact_moments import delta_second_moment_adjoint
 from .graph import unwrap
 from .interpreter import delta_moments, model_state, trace
 from .linearized import BGLN
+from .precision import float32_view
 
 
 def _form(estimator: BGLN) -> tuple:
@@ -89,8 +90,15 @@ class SummarySet:
         return sum(e.nbytes for e in self.estimators)
 
     def distance(self, model: nn.Module) -> Tensor:
-        """Σ_i weight_i · D_i(model): a differentiable 0-dim tensor (0 for an empty set)."""
+        """Σ_i weight_i · D_i(model): a differentiable 0-dim tensor (0 for an empty set).
+
+        A float16 or bfloat16 model is measured in float32, as by :meth:`Estimator.distance`.
+        """
         model = unwrap(model)
+        with float32_view(model, differentiable=True):
+            return self._distance(model)
+
+    def _distance(self, model: nn.Module) -> Tensor:
         dtype, device = model_dtype_device(model)
         batches: dict[tuple, list[int]] = {}
         singles: list[int] = []
