@@ -70,6 +70,12 @@ class ExactFSD(Estimator):
         total = 0.0
         for chunk, f0 in zip(self._chunks(), self._reference_outputs(model), strict=True):
             f1 = model(chunk)
+            if f1.shape != f0.shape:
+                # f(x, θ0) is stored without the model's output shape, which only the model
+                # knows: a stored f0 of another width would broadcast against f1
+                raise SummaryFormatError(f"field 'data.f0': {tuple(f0.shape[1:])} reference "
+                                         f"outputs per example, the model gives "
+                                         f"{tuple(f1.shape[1:])}")
             reference = self._select(f0)
             total = total + pointwise_distance(
                 self.config["metric"], reference, self._select(f1) - reference).sum()

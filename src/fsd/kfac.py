@@ -137,7 +137,27 @@ class KFAC(Estimator):
                                 for path, layer in layers.items()]
 
     def _check_summary(self) -> None:
-        for path, _ in self._meta.get("layers", []):
+        layers = self._meta.get("layers")
+        if not isinstance(layers, list) or not all(
+                isinstance(e, list) and len(e) == 2 and isinstance(e[0], str)
+                and isinstance(e[1], bool) for e in layers):
+            raise SummaryFormatError("meta 'layers': expected a list of [path, has_bias]")
+        # every parameter belongs to exactly one recorded layer: a layer missing from the
+        # list would have its term dropped from the distance
+        covered: list[str] = []
+        for path, has_bias in layers:
+            key = f"{path}." if path else ""
+            covered += [f"{key}weight"] + ([f"{key}bias"] if has_bias else [])
+        theta0 = sorted(k[len("theta0."):] for k in self._stored if k.startswith("theta0."))
+        if sorted(covered) != theta0:
+            raise SummaryFormatError(f"meta 'layers': covers the parameters {sorted(covered)}, "
+                                     f"the summary holds {theta0}")
+        factors = {f"kfac.{path}.{f}" if path else f"kfac.{f}" for path, _ in layers
+                   for f in "AG"}
+        extra = sorted(k for k in self._stored if k.startswith("kfac.") and k not in factors)
+        if extra:
+            raise SummaryFormatError(f"field {extra[0]!r}: a factor of no recorded layer")
+        for path, _ in layers:
             key = f"{path}." if path else ""
             weight = require(self._stored, f"theta0.{key}weight")
             if weight.dim() not in (2, 4):  # Linear (out, in) or Conv2d (out, in, kh, kw)
@@ -162,8 +182,10 @@ class KFAC(Estimator):
             bias = (current[f"{key}bias"] - theta0[f"{key}bias"] if has_bias
                     else delta.new_zeros(delta.shape[0]))
             delta = torch.cat([delta, bias.unsqueeze(1)], dim=1)  # ΔW̄ = [ΔW, Δb]
+            # ≥ 0 for PSD factors; fsd.load admits eigenvalues down to −(round-off), which
+            # with round-off in the products can leave a tiny negative term: clamp it
             terms[path] = 0.5 * _KroneckerQuadratic.apply(
-                delta, self._state[f"kfac.{key}G"], self._state[f"kfac.{key}A"])[0]
+                delta, self._state[f"kfac.{key}G"], self._state[f"kfac.{key}A"])[0].clamp_min(0)
         return terms
 
     def _distance(self, model: nn.Module) -> Tensor:

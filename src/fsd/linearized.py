@@ -20,6 +20,7 @@ propagates moments along a chain and refuses other graphs at ``fit``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -289,6 +290,8 @@ class _LinearizedEstimator(Estimator):
                                          f"(examples, *features)")
             if "coreset.group" in stored:
                 require_shape(stored, "coreset.group", [x.shape[0]])
+            if isinstance(self._meta.get("input_shape"), list):
+                require_shape(stored, "coreset.x", [x.shape[0], *self._meta["input_shape"]])
         if "weights" not in stored:
             if "coreset.x" not in stored:
                 raise SummaryFormatError("field 'coreset.x' or 'weights' is missing")
@@ -300,7 +303,11 @@ class _LinearizedEstimator(Estimator):
             raise SummaryFormatError(f"field 'weights': sums to {float(weights.sum()):.6g}, "
                                      f"expected 1")
         if self.config.get("inputs") == "gaussian":
-            d = require_shape(stored, "input.mean", [groups, None]).shape[1]
+            shape = self._meta.get("input_shape")
+            # the mean is the flattened input: its width is fixed by the recorded input shape
+            width = math.prod(shape) if isinstance(shape, list) and all(
+                isinstance(n, int) for n in shape) else None
+            d = require_shape(stored, "input.mean", [groups, width]).shape[1]
             form = self.config["covariance"]
             if form == "lowrank":
                 require_shape(stored, "input.cov_factor", [groups, d, None])
@@ -407,8 +414,49 @@ class _LinearizedEstimator(Estimator):
             return r * s0 + rule.gate_offset(module), g
         return gate
 
+    def _check_units(self, model: nn.Module, layers: list[TracedLayer] | None) -> None:
+        """The stored gate statistics against the model's activations, once per placement.
+
+        A summary records its model's parameter shapes but not those of its hidden units, so
+        the reference network is run here on one (zero) input, recording the shape at every
+        gate: a missing gate statistic, or one of another width (which would broadcast and
+        give another distance), raises :class:`SummaryFormatError` before any computation.
+        """
+        if not self.bernoulli or self._cache.get("units_checked"):
+            return
+        mean = self._state.get("input.mean", self._state.get("coreset.x"))
+        if mean is None or not isinstance(self._meta.get("input_shape"), list):
+            return
+        probe = torch.zeros((1, *self._meta["input_shape"]), dtype=mean.dtype,
+                            device=mean.device)
+        units: dict[str, tuple[int, ...]] = {}
+
+        def record(layer: TracedLayer, s0: Tensor) -> tuple[Tensor, Tensor]:
+            units[layer.path] = tuple(s0.shape[1:])
+            return true_gates(layer, s0)
+
+        with torch.no_grad():
+            if layers is None:
+                linearized_outputs(model, self.reference_state(), probe, record)
+            else:
+                propagate_linearized(layers, self.reference_state(), None, probe, record)
+        groups = self._state["weights"].shape[0] if "weights" in self._state else 1
+        for path, shape in units.items():
+            if f"gate_moments.{path}" in self._state:
+                key, expected = f"gate_moments.{path}", (groups, *shape, SMOOTH_MOMENTS)
+            else:
+                key, expected = f"gate.{path}", (groups, *shape)
+            if key not in self._state:
+                raise SummaryFormatError(f"field {key!r} is missing: the summary holds no "
+                                         f"statistics of the activation at '{path}'")
+            if tuple(self._state[key].shape) != expected:
+                raise SummaryFormatError(f"field {key!r}: shape {tuple(self._state[key].shape)}"
+                                         f", the model's units at '{path}' need {expected}")
+        self._cache["units_checked"] = True
+
     def _distance(self, model: nn.Module) -> Tensor:
         layers = self._chain(model)
+        self._check_units(model, layers)
         if layers is None and self._deterministic:  # exact moments on a graph
             return self._graph_moment_distance(model)
         if layers is None:  # LAFTR or BGLN-S on a graph that is not a chain
@@ -483,15 +531,17 @@ class _LinearizedEstimator(Estimator):
             mean_d, trace = conv_moments.delta_side(
                 parts["steps"], params0, params1, parts["reference"], parts["statistics"],
                 parts["output_rows"], tuple(self._meta["input_shape"]))
-            per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace
+            per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace.clamp_min(0)
         elif self.config.get("moments") == "exact":
             per_group = 0.5 * delta_second_moment_adjoint(
                 layers, params0, params1, parts["reference"], parts["gate_means"],
-                parts["output_rows"])
+                parts["output_rows"]).clamp_min(0)
         else:
             mean_d, trace = delta_moments(layers, params0, params1, parts["reference"],
                                           parts["gate_means"], parts["output_rows"])
-            per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace
+            # a variance (a second moment above) is ≥ 0 for PSD covariances; fsd.load admits
+            # eigenvalues down to −(round-off), which can leave a tiny negative one: clamp it
+            per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace.clamp_min(0)
         return (parts["weights"] * per_group).sum()
 
     def _graph_plan(self, model: nn.Module) -> GraphPlan:
@@ -508,7 +558,7 @@ class _LinearizedEstimator(Estimator):
         eye = torch.eye(plan.output_size, dtype=mean.dtype, device=mean.device)
         per_group = 0.5 * graph_second_moment(
             plan, model, self.reference_state(), model_state(model), mean,
-            self.input_covariance(), self._gate_means(), self._select(eye).T)
+            self.input_covariance(), self._gate_means(), self._select(eye).T).clamp_min(0)
         return (self._state["weights"] * per_group).sum()
 
     def _output_size(self, layers, params0) -> int:
