@@ -134,12 +134,13 @@ class SummarySet:
             if stacked["exact"]:
                 per_group = 0.5 * delta_second_moment_adjoint(
                     layers, stacked["params0"], params1, stacked["reference"],
-                    stacked["gate_means"], stacked["output_rows"])
+                    stacked["gate_means"], stacked["output_rows"]).clamp_min(0)
             else:
                 mean_d, trace_d = delta_moments(layers, stacked["params0"], params1,
                                                 stacked["reference"], stacked["gate_means"],
                                                 stacked["output_rows"])
-                per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace_d
+                # clamped as each summary's own distance is (fsd.BGLN)
+                per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace_d.clamp_min(0)
         return (stacked["weights"] * per_group).sum()
 
     def _stack(self, layers, members: list[int]) -> dict[str, Any]:

@@ -206,10 +206,19 @@ def require_nonnegative(stored: Mapping[str, Tensor], key: str) -> None:
 
 
 def require_psd(stored: Mapping[str, Tensor], key: str) -> None:
-    """``stored[key]`` (..., d, d) is symmetric positive semi-definite up to round-off."""
-    value = require(stored, key).to(torch.float64)
+    """``stored[key]`` (..., d, d) is symmetric positive semi-definite up to round-off.
+
+    Round-off is relative to the largest entry: 1e-5 for float32 files (Gram matrices
+    summed over millions of rows in float32 reach a few parts in a million), 1e-9 for
+    float64 ones (fit accumulates those in float64, ~1e-13 and below), so an eigenvalue of
+    −9e-6 in a float64 covariance of scale 1 is refused. Eigenvalues admitted below zero
+    are round-off; the estimators clamp their quadratic forms at 0, so they cannot make a
+    distance negative.
+    """
+    raw = require(stored, key)
+    value = raw.to(torch.float64)
     scale = value.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(1e-300)
-    tolerance = 1e-5 * scale
+    tolerance = (1e-9 if raw.dtype == torch.float64 else 1e-5) * scale
     if bool(((value - value.transpose(-2, -1)).abs() > tolerance).any()):
         raise SummaryFormatError(f"field {key!r}: not symmetric")
     lowest = torch.linalg.eigvalsh(value).amin(dim=-1)
