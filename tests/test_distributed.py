@@ -8,6 +8,7 @@ training step with the penalty must leave the ranks' parameters identical.
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 
 import pytest
@@ -177,3 +178,60 @@ def test_coreset_shards_are_sampled_uniformly():
     frequency = counts / 3000
     # binomial standard error √(p(1−p)/n) ≈ 0.0086; 5 standard errors
     assert torch.all((frequency - 1 / 3).abs() < 5 * 0.0086), frequency
+
+
+def _refusal_worker(rank: int, world: int, directory: str) -> None:
+    # a short timeout: before the check, the ranks that had data waited for the empty one
+    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous",
+                            rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
+    torch.set_num_threads(1)
+    messages = {}
+    try:
+        x, y = _shard(rank, world)
+        cases = {
+            # rank 1's shard is empty: a DataLoader over no examples, or an empty tensor
+            "empty-loader": (_model(), [] if rank == 1 else _batches(x, y), fsd.EWC),
+            "empty-tensor": (_model(), x[:0] if rank == 1 else x,
+                             lambda: fsd.BGLN(deterministic=True)),
+            # rank 1 fits another network
+            "theta0": (perturbed_last_layer(_model()) if rank == 1 else _model(),
+                       _batches(x, y), fsd.KFAC),
+        }
+        for case, (model, data, make) in cases.items():
+            try:
+                make().fit(model, data)
+                messages[case] = None
+            except Exception as error:  # recorded for the parent to compare
+                messages[case] = f"{type(error).__name__}: {error}"
+        # the group still works: the same fit on every rank succeeds afterwards
+        fsd.EWC().fit(_model(), _batches(x, y))
+        messages["after"] = "ok"
+    finally:
+        torch.save(messages, os.path.join(directory, f"refusal{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def perturbed_last_layer(model: nn.Sequential) -> nn.Sequential:
+    with torch.no_grad():
+        model[4].weight[0, 0] += 1e-6
+    return model
+
+
+def test_a_rank_that_cannot_fit_fails_every_rank_with_one_line(tmp_path):
+    world = 2
+    mp.start_processes(_refusal_worker, args=(world, str(tmp_path)), nprocs=world,
+                       join=True, start_method="spawn")
+    got = [torch.load(tmp_path / f"refusal{r}.pt", weights_only=True) for r in range(world)]
+    expected = {
+        "empty-loader": "DistributedFitError: rank 1 of 2 cannot fit: no data: the data "
+                        "iterable is empty",
+        "empty-tensor": "DistributedFitError: rank 1 of 2 cannot fit: data is empty: fit "
+                        "needs at least one example",
+        "theta0": "DistributedFitError: the ranks hold different reference networks: "
+                  "parameter '4.weight' on rank 1 of 2 differs from rank 0's; every rank "
+                  "must fit the same θ0 (load or broadcast the same weights before fit)",
+        "after": "ok",
+    }
+    for messages in got:  # the same one line on every rank
+        assert messages == expected

@@ -12,10 +12,19 @@ an exponential moving average (``momentum``), which are averaged over the ranks 
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+
+class DistributedFitError(ValueError):
+    """A rank cannot fit, or the ranks hold different reference networks.
+
+    Raised on every rank with the same message, before any statistic is exchanged, so no
+    rank is left waiting in a collective for one that failed.
+    """
 
 
 def world_size() -> int:
@@ -56,6 +65,56 @@ def sum_tensors(tensors: dict[str, Tensor], count: int) -> tuple[dict[str, Tenso
     total = torch.tensor([count], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(total)
     return summed, int(total.item())
+
+
+def state_digests(model: nn.Module) -> list[tuple[str, str]]:
+    """A hash of each parameter and floating-point buffer of ``model`` (θ0 as ``fit`` stores it).
+
+    Equal lists mean bit-identical tensors (values, shapes and dtypes), in named order.
+    """
+    out = []
+    named = [(f"parameter '{n}'", t) for n, t in model.named_parameters()]
+    named += [(f"buffer '{n}'", t) for n, t in model.named_buffers() if t.is_floating_point()]
+    for name, tensor in named:
+        flat = tensor.detach().reshape(-1).cpu().contiguous()
+        digest = hashlib.blake2b(f"{flat.dtype}{tuple(tensor.shape)}".encode(), digest_size=16)
+        digest.update(flat.view(torch.uint8).numpy().tobytes())  # any dtype, bfloat16 too
+        out.append((name, digest.hexdigest()))
+    return out
+
+
+def agree_to_fit(failure: BaseException | None, model: nn.Module | None) -> None:
+    """Check, on every rank at once, that each rank can fit and all hold the same θ0.
+
+    Every rank calls it after its own checks (``failure`` is what they raised, ``model``
+    ``None`` then) and before the first collective of fitting. A rank's failure (no data,
+    data the model cannot run on, ...) or θ0 that differs between ranks raises
+    :class:`DistributedFitError` with the same one-line message on every rank — instead of
+    that rank alone raising while the others wait in a collective until the timeout, or
+    summaries of different networks being merged. Does nothing when not distributed.
+    """
+    if world_size() == 1:
+        return
+    message = None
+    if failure is not None:
+        text = str(failure).strip()
+        message = text.splitlines()[0] if text else type(failure).__name__
+    digests = state_digests(model) if failure is None and model is not None else None
+    reports = gather_objects((message, digests))
+    size = len(reports)
+    for index, (reason, _) in enumerate(reports):
+        if reason is not None:
+            raise DistributedFitError(f"rank {index} of {size} cannot fit: {reason}")
+    first = reports[0][1]
+    for index, (_, theirs) in enumerate(reports[1:], start=1):
+        if theirs != first:
+            assert first is not None and theirs is not None  # no failure: every rank hashed
+            where = next((a[0] for a, b in zip(first, theirs, strict=False) if a != b),
+                         "the list of parameters")
+            raise DistributedFitError(
+                f"the ranks hold different reference networks: {where} on rank {index} of "
+                f"{size} differs from rank 0's; every rank must fit the same θ0 (load or "
+                f"broadcast the same weights before fit)")
 
 
 def _to_cpu(obj: Any) -> Any:

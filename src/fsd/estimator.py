@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from . import distributed
 from .graph import unwrap
 from .precision import float32_view
 from .signature import check_signature, normalize, parameter_signature
@@ -138,6 +139,27 @@ def iter_batches(
         yield x, y
     if seen == 0:
         raise ValueError("data is empty: fit needs at least one example")
+
+
+def check_parameters(model: nn.Module) -> None:
+    """Refuse a model whose parameters or buffers hold no values or non-finite ones.
+
+    θ0 is the model's current parameters: a NaN or infinite one (a diverged training run)
+    would be stored, make every distance NaN and the saved summary unloadable, and a model
+    on the ``meta`` device has no values at all. Raises ``ValueError`` naming the first.
+    """
+    named = [(f"parameter '{n}'", t) for n, t in model.named_parameters()]
+    named += [(f"buffer '{n}'", t) for n, t in model.named_buffers()]
+    for name, tensor in named:
+        if tensor.is_meta:
+            raise ValueError(f"{name} is on the meta device and holds no values: fit needs "
+                             f"the reference network's weights (e.g. model.to_empty("
+                             f"device='cpu'), then load_state_dict)")
+    for name, tensor in named:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{name} has NaN or infinite values: fit takes θ0 from the "
+                             f"model's parameters, which must be finite (a diverged training "
+                             f"run? a smaller learning rate or gradient clipping)")
 
 
 def model_dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
@@ -293,11 +315,27 @@ class Estimator:
 
         Returns:
             ``self``.
+
+        Raises:
+            ValueError: in one line, before any statistic is collected: a parameter or
+                buffer that is NaN, infinite or on the ``meta`` device (the first is named),
+                empty data, data the model cannot run on, bad ``outputs``.
+            fsd.distributed.DistributedFitError: under torch.distributed, on every rank
+                alike, when one rank fails those checks or the ranks' θ0 differ.
+
+        A float16 or bfloat16 model is fitted in float32 (:mod:`fsd.precision`).
         """
         model = unwrap(model)  # torch.compile / DDP wrappers: the user's model inside
         # a float16/bfloat16 model is fitted on float32 casts: its sums would overflow
         with float32_view(model, differentiable=False):
-            data, dtype, device = self._prepare(model, data, outputs, batch_to_input)
+            try:
+                data, dtype, device = self._prepare(model, data, outputs, batch_to_input)
+            except Exception as error:
+                # under torch.distributed every rank raises this rank's error alike; alone,
+                # the error itself
+                distributed.agree_to_fit(error, None)
+                raise
+            distributed.agree_to_fit(None, model)  # every rank has data and the same θ0
             with evaluation_mode(model):
                 self._fit(model, data, statistics=statistics, dtype=dtype, device=device,
                           progress=progress)
@@ -309,6 +347,7 @@ class Estimator:
                  batch_to_input: Callable[[Any], Any] | None
                  ) -> tuple[Data | None, torch.dtype, torch.device]:
         """``fit``'s checks and θ0's snapshot: the data to read, the dtype and the device."""
+        check_parameters(model)
         dtype, device = model_dtype_device(model)
         self._stored, self._meta, self._cache = {}, {}, {}
         self._state = self._stored
@@ -450,16 +489,22 @@ class Estimator:
         re-chained, with the batch taken put back in front.
         """
         if isinstance(data, Tensor):
-            first: Any = data
+            x, _ = next(iter_batches([data], dtype=dtype, device=device))
         else:
+            # the first batch with an example: data whose batches are all empty fails here,
+            # before any statistic is collected (under torch.distributed, on every rank)
             iterator = iter(data)
-            try:
-                first = next(iterator)
-            except StopIteration:
-                raise ValueError("no data: the data iterable is empty") from None
-            if iterator is data:  # a generator: put the batch taken back in front
-                data = itertools.chain([first], iterator)
-        x, _ = next(iter_batches([first], dtype=dtype, device=device))
+            taken: list[Any] = []
+            for batch in iterator:
+                taken.append(batch)
+                x, _ = next(iter_batches([batch], dtype=dtype, device=device))
+                if x.shape[0] > 0:
+                    break
+            else:
+                raise ValueError("data is empty: fit needs at least one example" if taken
+                                 else "no data: the data iterable is empty")
+            if iterator is data:  # a generator: put the batches taken back in front
+                data = itertools.chain(taken, iterator)
         try:
             with torch.no_grad(), evaluation_mode(model):
                 z = model(x[:1])
