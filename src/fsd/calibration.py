@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -58,8 +59,26 @@ class Calibration:
         return float(logs.std()) if logs.numel() > 1 else 0.0
 
     def scale_lambda(self, exact_lambda: float) -> float:
-        """λ for this estimator that weighs like ``exact_lambda`` on the true FSD."""
-        return exact_lambda / self.median_ratio
+        """λ for this estimator that weighs like ``exact_lambda`` on the true FSD.
+
+        Raises:
+            ValueError: ``exact_lambda`` is not a finite number ≥ 0; the median ratio is 0 or
+                not finite (an estimator that reads 0 where the true FSD does not weighs
+                like no λ); or the scaled λ overflows.
+        """
+        if (isinstance(exact_lambda, bool) or not isinstance(exact_lambda, numbers.Real)
+                or not math.isfinite(exact_lambda) or exact_lambda < 0):
+            raise ValueError(f"exact_lambda must be a finite number ≥ 0, got {exact_lambda!r}")
+        ratio = self.median_ratio
+        if not (math.isfinite(ratio) and ratio > 0):
+            raise ValueError(f"cannot scale exact_lambda: the median estimate/exact ratio is "
+                             f"{ratio:.3g} (estimates {_short(self.estimates)}); no λ makes "
+                             f"a zero or non-finite estimate weigh like the true FSD")
+        scaled = exact_lambda / ratio
+        if not math.isfinite(scaled):
+            raise ValueError(f"exact_lambda={exact_lambda!r} over the median ratio {ratio:.3g} "
+                             f"overflows")
+        return float(scaled)
 
     def __str__(self) -> str:
         return (f"{self.estimator}: estimate/exact median {self.median_ratio:.3g} "
@@ -103,18 +122,66 @@ def calibrate(estimator: Estimator, model: nn.Module, data: Data, *,
 
     Returns:
         A :class:`Calibration`; ``str()`` of it is a one-line report.
+
+    Raises:
+        ValueError: in one line naming the argument, for what would leave a ratio — and so
+            λ — not a finite number: ``scale`` not finite and > 0, ``num_perturbations``
+            below 2, ``moved`` empty, a moved network with non-finite parameters, a true
+            FSD of 0 (a network that did not move, or a ``scale`` too small to move the
+            parameters) or not finite (a ``scale`` so large the outputs overflow), or an
+            ``estimator`` whose distance is not finite.
     """
+    # every ratio must be finite and positive, or λ / median ratio is not a number: what
+    # would break it is refused, naming the argument (the default networks: ``scale``)
+    if moved is None:
+        if (isinstance(num_perturbations, bool) or not isinstance(num_perturbations, int)
+                or num_perturbations < 2):
+            raise ValueError(f"num_perturbations must be at least 2, got {num_perturbations!r}")
+        if (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                or not math.isfinite(scale) or scale <= 0):
+            raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    elif len(moved) == 0:
+        raise ValueError("moved is empty: give at least one network that moved from the "
+                         "reference")
     reference = copy.deepcopy(model)
     reference.load_state_dict(estimator.reference_state_dict())
+    perturbed = moved is None
     if moved is None:
-        if num_perturbations < 2:
-            raise ValueError(f"num_perturbations must be at least 2, got {num_perturbations}")
         moved = perturbed_copies(reference, num_perturbations, scale, seed)
+        names = [f"scale={scale!r} (perturbed copy {i})" for i in range(len(moved))]
+    else:
+        names = [f"moved[{i}]" for i in range(len(moved))]
+    for name, network in zip(names, moved, strict=True):
+        bad = next((n for n, p in network.named_parameters()
+                    if p.is_floating_point() and not bool(torch.isfinite(p).all())), None)
+        if bad is not None:
+            raise ValueError(f"{name}: parameter '{bad}' has NaN or infinite values"
+                             + ("; use a smaller scale" if perturbed else ""))
     exact = ExactFSD(metric=estimator.config.get("metric", "euclidean"))
     exact.fit(reference, data, outputs=estimator.output_units())
     estimates, truths = [], []
-    for network in moved:
+    for name, network in zip(names, moved, strict=True):
         with torch.no_grad():
-            estimates.append(float(estimator.distance(network)))
-            truths.append(float(exact.distance(network)))
+            estimate, truth = float(estimator.distance(network)), float(exact.distance(network))
+        if not math.isfinite(truth):
+            advice = "a smaller scale" if perturbed else "a network nearer the reference"
+            raise ValueError(f"{name}: the true FSD is {truth} (the network's outputs "
+                             f"overflow); use {advice}")
+        if truth == 0:
+            advice = ("a larger scale (this one does not move the parameters)" if perturbed
+                      else "networks that moved")
+            raise ValueError(f"{name}: the true FSD is 0 (the network computes the "
+                             f"reference's outputs on data), so no estimate/exact ratio "
+                             f"exists; use {advice}")
+        if not math.isfinite(estimate):
+            raise ValueError(f"estimator: its distance at {name} is {estimate} where the "
+                             f"true FSD is {truth:.3g}")
+        estimates.append(estimate)
+        truths.append(truth)
     return Calibration(repr(estimator), tuple(estimates), tuple(truths))
+
+
+def _short(values: Sequence[float]) -> str:
+    """At most three values, for a message."""
+    shown = ", ".join(f"{v:.3g}" for v in values[:3])
+    return f"[{shown}{', ...' if len(values) > 3 else ''}]"
