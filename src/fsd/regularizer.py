@@ -15,6 +15,7 @@ paper's penalty (eq. 3) for the current parameters::
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Any, Callable, Sequence
 
@@ -22,12 +23,31 @@ import torch
 from torch import Tensor, nn
 
 from .estimator import Data, Estimator, atomic_torch_save, from_payload, model_dtype_device
+from .precision import compute_dtype
 from .summary_set import SummarySet
 from .validation import SummaryFormatError
 
 FORMAT = "fsd-continual-regularizer"
 FORMAT_VERSION = 1
 REDUCTIONS = ("sum", "mean")
+#: The largest strength λ accepted. λ·D stays finite in float32 for every distance D below
+#: 3.4e38 / 1e12 = 3.4e26 — outputs some 1e13 away from the reference's, a diverged network
+#: — while the largest λ this project uses is 30 on the true FSD's scale, and EWC, which
+#: reads about 0.003 of the true FSD (docs/fidelity.md), needs some 300 times more: a λ
+#: above 1e12 is a typo or an overflowed computation, not a weight.
+MAX_STRENGTH = 1e12
+
+
+def check_strength(strength: Any) -> float:
+    """``strength`` as a float: a real number (not a bool or a string) in [0, 1e12].
+
+    Raises ``ValueError`` naming the value (``MAX_STRENGTH`` says why the bound).
+    """
+    if (isinstance(strength, bool) or not isinstance(strength, numbers.Real)
+            or not 0 <= float(strength) <= MAX_STRENGTH):
+        raise ValueError(f"strength must be a finite non-negative number at most "
+                         f"{MAX_STRENGTH:g}, got {strength!r} ({type(strength).__name__})")
+    return float(strength)
 
 
 class ContinualRegularizer:
@@ -51,9 +71,7 @@ class ContinualRegularizer:
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, "
                              f"got {reduction!r}")
-        strength = float(strength)
-        if not strength >= 0 or strength == float("inf"):
-            raise ValueError(f"strength must be a finite non-negative number, got {strength}")
+        strength = check_strength(strength)
         self.estimator = estimator
         self.strength = strength
         self.reduction = reduction
@@ -145,10 +163,13 @@ class ContinualRegularizer:
         return self.reduction_weights(len(self.summaries), self.reduction)
 
     def penalty(self, model: nn.Module) -> Tensor:
-        """λ · Σ_t w_t D_t(model): a differentiable 0-dim tensor, 0 before the first task."""
+        """λ · Σ_t w_t D_t(model): a differentiable 0-dim tensor, 0 before the first task.
+
+        Float32 for a float16 or bfloat16 model, as :meth:`fsd.Estimator.distance` is.
+        """
         if not self.summaries or self.strength == 0:
             dtype, device = model_dtype_device(model)
-            return torch.zeros((), dtype=dtype, device=device)
+            return torch.zeros((), dtype=compute_dtype(dtype), device=device)
         if self._penalty is None:  # one set per task count: its batched reference is cached
             self._penalty = SummarySet(self.summaries, self.weights())
         return self.strength * self._penalty.distance(model)
@@ -186,6 +207,11 @@ class ContinualRegularizer:
         summaries = payload.get("summaries")
         if not isinstance(summaries, list):
             raise SummaryFormatError(f"{origin}: field 'summaries' is missing")
+        for i, summary in enumerate(summaries):
+            # private classes (``_LinearizedEstimator``) are building blocks, not estimators
+            name = summary.get("estimator") if isinstance(summary, dict) else None
+            if isinstance(name, str) and name.startswith("_"):
+                raise SummaryFormatError(f"{origin} (task {i}): unknown estimator {name!r}")
         regularizer.summaries = [from_payload(p, origin=f"{origin} (task {i})")
                                  for i, p in enumerate(summaries)]
         return regularizer
