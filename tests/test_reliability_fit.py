@@ -1,0 +1,280 @@
+"""No silent wrong numbers at fit and in the uses of a summary (reliability round 3).
+
+Half-precision models (their sums overflowed), non-finite or ``meta`` parameters at ``fit``,
+``fsd.calibrate`` arguments that made λ NaN, and ContinualRegularizer strengths and files.
+The distributed cases (an empty shard, ranks with different θ0) are in test_distributed.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fsd
+from conftest import cnn, mlp, perturbed
+
+# every estimator of README.md's table
+ESTIMATORS = {
+    "exact": fsd.ExactFSD,
+    "laftr": fsd.LAFTR,
+    "bgln-s": fsd.BGLN,
+    "bgln-d": lambda: fsd.BGLN(deterministic=True),
+    "bgln-d-exact": lambda: fsd.BGLN(deterministic=True, moments="exact"),
+    "ntk": fsd.NTK,
+    "ewc": fsd.EWC,
+    "ewc-kl": lambda: fsd.EWC(metric="kl"),
+    "kfac": fsd.KFAC,
+}
+HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _pixels(n: int, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Raw 0–255 pixel values: their squares (up to 65025) sum past float16's 65504."""
+    return torch.rand((n, *shape), generator=torch.Generator().manual_seed(seed)) * 255
+
+
+# ----- 4: float16 / bfloat16 models ------------------------------------------------------
+
+def _check_half(make, model32: nn.Module, x: torch.Tensor, dtype: torch.dtype, tmp_path
+                ) -> None:
+    half = copy.deepcopy(model32).to(dtype)
+    moved = perturbed(half, scale=1e-2)
+    estimator = make().fit(half, x.to(dtype))
+    distance = estimator.distance(moved)
+    # the reference: the same estimator on the float32 copy of the half-precision model (every
+    # float16/bfloat16 number is a float32 one). Both compute the same float32 operations on
+    # the same values, so they agree to float32 round-off (rtol 1e-6 leaves room for any
+    # reordering); against the float32 original the half model differs by its own rounding
+    # of the weights (~1e-3 relative), which is no error of the estimator.
+    copy32, moved32 = copy.deepcopy(half).float(), copy.deepcopy(moved).float()
+    expected = make().fit(copy32, x.to(dtype).float()).distance(moved32)
+    assert distance.dtype == torch.float32 and bool(torch.isfinite(distance))
+    torch.testing.assert_close(distance, expected, rtol=1e-6, atol=0)
+    # the gradient reaches the half-precision parameters, as the float32 copy's does
+    distance.backward()
+    expected.backward()
+    for (name, p), q in zip(moved.named_parameters(), moved32.parameters(), strict=True):
+        assert p.grad is not None and p.grad.dtype == dtype, name
+        torch.testing.assert_close(p.grad, q.grad.to(dtype), rtol=0, atol=0, msg=name)
+    # whatever is saved loads, and measures alike
+    estimator.save(tmp_path / "half.fsd")
+    loaded = fsd.load(tmp_path / "half.fsd")
+    torch.testing.assert_close(loaded.distance(moved).detach(), expected.detach(), rtol=1e-6,
+                               atol=0)
+
+
+@pytest.mark.parametrize("dtype", list(HALF.values()), ids=list(HALF))
+@pytest.mark.parametrize("name", list(ESTIMATORS))
+def test_a_half_precision_model_measures_as_its_float32_copy(name, dtype, tmp_path):
+    # before: EWC's Fisher and KFAC's factors overflowed float16 (inf, NaN), were saved,
+    # and fsd.load refused the file
+    _check_half(ESTIMATORS[name], mlp([6, 16, 16, 3], dtype=torch.float32), _pixels(64, (6,)),
+                dtype, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["exact", "bgln-d", "kfac", "ewc"])
+def test_a_half_precision_cnn_measures_as_its_float32_copy(name, tmp_path):
+    _check_half(ESTIMATORS[name], cnn(dtype=torch.float32), _pixels(16, (1, 8, 8)),
+                torch.float16, tmp_path)
+
+
+def test_statistics_recorded_on_a_half_precision_model_fit_in_float32():
+    model = mlp([6, 16, 3], dtype=torch.float32).half()
+    x = _pixels(64, (6,)).half()
+    collector = fsd.StatisticsCollector(model)
+    with collector, collector.record():
+        model(x)
+    recorded = fsd.BGLN(deterministic=True).fit(model, statistics=collector)
+    direct = fsd.BGLN(deterministic=True).fit(model, x)
+    moved = perturbed(model, scale=1e-2)
+    assert bool(torch.isfinite(recorded.distance(moved)))
+    torch.testing.assert_close(recorded.distance(moved), direct.distance(moved), rtol=1e-5,
+                               atol=0)
+
+
+def test_a_half_precision_penalty_is_float32_and_finite():
+    model = mlp([6, 16, 3], dtype=torch.float32).half()
+    reg = fsd.ContinualRegularizer(fsd.EWC, strength=2.0)
+    assert reg.penalty(model).dtype == torch.float32  # no task yet: a float32 zero
+    reg.end_task(model, _pixels(64, (6,)))
+    reg.end_task(model, _pixels(64, (6,), seed=1))
+    moved = perturbed(model, scale=1e-2)
+    penalty = reg.penalty(moved)
+    assert penalty.dtype == torch.float32 and bool(torch.isfinite(penalty))
+    expected = 2.0 * sum(s.distance(moved) for s in reg.summaries)
+    torch.testing.assert_close(penalty, expected, rtol=1e-6, atol=0)
+
+
+def test_float32_and_float64_models_keep_their_dtype():
+    for dtype in (torch.float32, torch.float64):
+        model = mlp([6, 16, 3], dtype=dtype)
+        estimator = fsd.KFAC().fit(model, torch.randn(32, 6, dtype=dtype))
+        assert estimator._stored["kfac.0.A"].dtype == dtype
+        assert estimator.distance(perturbed(model)).dtype == dtype
+
+
+# ----- 10: non-finite and meta parameters at fit ------------------------------------------
+
+@pytest.mark.parametrize("name", ["exact", "bgln-d", "ntk", "ewc", "kfac"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_fit_refuses_non_finite_parameters_naming_the_first(name, value):
+    model = mlp([4, 8, 3])
+    with torch.no_grad():
+        model[2].weight[1, 3] = value
+    with pytest.raises(ValueError, match=r"^parameter '2\.weight' has NaN or infinite") as error:
+        ESTIMATORS[name]().fit(model, torch.randn(16, 4, dtype=torch.float64))
+    assert "\n" not in str(error.value)
+
+
+def test_fit_refuses_a_diverged_training_run():
+    # `fsd cl --lr 1e30`: the task's model is NaN after its first step; before, fit stored
+    # it, and the next task failed to load the "not a valid summary" file
+    model = mlp([4, 8, 3], dtype=torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e30)
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    for _ in range(3):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    with pytest.raises(ValueError, match="has NaN or infinite values"):
+        fsd.BGLN(deterministic=True, moments="exact").fit(model, x)
+
+
+def test_fit_refuses_non_finite_buffers():
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).double()
+    model.eval()
+    model[1].running_var[2] = math.inf
+    with pytest.raises(ValueError, match=r"^buffer '1\.running_var' has NaN or infinite"):
+        fsd.ExactFSD().fit(model, torch.randn(16, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", ["exact", "bgln-d", "ewc"])
+def test_fit_refuses_a_meta_device_model_in_one_line(name):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    with pytest.raises(ValueError, match=r"^parameter '0\.weight' is on the meta device") \
+            as error:
+        ESTIMATORS[name]().fit(model, torch.randn(16, 4))
+    assert "\n" not in str(error.value)
+
+
+# ----- 7: calibrate and scale_lambda -----------------------------------------------------
+
+def _calibration_setup():
+    model = mlp([4, 16, 3], dtype=torch.float32)
+    train = torch.randn(200, 4, generator=torch.Generator().manual_seed(0))
+    held_out = torch.randn(100, 4, generator=torch.Generator().manual_seed(1))
+    return model, fsd.EWC().fit(model, train), held_out
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.1, math.nan, math.inf, 1e30, 1e-30])
+def test_calibrate_refuses_a_scale_that_leaves_no_finite_ratio(scale):
+    # before: a Calibration whose median ratio (and so λ) was NaN
+    model, estimator, held_out = _calibration_setup()
+    with pytest.raises(ValueError, match=r"scale") as error:
+        fsd.calibrate(estimator, model, held_out, scale=scale)
+    assert "\n" not in str(error.value)
+
+
+def test_calibrate_refuses_no_moved_network():
+    model, estimator, held_out = _calibration_setup()
+    with pytest.raises(ValueError, match=r"^moved is empty"):
+        fsd.calibrate(estimator, model, held_out, moved=[])
+
+
+def test_calibrate_refuses_an_unmoved_network_naming_it():
+    model, estimator, held_out = _calibration_setup()
+    moved = [perturbed(model), copy.deepcopy(model)]
+    with pytest.raises(ValueError, match=r"^moved\[1\]: the true FSD is 0"):
+        fsd.calibrate(estimator, model, held_out, moved=moved)
+
+
+def test_calibrate_refuses_a_zero_true_fsd_of_a_network_that_moved():
+    # the summary covers output 0; the network moved only the weights of output 2
+    model = mlp([4, 16, 3], dtype=torch.float32)
+    x = torch.randn(100, 4)
+    estimator = fsd.EWC().fit(model, x, outputs=[0])
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        moved[2].weight[2] += 1.0
+    with pytest.raises(ValueError, match=r"^moved\[0\]: the true FSD is 0"):
+        fsd.calibrate(estimator, model, x, moved=[moved])
+
+
+def test_calibrate_refuses_a_moved_network_with_nan_parameters():
+    model, estimator, held_out = _calibration_setup()
+    moved = perturbed(model)
+    with torch.no_grad():
+        moved[0].bias[0] = math.nan
+    with pytest.raises(ValueError, match=r"^moved\[0\]: parameter '0\.bias' has NaN"):
+        fsd.calibrate(estimator, model, held_out, moved=[moved])
+
+
+def test_scale_lambda_refuses_a_zero_estimate():
+    # before: ZeroDivisionError (a median ratio of 0)
+    calibration = fsd.calibration.Calibration("EWC()", (0.0, 0.0, 0.0), (0.1, 0.2, 0.3))
+    with pytest.raises(ValueError, match="median estimate/exact ratio is 0"):
+        calibration.scale_lambda(1.0)
+
+
+@pytest.mark.parametrize("exact_lambda", [math.nan, math.inf, -1.0, "2", True])
+def test_scale_lambda_refuses_a_lambda_that_is_not_a_finite_number(exact_lambda):
+    calibration = fsd.calibration.Calibration("EWC()", (0.1, 0.2), (0.2, 0.4))
+    with pytest.raises(ValueError, match="exact_lambda must be a finite number"):
+        calibration.scale_lambda(exact_lambda)
+
+
+def test_scale_lambda_refuses_an_overflowing_lambda():
+    calibration = fsd.calibration.Calibration("EWC()", (1e-300, 1e-300), (1.0, 1.0))
+    with pytest.raises(ValueError, match="overflows"):
+        calibration.scale_lambda(1e300)
+
+
+def test_calibrate_still_scales_lambda():
+    model, estimator, held_out = _calibration_setup()
+    calibration = fsd.calibrate(estimator, model, held_out)
+    assert math.isfinite(calibration.scale_lambda(1.0)) and calibration.scale_lambda(1.0) > 0
+
+
+# ----- 11: ContinualRegularizer strengths and files ----------------------------------------
+
+@pytest.mark.parametrize("strength", [1e308, 1e13, math.inf, "2", True, None])
+def test_the_regularizer_refuses_a_strength_out_of_range_or_not_a_number(strength):
+    with pytest.raises(ValueError, match="strength must be a finite non-negative number at "
+                                         "most 1e\\+12"):
+        fsd.ContinualRegularizer(fsd.EWC, strength=strength)
+
+
+def test_the_regularizer_accepts_its_bounds():
+    assert fsd.ContinualRegularizer(fsd.EWC, strength=0).strength == 0.0
+    assert fsd.ContinualRegularizer(fsd.EWC, strength=1e12).strength == 1e12
+
+
+def _saved_regularizer(tmp_path):
+    model = mlp([4, 8, 3])
+    reg = fsd.ContinualRegularizer(fsd.LAFTR, strength=2.0)
+    reg.end_task(model, torch.randn(32, 4, dtype=torch.float64))
+    reg.save(tmp_path / "reg.fsd")
+    return torch.load(tmp_path / "reg.fsd", weights_only=True)
+
+
+@pytest.mark.parametrize("strength", ["2", True, 1e308, [2.0]])
+def test_a_regularizer_file_with_a_bad_strength_is_refused(tmp_path, strength):
+    payload = _saved_regularizer(tmp_path)
+    payload["strength"] = strength
+    torch.save(payload, tmp_path / "bad.fsd")
+    with pytest.raises(fsd.SummaryFormatError, match=r"bad settings.*strength must be"):
+        fsd.ContinualRegularizer.load(tmp_path / "bad.fsd")
+
+
+def test_a_regularizer_file_naming_a_private_estimator_is_refused(tmp_path):
+    payload = _saved_regularizer(tmp_path)
+    payload["summaries"][0]["estimator"] = "_LinearizedEstimator"
+    torch.save(payload, tmp_path / "bad.fsd")
+    with pytest.raises(fsd.SummaryFormatError,
+                       match=r"\(task 0\): unknown estimator '_LinearizedEstimator'"):
+        fsd.ContinualRegularizer.load(tmp_path / "bad.fsd")
