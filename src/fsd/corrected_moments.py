@@ -1,0 +1,399 @@
+"""BGLN-D variants between Algorithm 2 and exact moments: ablations and a corrected estimator.
+
+A prototype (not exported from :mod:`fsd`; :class:`BGLNVariant` is built by name). Algorithm 2
+(:func:`fsd.interpreter.delta_moments`) differs from exact moments
+(:mod:`fsd.exact_moments`) in two places: it gates second moments by μμᵀ instead of
+Q = μμᵀ + diag(μ(1−μ)) (it drops the gates' own variance), and it drops Cov(a0, Δa).
+
+**Ablations** (:func:`ablated_second_moment`): the exact recursion on the joint raw second
+moments of ([a0; 1], Δa) with either omission switched on — ``gate_variance=False`` gates by
+E[r]E[g]ᵀ on both sides, ``cross_covariance=False`` replaces E[a0 Δaᵀ] after every gate by
+E[a0]E[Δa]ᵀ. Both together are Algorithm 2; neither is the exact recursion. Dense and
+O(o²·d): for measuring which omission matters, not for training.
+
+**Corrected moments** (:func:`corrected_second_moment`): write each gate as its mean plus a
+centred part, m = E[m] + ε. Then a gated layer is the mean-gate layer plus an injected
+"noise" pair n = (ε_r ⊙ s0, ε_g ⊙ Δs), and
+
+* n has zero mean and is uncorrelated with everything upstream (ε is centred and
+  independent of it) and with every later injection;
+* its covariance is *diagonal* over units, with the 2×2 block per unit
+  [[Var r·E s0², Cov(r,g)·E[s0 Δs]], [·, Var g·E Δs²]] (raw second moments of the
+  pre-activations, *including* what earlier injections added to them).
+
+So the BGLN is exactly a mean-gate linear network driven by the input and by uncorrelated
+injections at every gate, and
+
+    E‖PΔz‖² = E‖P Δz̄‖²  +  Σ_gates Σ_i ‖M0_i‖² n00_i + 2 M0_i·MΔ_i n0Δ_i + ‖MΔ_i‖² nΔΔ_i
+
+where Δz̄ is the mean-gate network's output (linear in x̃ = [x; 1]: Δz̄ = A x̃, with
+Cov(a0, Δa) of that network kept) and M0, MΔ (k × o) are the rows that carry a change of a0,
+Δa after the gate to PΔz through the mean-gate network — the rows Algorithm 2 pulls back
+(MΔ), and their reference-side twins (M0 = Σ_later MΔ ΔW ∂a0/∂a0). Both terms cost what
+Algorithm 2 costs (k rows pulled back through every layer) *except* the diagonals E s0_i²,
+E[s0_i Δs_i], E Δs_i² at each gate, which are pushed forward:
+
+* the part of the pre-activations driven by the input factor Φ (E[x̃x̃ᵀ] = ΦΦᵀ + diag(D))
+  exactly, as factors (o × q): o·d·q at the first layer, o²·q at the others;
+* the part driven by the diagonal residual D and by earlier injections — both with diagonal
+  covariance where they enter — *carried diagonally*: through a gate by E[r]², E[r]E[g],
+  E[g]², through an affine layer by the squared weights (W0², W0⊙ΔW, …), dropping the
+  off-diagonal covariance that an affine layer creates. That is the approximation.
+
+It is exact (float64 round-off) for one gated layer, and for two gated layers when the input
+covariance has no diagonal residual (full, or low rank of full rank): there the only
+carried covariance is one injection's (diagonal) through one affine layer. With all
+μ ∈ {0, 1} the injections vanish and it equals exact moments; without its injections it
+is exact moments without the gate variance (the mean-gate network).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from .covariance import Covariance
+from .exact_moments import _homogeneous_delta, _homogeneous_layer, input_factor, input_offsets
+from .interpreter import TracedLayer
+from .linearized import BGLN
+from .rules import AffineRule, GateMoments, GateRule, UnsupportedModuleError
+
+#: the variants :class:`BGLNVariant` computes (``moments=``)
+VARIANTS: tuple[str, ...] = ("corrected", "no-gate-variance", "no-cross-covariance")
+
+
+@dataclass(frozen=True)
+class _Step:
+    """An affine layer, the offset φ(0) its input carries, and the gate right before it."""
+
+    layer: TracedLayer
+    offset: float
+    gate: GateMoments | None  # None: the first layer, or an affine layer right before
+
+
+def _affine_steps(layers: list[TracedLayer], gate_means: Mapping[str, Tensor]) -> list[_Step]:
+    steps: list[_Step] = []
+    gate: GateMoments | None = None
+    trailing = False
+    for layer, offset in zip(layers, input_offsets(layers), strict=True):
+        rule = layer.rule
+        if isinstance(rule, AffineRule):
+            steps.append(_Step(layer, offset, gate))
+            gate, trailing = None, False
+        elif isinstance(rule, GateRule):
+            if not steps:
+                raise UnsupportedModuleError(
+                    f"moment variants need an affine layer before the gate at '{layer.path}'")
+            gate, trailing = rule.gate_moments(layer.module, gate_means[layer.path]), True
+    if not steps:
+        raise UnsupportedModuleError("the model has no parameterized layer")
+    if trailing:
+        raise UnsupportedModuleError("moment variants need the model to end with an affine layer")
+    return steps
+
+
+def _homogeneous_second(second: Tensor, mean: Tensor) -> Tensor:
+    """[[E aaᵀ, E a], [E aᵀ, 1]] from a raw second moment (G, o, o) and a mean (G, o)."""
+    top = torch.cat([second, mean.unsqueeze(-1)], dim=-1)
+    bottom = torch.cat([mean, mean.new_ones((*mean.shape[:-1], 1))], dim=-1).unsqueeze(-2)
+    return torch.cat([top, bottom], dim=-2)
+
+
+def _matrices(step: _Step, params0: Mapping[str, Tensor], params1: Mapping[str, Tensor]
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """(W̃0, W1, ΔW̃) of an affine step; ΔW̃ formed first (:meth:`AffineRule.affine_delta`)."""
+    w0h = _homogeneous_layer(step.layer, params0, step.offset)[0]
+    w1 = _homogeneous_layer(step.layer, params1, 0.0)[1]
+    return w0h, w1, _homogeneous_delta(step.layer, params0, params1, step.offset)
+
+
+def _trace_rows(rows: Tensor, second: Tensor) -> Tensor:
+    """tr(P S Pᵀ) per component for rows P ((G,) k', k) and S (G, k, k)."""
+    rows = rows.to(second.dtype)
+    return ((rows @ second) * rows).sum((-1, -2))
+
+
+def ablated_second_moment(
+    layers: list[TracedLayer],
+    params0: Mapping[str, Tensor],
+    params1: Mapping[str, Tensor],
+    mean: Tensor,
+    cov: Covariance,
+    gate_means: Mapping[str, Tensor],
+    output_rows: Tensor,
+    *,
+    gate_variance: bool = True,
+    cross_covariance: bool = True,
+) -> Tensor:
+    """tr(P E[Δz Δzᵀ] Pᵀ) (G,) by the exact forward recursion with terms switched off.
+
+    Args:
+        layers: the traced chain (:func:`fsd.trace`).
+        params0: θ0 by name.
+        params1: θ by name (differentiable).
+        mean: input means (G, d).
+        cov: input covariances in any form of :mod:`fsd.covariance`.
+        gate_means: stored gate statistics per gate path.
+        output_rows: (k', k) or (G, k', k) rows selecting outputs.
+        gate_variance: ``False`` gates every second moment by E[r]E[g]ᵀ (Algorithm 2's μμᵀ)
+            instead of Q, on the reference and the difference side.
+        cross_covariance: ``False`` sets Cov(a0, Δa) = 0 after every gate (Algorithm 2).
+
+    Both ``True``: :func:`fsd.exact_moments.delta_second_moment`; both ``False``: Algorithm 2.
+    """
+    steps = _affine_steps(layers, gate_means)
+    phi, residual = input_factor(mean, cov)
+    r00 = phi @ phi.mT
+    if residual is not None:
+        r00 = r00 + torch.diag_embed(residual)
+    r0d: Tensor | None = None  # E[ã0 Δaᵀ]: its last row is E[Δa]
+    rdd: Tensor | None = None  # E[Δa Δaᵀ]
+    pending: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
+    for index, step in enumerate(steps):
+        if index > 0:
+            assert pending is not None  # set by the previous affine layer
+            s00, s0d, sdd, m0, md = pending
+            gate = step.gate
+            if gate is None:  # affine after affine: the identity gate
+                a00, a0d, add, am0, amd = s00, s0d, sdd, m0, md
+            else:
+                er, eg = gate.reference_mean, gate.delta_mean
+                if gate_variance:
+                    q_rr, q_rg, q_gg = gate.second_moments()
+                else:
+                    q_rr = er.unsqueeze(-1) * er.unsqueeze(-2)
+                    q_rg = er.unsqueeze(-1) * eg.unsqueeze(-2)
+                    q_gg = eg.unsqueeze(-1) * eg.unsqueeze(-2)
+                a00, a0d, add, am0, amd = q_rr * s00, q_rg * s0d, q_gg * sdd, er * m0, eg * md
+                if not cross_covariance:  # E[a0 Δaᵀ] = E[a0] E[Δa]ᵀ: no covariance
+                    a0d = am0.unsqueeze(-1) * amd.unsqueeze(-2)
+            r00 = _homogeneous_second(a00, am0)
+            r0d = torch.cat([a0d, amd.unsqueeze(-2)], dim=-2)
+            rdd = add
+        w0h, w1, dwh = _matrices(step, params0, params1)
+        w0r = w0h @ r00
+        dr = dwh @ r00
+        s00, m0 = w0r @ w0h.mT, w0r[..., -1]  # the last column of R00 is E[ã0]
+        s0d, sdd, md = w0r @ dwh.mT, dr @ dwh.mT, dr[..., -1]
+        if r0d is not None:
+            assert rdd is not None  # set together with r0d
+            s0d = s0d + w0h @ r0d @ w1.mT
+            cross = dwh @ r0d @ w1.mT
+            sdd = sdd + cross + cross.mT + w1 @ rdd @ w1.mT
+            md = md + r0d[..., -1, :] @ w1.mT
+        pending = (s00, s0d, sdd, m0, md)
+    assert pending is not None  # _affine_steps found an affine layer
+    return _trace_rows(output_rows, pending[2])
+
+
+def _gate_parts(gate: GateMoments | None, like: Tensor) -> tuple[Tensor, ...]:
+    """(E r, E g, Var r, Cov(r, g), Var g); the identity gate for ``None``."""
+    if gate is None:
+        one, zero = like.new_ones(()), like.new_zeros(())
+        return one, one, zero, zero, zero
+    return (gate.reference_mean, gate.delta_mean, gate.reference_variance, gate.covariance,
+            gate.delta_variance)
+
+
+def corrected_reference(
+    layers: list[TracedLayer],
+    params0: Mapping[str, Tensor],
+    mean: Tensor,
+    cov: Covariance,
+    gate_means: Mapping[str, Tensor],
+) -> list[dict[str, Tensor]]:
+    """The θ-independent part of :func:`corrected_second_moment`, per affine layer.
+
+    Per affine layer: ``"factor"`` — the factor of [a0; 1] at its input (mean-gate network,
+    (G, in + 1, q)); ``"f0"`` — that of s0 at its output; ``"t00"`` — the diagonally carried
+    part of E s0² (residual and injections); ``"e00"`` — the factor part of E s0²; and
+    ``"residual"`` (first layer, if any) — D.
+    """
+    steps = _affine_steps(layers, gate_means)
+    phi, residual = input_factor(mean, cov)
+    constant = phi[..., -1:, :]  # the row of the constant coordinate, [0 … 0 1]
+    out: list[dict[str, Tensor]] = []
+    factor, carried = phi, None
+    for index, step in enumerate(steps):
+        w0h = _homogeneous_layer(step.layer, params0, step.offset)[0]
+        if index > 0:
+            prev = out[-1]
+            er, _, vr, _, _ = _gate_parts(step.gate, phi)
+            injected = vr * (prev["e00"] + prev["t00"])
+            carried = er.pow(2) * prev["t00"] + injected
+            factor = torch.cat([er.unsqueeze(-1) * prev["f0"], constant], dim=-2)
+        f0 = w0h @ factor
+        block = {"factor": factor, "f0": f0, "e00": f0.pow(2).sum(-1)}
+        if index == 0:
+            t00 = f0.new_zeros(f0.shape[:-1])
+            if residual is not None:
+                block["residual"] = residual
+                t00 = t00 + residual @ w0h.pow(2).mT
+        else:
+            assert carried is not None
+            t00 = carried @ w0h[..., :-1].pow(2).mT
+        block["t00"] = t00
+        out.append(block)
+    return out
+
+
+def corrected_second_moment(
+    layers: list[TracedLayer],
+    params0: Mapping[str, Tensor],
+    params1: Mapping[str, Tensor],
+    reference: list[dict[str, Tensor]],
+    gate_means: Mapping[str, Tensor],
+    output_rows: Tensor,
+    *,
+    parts: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """tr(P E[Δz Δzᵀ] Pᵀ) (G,) by the mean-gate network plus the carried gate variance.
+
+    See the module's docstring for the derivation and where it is exact. ``reference`` is
+    :func:`corrected_reference`'s output. With ``parts=True`` returns the two terms
+    (mean-gate network, gate-variance correction) separately.
+    """
+    steps = _affine_steps(layers, gate_means)
+    # forward: the diagonals E s0², E[s0 Δs], E Δs² at every gate's input
+    fd_prev: Tensor | None = None  # factor of Δs at the previous layer's output
+    t0d_prev = tdd_prev = None
+    injections: list[tuple[Tensor, Tensor, Tensor] | None] = [None]
+    gates: list[tuple[Tensor, ...]] = []
+    mats: list[tuple[Tensor, Tensor, Tensor]] = []
+    last = len(steps) - 1
+    for index, step in enumerate(steps):
+        block = reference[index]
+        w0h, w1, dwh = _matrices(step, params0, params1)
+        mats.append((w0h, dwh, w1))
+        parts_gate = _gate_parts(step.gate, dwh)
+        gates.append(parts_gate)
+        fad = c0d = cdd = None
+        if index > 0:
+            assert fd_prev is not None and t0d_prev is not None and tdd_prev is not None
+            prev = reference[index - 1]
+            er, eg, vr, crg, vg = parts_gate
+            e0d = (prev["f0"] * fd_prev).sum(-1)
+            edd = fd_prev.pow(2).sum(-1)
+            n00 = vr * (prev["e00"] + prev["t00"])
+            n0d = crg * (e0d + t0d_prev)
+            ndd = vg * (edd + tdd_prev)
+            injections.append((n00, n0d, ndd))
+            fad = eg.unsqueeze(-1) * fd_prev
+            c00 = er.pow(2) * prev["t00"] + n00
+            c0d = er * eg * t0d_prev + n0d
+            cdd = eg.pow(2) * tdd_prev + ndd
+        else:
+            c00 = None
+        if index == last:
+            break
+        fd = dwh @ block["factor"]
+        if fad is not None:
+            fd = fd + w1 @ fad
+        if index == 0:
+            t0d = fd.new_zeros(fd.shape[:-1])
+            tdd = t0d
+            residual = block.get("residual")
+            if residual is not None:  # the residual enters with a diagonal covariance
+                t0d = t0d + (residual.unsqueeze(-2) * w0h * dwh).sum(-1)
+                tdd = tdd + residual @ dwh.pow(2).mT
+        else:
+            assert c00 is not None and c0d is not None and cdd is not None
+            w0, dw = w0h[..., :-1], dwh[..., :-1]
+            t0d = c00 @ (w0 * dw).mT + c0d @ (w0 * w1).mT
+            tdd = c00 @ dw.pow(2).mT + 2 * (c0d @ (dw * w1).mT) + cdd @ w1.pow(2).mT
+        fd_prev, t0d_prev, tdd_prev = fd, t0d, tdd
+
+    # backward: the rows carrying a0 and Δa to PΔz through the mean-gate network
+    groups = reference[0]["factor"].shape[0]
+    rows = output_rows.to(reference[0]["factor"].dtype)
+    s_d = rows.expand(groups, *rows.shape[-2:])
+    s_0: Tensor | None = None
+    constant = None
+    correction = s_d.new_zeros(groups)
+    signal = correction
+    for index in range(last, -1, -1):
+        w0h, dwh, w1 = mats[index]
+        h0 = s_d @ dwh
+        if s_0 is not None:
+            h0 = h0 + s_0 @ w0h
+        if index == 0:
+            if constant is not None:
+                h0 = torch.cat([h0[..., :-1], h0[..., -1:] + constant.unsqueeze(-1)], dim=-1)
+            block = reference[0]
+            signal = (h0 @ block["factor"]).pow(2).sum((-1, -2))
+            if "residual" in block:
+                signal = signal + (h0.pow(2) * block["residual"].unsqueeze(-2)).sum((-1, -2))
+            break
+        hd = s_d @ w1
+        constant = h0[..., -1] if constant is None else constant + h0[..., -1]
+        m0 = h0[..., :-1]
+        injection = injections[index]
+        assert injection is not None
+        n00, n0d, ndd = injection
+        correction = correction + (m0.pow(2).sum(-2) * n00 + 2 * (m0 * hd).sum(-2) * n0d
+                                   + hd.pow(2).sum(-2) * ndd).sum(-1)
+        er, eg = (g.unsqueeze(-2) if g.dim() else g for g in gates[index][:2])
+        s_0, s_d = m0 * er, hd * eg
+    if parts:
+        return signal, correction
+    return signal + correction
+
+
+class BGLNVariant(BGLN):
+    """BGLN-D with a moment recursion between Algorithm 2 and exact moments (prototype).
+
+    Not part of the public API: the ablations and the corrected estimator of this module, for
+    the fidelity study and continual-learning experiments (``fsd_experiments.presets``).
+    MLP chains only (no convolutional path, no graphs); summaries are evaluated one by one.
+
+    Args:
+        moments: ``"corrected"`` (:func:`corrected_second_moment`), ``"no-gate-variance"``
+            or ``"no-cross-covariance"`` (:func:`ablated_second_moment`).
+        **options: as :class:`fsd.BGLN`; ``deterministic`` must be ``True``.
+    """
+
+    def __init__(self, moments: str = "corrected", **options: Any) -> None:
+        if moments not in VARIANTS:
+            raise ValueError(f"moments must be one of {', '.join(VARIANTS)}, got {moments!r}")
+        if not options.pop("deterministic", True):
+            raise ValueError("BGLNVariant is deterministic (a BGLN-D)")
+        super().__init__(deterministic=True, **options)
+        self.config["moments"] = moments
+
+    def moment_parts(self, layers: list[TracedLayer], params0: dict[str, Tensor]
+                     ) -> dict[str, Any]:
+        """The fixed parts: gate statistics, output rows, mixture weights, reference blocks."""
+        if "moment_parts" not in self._cache:
+            mean = self._state["input.mean"]
+            eye = torch.eye(self._output_size(layers, params0), dtype=mean.dtype,
+                            device=mean.device)
+            gate_means = self._gate_means()
+            parts: dict[str, Any] = {"gate_means": gate_means,
+                                     "output_rows": self._select(eye).T.contiguous(),
+                                     "weights": self._state["weights"]}
+            if self.config["moments"] == "corrected":
+                with torch.no_grad():
+                    parts["reference"] = corrected_reference(
+                        layers, params0, mean, self.input_covariance(), gate_means)
+            self._cache["moment_parts"] = parts
+        return self._cache["moment_parts"]
+
+    def _moment_distance(self, layers, params0, params1) -> Tensor:
+        if self._meta.get("convolutional"):
+            raise NotImplementedError("BGLNVariant walks MLP chains only")
+        parts = self.moment_parts(layers, params0)
+        moments = self.config["moments"]
+        if moments == "corrected":
+            value = corrected_second_moment(layers, params0, params1, parts["reference"],
+                                            parts["gate_means"], parts["output_rows"])
+        else:
+            value = ablated_second_moment(
+                layers, params0, params1, self._state["input.mean"], self.input_covariance(),
+                parts["gate_means"], parts["output_rows"],
+                gate_variance=moments != "no-gate-variance",
+                cross_covariance=moments != "no-cross-covariance")
+        assert isinstance(value, Tensor)
+        return (parts["weights"] * 0.5 * value.clamp_min(0)).sum()

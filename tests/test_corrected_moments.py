@@ -1,0 +1,213 @@
+"""BGLN-D moment variants (fsd.corrected_moments): the ablations and the corrected estimator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fsd
+from fsd.corrected_moments import BGLNVariant, corrected_second_moment
+from fsd.interpreter import model_state
+
+
+def _mlp(hidden=2, seed=0, d=5, width=6, outputs=3):
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(d, width), nn.ReLU()]
+    for _ in range(hidden - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, outputs))
+    return nn.Sequential(*layers).double()
+
+
+def _moved(model, scale=0.3, seed=1, only=None):
+    """A copy with Gaussian noise added to its parameters (to those named in ``only``)."""
+    g = torch.Generator().manual_seed(seed)
+    moved = nn.Sequential(*[type(m)(m.in_features, m.out_features) if isinstance(m, nn.Linear)
+                            else type(m)() for m in model]).double()
+    moved.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for name, p in moved.named_parameters():
+            if only is None or name in only:
+                p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return moved
+
+
+def _data(n=400, d=5, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64) @ torch.randn(
+        d, d, generator=g, dtype=torch.float64) + 0.5
+    return [(x, torch.randint(0, classes, (n,), generator=g))]
+
+
+def _fit(moments, model, data, **options):
+    if moments in ("paper", "exact"):
+        return fsd.BGLN(deterministic=True, moments=moments, **options).fit(model, data)
+    return BGLNVariant(moments=moments, **options).fit(model, data)
+
+
+def _with_firing(estimator, firing):
+    """Replace every stored gate frequency by ``firing(μ)`` (and drop cached parts)."""
+    for key in [k for k in estimator._state if k.startswith("gate.")]:
+        estimator._state[key] = firing(estimator._state[key])
+    estimator._cache.clear()
+    return estimator
+
+
+OPTIONS = [{"covariance": "full"}, {"covariance": "lowrank", "rank": 2},
+           {"covariance": "diag"}, {"covariance": "full", "classwise": True}]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_both_ablations_are_algorithm_2_and_neither_is_exact(options):
+    model, data = _mlp(hidden=3), _data()
+    moved = _moved(model)
+    paper = _fit("paper", model, data, **options).distance(moved)
+    exact = _fit("exact", model, data, **options).distance(moved)
+    both = BGLNVariant(moments="no-gate-variance", **options).fit(model, data)
+    # the gate-variance ablation with the cross-covariance ablation switched on as well
+    layers, params0 = fsd.trace(model), both.reference_state()
+    from fsd.corrected_moments import ablated_second_moment
+    value = ablated_second_moment(
+        layers, params0, model_state(moved), both._state["input.mean"],
+        both.input_covariance(), both._gate_means(),
+        both.moment_parts(layers, params0)["output_rows"], gate_variance=False,
+        cross_covariance=False)
+    torch.testing.assert_close(0.5 * (both._state["weights"] * value).sum(), paper,
+                               rtol=1e-10, atol=0)
+    none = ablated_second_moment(
+        layers, params0, model_state(moved), both._state["input.mean"],
+        both.input_covariance(), both._gate_means(),
+        both.moment_parts(layers, params0)["output_rows"])
+    torch.testing.assert_close(0.5 * (both._state["weights"] * none).sum(), exact,
+                               rtol=1e-10, atol=0)
+    for moments in ("no-gate-variance", "no-cross-covariance"):
+        with torch.no_grad():
+            value = _fit(moments, model, data, **options).distance(moved)
+        assert abs(float(value / exact) - 1) > 1e-3 and abs(float(value / paper) - 1) > 1e-3
+
+
+def test_gate_variance_ablation_drops_only_the_gate_variance():
+    # with every μ in {0, 1} the gates have no variance: the ablation is exact moments;
+    # with μ in (0, 1) it is not
+    model, data = _mlp(hidden=2), _data()
+    moved = _moved(model)
+    exact = _fit("exact", model, data)
+    ablated = _fit("no-gate-variance", model, data)
+    assert abs(float(ablated.distance(moved) / exact.distance(moved)) - 1) > 1e-2
+    for est in (exact, ablated):
+        _with_firing(est, lambda mu: (mu > 0.5).to(mu.dtype))
+    torch.testing.assert_close(ablated.distance(moved), exact.distance(moved), rtol=1e-10,
+                               atol=0)
+
+
+def test_cross_covariance_ablation_drops_exactly_the_output_cross_term():
+    # one hidden layer, Δz = ΔW̃2 [a0; 1] + W2 Δa: exact − ablation = 2 tr(ΔW2 Cov(a0, Δa) W2ᵀ)
+    # with Cov(a0, Δa) = Q ⊙ E[s0 Δsᵀ] − (μ ⊙ E s0)(μ ⊙ E Δs)ᵀ, Q = μμᵀ + diag(μ(1 − μ))
+    model, data = _mlp(hidden=1), _data()
+    moved = _moved(model)
+    exact = _fit("exact", model, data, covariance="full")
+    ablated = _fit("no-cross-covariance", model, data, covariance="full")
+    mean, cov = exact._state["input.mean"][0], exact._state["input.cov"][0]
+    mu = exact._state["gate.1"][0]
+    w0, b0, w1, b1 = model[0].weight, model[0].bias, moved[0].weight, moved[0].bias
+    second_x = cov + torch.outer(mean, mean)
+    xt = torch.cat([torch.cat([second_x, mean[:, None]], 1),
+                    torch.cat([mean, torch.ones(1, dtype=mean.dtype)])[None]], 0)
+    w0h = torch.cat([w0, b0[:, None]], 1)
+    dwh = torch.cat([w1 - w0, (b1 - b0)[:, None]], 1)
+    q = torch.outer(mu, mu) + torch.diag(mu * (1 - mu))
+    cross = q * (w0h @ xt @ dwh.T) - torch.outer(mu * (w0h @ xt[:, -1]), mu * (dwh @ xt[:, -1]))
+    dw2 = moved[2].weight - model[2].weight
+    expected = float(torch.trace(dw2 @ cross @ moved[2].weight.T))  # ½ · 2 tr(·)
+    gap = float(exact.distance(moved) - ablated.distance(moved))
+    assert abs(expected) > 1e-3
+    assert abs(gap - expected) <= 1e-10 * abs(expected)
+    # without a change of the last layer's weights there is no such term
+    first_only = _moved(model, only={"0.weight", "0.bias", "2.bias"})
+    torch.testing.assert_close(ablated.distance(first_only), exact.distance(first_only),
+                               rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("hidden,options", [
+    (1, {"covariance": "full"}), (1, {"covariance": "lowrank", "rank": 2}),
+    (1, {"covariance": "diag"}), (2, {"covariance": "full"}),
+    (2, {"covariance": "lowrank", "rank": 5}), (2, {"covariance": "full", "classwise": True})])
+def test_corrected_is_exact_where_the_derivation_says(hidden, options):
+    # one gated layer, any covariance; two gated layers without a diagonal residual
+    model, data = _mlp(hidden=hidden), _data()
+    moved = _moved(model)
+    exact = _fit("exact", model, data, **options).distance(moved)
+    corrected = _fit("corrected", model, data, **options).distance(moved)
+    torch.testing.assert_close(corrected, exact, rtol=1e-10, atol=0)
+
+
+def test_corrected_without_gate_variance_is_exact_and_its_signal_is_the_mean_gate_network():
+    model, data = _mlp(hidden=3), _data()
+    moved = _moved(model)
+    corrected = _fit("corrected", model, data, covariance="lowrank", rank=2)
+    ablated = _fit("no-gate-variance", model, data, covariance="lowrank", rank=2)
+    layers, params0 = fsd.trace(model), corrected.reference_state()
+    parts = corrected.moment_parts(layers, params0)
+    signal, correction = corrected_second_moment(
+        layers, params0, model_state(moved), parts["reference"], parts["gate_means"],
+        parts["output_rows"], parts=True)
+    torch.testing.assert_close(0.5 * signal.sum(), ablated.distance(moved), rtol=1e-10, atol=0)
+    assert float(correction.sum()) > 0.05 * float(signal.sum())
+    exact = _fit("exact", model, data, covariance="lowrank", rank=2)
+    for est in (exact, corrected):
+        _with_firing(est, lambda mu: (mu > 0.5).to(mu.dtype))
+    torch.testing.assert_close(corrected.distance(moved), exact.distance(moved), rtol=1e-10,
+                               atol=0)
+
+
+@pytest.mark.parametrize("options", [{"covariance": "full"}, {"covariance": "lowrank", "rank": 2}])
+def test_corrected_error_where_it_is_approximate(options):
+    # three gated layers: the carried covariance is kept diagonal from the second affine
+    # layer on. Measured: +0.73 % (full) and +1.25 % (rank 2) on this network, where
+    # Algorithm 2 is off by −46 % and −42 %
+    model, data = _mlp(hidden=3), _data()
+    moved = _moved(model)
+    exact = float(_fit("exact", model, data, **options).distance(moved))
+    corrected = float(_fit("corrected", model, data, **options).distance(moved))
+    paper = float(_fit("paper", model, data, **options).distance(moved))
+    assert abs(corrected / exact - 1) < 0.025
+    assert abs(paper / exact - 1) > 0.3  # Algorithm 2 on the same network, for scale
+
+
+def test_corrected_is_zero_at_the_reference_and_its_gradient_matches_finite_differences():
+    model, data = _mlp(hidden=3), _data()
+    est = _fit("corrected", model, data, covariance="lowrank", rank=2, classwise=True)
+    d = est.distance(model)
+    grads = torch.autograd.grad(d, list(model.parameters()))
+    assert float(d) == 0.0 and all(float(g.abs().max()) == 0.0 for g in grads)
+    moved = _moved(model)
+    grads = torch.autograd.grad(est.distance(moved), list(moved.parameters()))
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        direction = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in moved.parameters()]
+        values = []
+        for sign in (1, -1):
+            with torch.no_grad():
+                for p, v in zip(moved.parameters(), direction, strict=True):
+                    p.add_(sign * 1e-6 * v)
+                values.append(float(est.distance(moved)))
+                for p, v in zip(moved.parameters(), direction, strict=True):
+                    p.sub_(sign * 1e-6 * v)
+        numeric = (values[0] - values[1]) / 2e-6
+        analytic = sum(float((gr * v).sum()) for gr, v in zip(grads, direction, strict=True))
+        assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic))
+
+
+def test_variant_saves_loads_and_refuses_what_it_cannot_do(tmp_path):
+    model, data = _mlp(), _data()
+    moved = _moved(model)
+    est = _fit("corrected", model, data, covariance="lowrank", rank=2)
+    est.save(tmp_path / "s.pt")
+    loaded = fsd.load(tmp_path / "s.pt")
+    assert isinstance(loaded, BGLNVariant) and loaded.config["moments"] == "corrected"
+    torch.testing.assert_close(loaded.distance(moved), est.distance(moved), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="moments must be one of"):
+        BGLNVariant(moments="exact")
+    with pytest.raises(ValueError, match="deterministic"):
+        BGLNVariant(deterministic=False)
