@@ -105,6 +105,17 @@ def test_an_unknown_entry_is_refused(tmp_path):
         fsd.load(tmp_path / "bad.fsd")
 
 
+def test_a_private_estimator_class_is_refused(tmp_path):
+    # the shared base of LAFTR and BGLN is not an estimator a summary can name
+    est = fsd.LAFTR().fit(mlp([4, 8, 3]), _data()[0])
+    est.save(tmp_path / "s.fsd")
+    payload = torch.load(tmp_path / "s.fsd", weights_only=True)
+    payload["estimator"] = "_LinearizedEstimator"
+    torch.save(payload, tmp_path / "bad.fsd")
+    with pytest.raises(fsd.SummaryFormatError, match="unknown estimator '_LinearizedEstimator'"):
+        fsd.load(tmp_path / "bad.fsd")
+
+
 # ----- item 5: what fsd.load (or the first distance) checks -----------------------------
 
 def test_a_gate_frequency_of_width_one_is_refused(tmp_path):

@@ -272,7 +272,8 @@ class Estimator:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        ESTIMATORS[cls.__name__] = cls
+        if not cls.__name__.startswith("_"):  # a base class is not a summary's estimator
+            ESTIMATORS[cls.__name__] = cls
 
     def __init__(self, **config: Any) -> None:
         self.config: dict[str, Any] = normalize(config)
