@@ -211,3 +211,14 @@ def test_variant_saves_loads_and_refuses_what_it_cannot_do(tmp_path):
         BGLNVariant(moments="exact")
     with pytest.raises(ValueError, match="deterministic"):
         BGLNVariant(deterministic=False)
+
+
+def test_combine_evaluates_variants_one_by_one():
+    # fsd.combine batches Algorithm 2 and exact summaries; a variant must keep its own maths
+    model, data = _mlp(), _data()
+    moved = _moved(model)
+    summaries = [_fit(m, model, data, covariance="lowrank", rank=2)
+                 for m in ("corrected", "no-cross-covariance", "corrected")]
+    expected = sum(float(s.distance(moved)) for s in summaries)
+    torch.testing.assert_close(float(fsd.combine(summaries).distance(moved)), expected,
+                               rtol=1e-10, atol=0)

@@ -35,9 +35,10 @@ def _form(estimator: BGLN) -> tuple:
 
 def _batch_key(estimator: Estimator) -> tuple | None:
     """Summaries with equal keys are evaluated in one pass; ``None``: one by one."""
-    # convolutional BGLN-D (fsd.conv_moments) and BGLN-D on graphs (fsd.graph_moments) are
-    # evaluated summary by summary
+    # convolutional BGLN-D (fsd.conv_moments), BGLN-D on graphs (fsd.graph_moments) and the
+    # prototype moment variants (fsd.corrected_moments) are evaluated summary by summary
     if isinstance(estimator, BGLN) and estimator.config["deterministic"] \
+            and estimator.config["moments"] in ("paper", "exact") \
             and not estimator._meta.get("convolutional") and not estimator._meta.get("graph"):
         return (estimator.config["moments"], *_form(estimator))
     return None

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsd.corrected_moments import BGLNVariant
 from fsd.estimator import Estimator
 from fsd.ewc import EWC
 from fsd.exact import ExactFSD
@@ -77,6 +78,8 @@ class Preset:
         All but BGLN-D with exact moments or layer-wise statistics, which would carry
         (C·H·W)² second moments (Algorithm 2 runs, :mod:`fsd.conv_moments`).
         """
+        if self.estimator is BGLNVariant:  # MLP chains only
+            return False
         if self.estimator is BGLN:
             return not self.options.get("deterministic", False) or (
                 self.options.get("moments", "paper") == "paper"
@@ -165,6 +168,18 @@ _ROWS: tuple[Preset, ...] = (
            {"deterministic": True, "moments": "exact", "reference": "layerwise",
             "covariance": "full"},
            family="bgln-d", layer_moments=True, **_FULL),
+    # prototypes (fsd.corrected_moments, MLPs only): exact moments without the gates' own
+    # variance / without Cov(a0, Δa) — Algorithm 2's two omissions, one at a time — and the
+    # mean-gate network plus the gate variance carried by the mean-gate rows
+    Preset("bgln-d-no-gate-variance", "BGLN-D (no gate variance)", BGLNVariant,
+           {"moments": "no-gate-variance", "covariance": "full"}, family="bgln-d", **_FULL),
+    Preset("bgln-d-no-cross-covariance", "BGLN-D (no cross-covariance)", BGLNVariant,
+           {"moments": "no-cross-covariance", "covariance": "full"}, family="bgln-d", **_FULL),
+    # (rank 64, as fsd cl stores it: with a full covariance and two hidden layers the
+    # corrected recursion is exact moments, see fsd.corrected_moments)
+    Preset("bgln-d-corrected", "BGLN-D (corrected)", BGLNVariant,
+           {"moments": "corrected", "covariance": "lowrank", "rank": 64}, family="bgln-d",
+           **_FULL),
 )
 
 #: every preset, by method name
@@ -290,7 +305,8 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
         # (``determ_fsd``) is never given the task's label set, so it covers all of them;
         # their sampled and coreset penalties are restricted to the task's head
         "penalty_outputs": "all" if family in ALL_LOGIT_FAMILIES else "head",
-    } | (_EXACT_MOMENTS if method.startswith("bgln-d-exact") else {})
+    } | (_EXACT_MOMENTS if method.startswith("bgln-d-exact")
+         or PRESETS[method].estimator is BGLNVariant else {})
 
 
 # BGLN-D with exact moments is ours, not the paper's: its defaults are the setting measured
