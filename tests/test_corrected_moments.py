@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import fsd
-from fsd.corrected_moments import BGLNVariant, corrected_second_moment
+from fsd.corrected_moments import BGLNVariant, ablated_second_moment, corrected_second_moment
 from fsd.interpreter import model_state
 
 
@@ -67,7 +67,6 @@ def test_both_ablations_are_algorithm_2_and_neither_is_exact(options):
     both = BGLNVariant(moments="no-gate-variance", **options).fit(model, data)
     # the gate-variance ablation with the cross-covariance ablation switched on as well
     layers, params0 = fsd.trace(model), both.reference_state()
-    from fsd.corrected_moments import ablated_second_moment
     value = ablated_second_moment(
         layers, params0, model_state(moved), both._state["input.mean"],
         both.input_covariance(), both._gate_means(),
@@ -153,6 +152,11 @@ def test_corrected_without_gate_variance_is_exact_and_its_signal_is_the_mean_gat
         layers, params0, model_state(moved), parts["reference"], parts["gate_means"],
         parts["output_rows"], parts=True)
     torch.testing.assert_close(0.5 * signal.sum(), ablated.distance(moved), rtol=1e-10, atol=0)
+    dense = ablated_second_moment(
+        layers, params0, model_state(moved), corrected._state["input.mean"],
+        corrected.input_covariance(), parts["gate_means"], parts["output_rows"],
+        gate_variance=False)
+    torch.testing.assert_close(signal, dense, rtol=1e-10, atol=0)
     assert float(correction.sum()) > 0.05 * float(signal.sum())
     exact = _fit("exact", model, data, covariance="lowrank", rank=2)
     for est in (exact, corrected):

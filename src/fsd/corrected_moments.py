@@ -248,13 +248,16 @@ def corrected_second_moment(
     gate_means: Mapping[str, Tensor],
     output_rows: Tensor,
     *,
+    gate_variance: bool = True,
     parts: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """tr(P E[Δz Δzᵀ] Pᵀ) (G,) by the mean-gate network plus the carried gate variance.
 
     See the module's docstring for the derivation and where it is exact. ``reference`` is
-    :func:`corrected_reference`'s output. With ``parts=True`` returns the two terms
-    (mean-gate network, gate-variance correction) separately.
+    :func:`corrected_reference`'s output. ``gate_variance=False`` leaves the correction out:
+    the mean-gate network alone, which is exact moments without the gate variance
+    (:func:`ablated_second_moment`), at Algorithm 2's cost (rows pulled back only). With
+    ``parts=True`` returns the two terms (mean-gate network, correction) separately.
     """
     steps = _affine_steps(layers, gate_means)
     # forward: the diagonals E s0², E[s0 Δs], E Δs² at every gate's input
@@ -270,6 +273,9 @@ def corrected_second_moment(
         mats.append((w0h, dwh, w1))
         parts_gate = _gate_parts(step.gate, dwh)
         gates.append(parts_gate)
+        if not gate_variance:  # no diagonals needed
+            injections.append(None)
+            continue
         fad = c0d = cdd = None
         if index > 0:
             assert fd_prev is not None and t0d_prev is not None and tdd_prev is not None
@@ -331,10 +337,10 @@ def corrected_second_moment(
         constant = h0[..., -1] if constant is None else constant + h0[..., -1]
         m0 = h0[..., :-1]
         injection = injections[index]
-        assert injection is not None
-        n00, n0d, ndd = injection
-        correction = correction + (m0.pow(2).sum(-2) * n00 + 2 * (m0 * hd).sum(-2) * n0d
-                                   + hd.pow(2).sum(-2) * ndd).sum(-1)
+        if injection is not None:
+            n00, n0d, ndd = injection
+            correction = correction + (m0.pow(2).sum(-2) * n00 + 2 * (m0 * hd).sum(-2) * n0d
+                                       + hd.pow(2).sum(-2) * ndd).sum(-1)
         er, eg = (g.unsqueeze(-2) if g.dim() else g for g in gates[index][:2])
         s_0, s_d = m0 * er, hd * eg
     if parts:
@@ -350,8 +356,10 @@ class BGLNVariant(BGLN):
     MLP chains only (no convolutional path, no graphs); summaries are evaluated one by one.
 
     Args:
-        moments: ``"corrected"`` (:func:`corrected_second_moment`), ``"no-gate-variance"``
-            or ``"no-cross-covariance"`` (:func:`ablated_second_moment`).
+        moments: ``"corrected"`` (:func:`corrected_second_moment`); ``"no-gate-variance"``
+            (the same without its correction: the mean-gate network, equal to
+            :func:`ablated_second_moment` with ``gate_variance=False``, at Algorithm 2's
+            cost) or ``"no-cross-covariance"`` (:func:`ablated_second_moment`, dense).
         **options: as :class:`fsd.BGLN`; ``deterministic`` must be ``True``.
     """
 
@@ -374,7 +382,7 @@ class BGLNVariant(BGLN):
             parts: dict[str, Any] = {"gate_means": gate_means,
                                      "output_rows": self._select(eye).T.contiguous(),
                                      "weights": self._state["weights"]}
-            if self.config["moments"] == "corrected":
+            if self.config["moments"] != "no-cross-covariance":
                 with torch.no_grad():
                     parts["reference"] = corrected_reference(
                         layers, params0, mean, self.input_covariance(), gate_means)
@@ -386,14 +394,13 @@ class BGLNVariant(BGLN):
             raise NotImplementedError("BGLNVariant walks MLP chains only")
         parts = self.moment_parts(layers, params0)
         moments = self.config["moments"]
-        if moments == "corrected":
-            value = corrected_second_moment(layers, params0, params1, parts["reference"],
-                                            parts["gate_means"], parts["output_rows"])
-        else:
+        if moments == "no-cross-covariance":
             value = ablated_second_moment(
                 layers, params0, params1, self._state["input.mean"], self.input_covariance(),
-                parts["gate_means"], parts["output_rows"],
-                gate_variance=moments != "no-gate-variance",
-                cross_covariance=moments != "no-cross-covariance")
+                parts["gate_means"], parts["output_rows"], cross_covariance=False)
+        else:  # without the gate variance: the mean-gate network, by the rows alone
+            value = corrected_second_moment(layers, params0, params1, parts["reference"],
+                                            parts["gate_means"], parts["output_rows"],
+                                            gate_variance=moments == "corrected")
         assert isinstance(value, Tensor)
         return (parts["weights"] * 0.5 * value.clamp_min(0)).sum()
