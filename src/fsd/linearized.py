@@ -368,7 +368,10 @@ class _LinearizedEstimator(Estimator):
             group = self._state.get("coreset.group")
             if group is None:
                 group = torch.zeros(n, dtype=torch.long, device=x.device)
-            return x, group, x.new_full((n,), 1.0 / n)
+            # weights in θ0's dtype: stored token ids are integers, and 1/n is not
+            dtype = next(v.dtype for k, v in self._state.items() if k.startswith("theta0.")
+                         and v.is_floating_point())
+            return x, group, torch.full((n,), 1.0 / n, dtype=dtype, device=x.device)
         mean, weights = self._state["input.mean"], self._state["weights"]
         generator = self._generator(mean.device)
         cov = self.input_covariance()

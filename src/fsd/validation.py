@@ -55,6 +55,8 @@ def check_common(stored: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
         integer = key in ("outputs", "coreset.group")
         if key.startswith("buffer0."):
             pass  # buffers may be integers (BatchNorm's num_batches_tracked)
+        elif key in ("data.x", "coreset.x") and not value.is_complex():
+            pass  # stored inputs keep their dtype: token ids are integers
         elif integer and (value.is_floating_point() or value.is_complex()):
             raise SummaryFormatError(f"field {key!r}: expected integers, got {value.dtype}")
         elif not integer and not value.is_floating_point():
