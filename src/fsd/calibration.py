@@ -158,7 +158,10 @@ def calibrate(estimator: Estimator, model: nn.Module, data: Data, *,
             raise ValueError(f"{name}: parameter '{bad}' has NaN or infinite values"
                              + ("; use a smaller scale" if perturbed else ""))
     exact = ExactFSD(metric=estimator.config.get("metric", "euclidean"))
-    exact.fit(reference, data, outputs=estimator.output_units())
+    # the estimator's own call of the model: its output and forward arguments
+    exact.fit(reference, data, outputs=estimator.output_units(),
+              output=estimator._meta.get("output"),
+              forward_kwargs=estimator._meta.get("forward_kwargs"))
     estimates, truths = [], []
     for name, network in zip(names, moved, strict=True):
         with torch.no_grad():

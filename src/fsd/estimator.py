@@ -26,6 +26,15 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import distributed
+from .calls import (
+    Output,
+    bind,
+    check_call_meta,
+    check_forward_kwargs,
+    check_output,
+    is_integer_input,
+    select_output,
+)
 from .graph import unwrap
 from .precision import float32_view
 from .signature import check_signature, normalize, parameter_signature
@@ -33,6 +42,7 @@ from .validation import (
     SummaryFormatError,
     check_common,
     checksum_damage,
+    parameter_shapes,
     payload_checksums,
     require_in_range,
 )
@@ -86,6 +96,20 @@ def as_batches(data: Any, batch_to_input: Callable[[Any], Any] | None = None) ->
     return data
 
 
+class _FloatInputs:
+    """Casts a batch's inputs to ``dtype`` (integer inputs of a model that needs floats)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, batch: Any) -> Any:
+        if isinstance(batch, (tuple, list)) and batch:
+            return (torch.as_tensor(batch[0]).to(self.dtype), *batch[1:])
+        if isinstance(batch, Tensor):
+            return batch.to(self.dtype)
+        return batch  # iter_batches names what is wrong with it
+
+
 class NotFittedError(RuntimeError):
     """``distance`` or ``save`` was called before ``fit``."""
 
@@ -98,15 +122,20 @@ def iter_batches(
     progress: bool = False,
     desc: str | None = None,
 ) -> Iterator[tuple[Tensor, Tensor | None]]:
-    """Yield ``(x, y)`` batches cast to ``dtype``/``device``, validating them on the way.
+    """Yield ``(x, y)`` batches moved to ``device``, validating them on the way.
 
-    ``y`` is ``None`` for unlabelled batches. Raises ``ValueError`` for empty data, inputs
-    without a batch dimension, or NaN/infinite inputs (naming the batch).
+    Floating-point inputs are cast to ``dtype``; integer and boolean ones (token ids for an
+    ``nn.Embedding``) keep their dtype. ``y`` is ``None`` for unlabelled batches. Raises
+    ``ValueError`` for empty data, inputs without a batch dimension, or NaN/infinite inputs
+    (naming the batch).
     """
     if data is None:
         raise ValueError("no data given: fit needs data (or statistics=... for moment methods)")
     batches = [data] if isinstance(data, Tensor) else data
-    total = len(batches) if isinstance(batches, Sized) else None
+    try:
+        total = len(batches) if isinstance(batches, Sized) else None
+    except TypeError:  # a mapped generator (batch_to_input=) has a __len__ that cannot answer
+        total = None
     seen = 0
     for index, batch in enumerate(tqdm(batches, disable=not progress, desc=desc, total=total,
                                        leave=False)):
@@ -128,7 +157,9 @@ def iter_batches(
             raise ValueError(f"batch {index} has shape {tuple(x.shape)}: expected "
                              f"(batch, *features). Data is an iterable of batches; one "
                              f"labelled batch is passed as [(x, y)]")
-        x = x.to(device=device, dtype=dtype)
+        # discrete inputs stay discrete: a cast would turn token ids into floats no Embedding
+        # takes (fit casts them for a model that needs floats, _check_runs_on)
+        x = x.to(device=device, dtype=None if is_integer_input(x) else dtype)
         if not torch.isfinite(x).all():
             raise ValueError(f"batch {index} contains NaN or infinite inputs")
         if y is not None:
@@ -298,6 +329,8 @@ class Estimator:
         statistics: Any = None,
         progress: bool = False,
         batch_to_input: Callable[[Any], Any] | None = None,
+        output: Output = None,
+        forward_kwargs: dict[str, Any] | None = None,
     ) -> "Estimator":
         """Snapshot θ0 = the model's current parameters and collect the summary's statistics.
 
@@ -313,9 +346,20 @@ class Estimator:
             progress: show a progress bar over the data.
             batch_to_input: turns each batch into ``x`` or ``(x, y)`` first (dict batches,
                 batches with extra fields).
+            output: which output of the forward to measure: ``None`` for a forward that
+                returns a tensor, a key for one that returns a dict (``"logits"``), an index
+                for a tuple. ``outputs`` then picks units of that tensor.
+            forward_kwargs: keyword arguments for every forward call besides ``x``, e.g.
+                ``{"task": 3}`` for ``forward(x, task)``; JSON-serialisable. Both are stored
+                in the summary and used by :meth:`distance` (:mod:`fsd.calls`).
 
         Returns:
             ``self``.
+
+        Inputs keep their dtype when the model takes it (integer token ids for an
+        ``nn.Embedding``); integer inputs to a model that needs floats are cast to its
+        dtype. Estimators that fit a Gaussian to the inputs (``inputs="gaussian"``: BGLN,
+        LAFTR's option) refuse integer inputs.
 
         Raises:
             ValueError: in one line, before any statistic is collected: a parameter or
@@ -330,7 +374,8 @@ class Estimator:
         # a float16/bfloat16 model is fitted on float32 casts: its sums would overflow
         with float32_view(model, differentiable=False):
             try:
-                data, dtype, device = self._prepare(model, data, outputs, batch_to_input)
+                data, dtype, device = self._prepare(model, data, outputs, batch_to_input,
+                                                    output, forward_kwargs)
             except Exception as error:
                 # under torch.distributed every rank raises this rank's error alike; alone,
                 # the error itself
@@ -338,21 +383,31 @@ class Estimator:
                 raise
             distributed.agree_to_fit(None, model)  # every rank has data and the same θ0
             with evaluation_mode(model):
-                self._fit(model, data, statistics=statistics, dtype=dtype, device=device,
-                          progress=progress)
+                self._fit(self.bind(model), data, statistics=statistics, dtype=dtype,
+                          device=device, progress=progress)
         self._meta["fitted"] = True
         return self
 
     def _prepare(self, model: nn.Module, data: Data | None,
                  outputs: Sequence[int] | slice | None,
-                 batch_to_input: Callable[[Any], Any] | None
+                 batch_to_input: Callable[[Any], Any] | None,
+                 output: Output = None, forward_kwargs: dict[str, Any] | None = None,
                  ) -> tuple[Data | None, torch.dtype, torch.device]:
         """``fit``'s checks and θ0's snapshot: the data to read, the dtype and the device."""
         check_parameters(model)
         dtype, device = model_dtype_device(model)
+        output, forward_kwargs = check_output(output), check_forward_kwargs(forward_kwargs)
+        if (output is not None or forward_kwargs) and "forward" in model.__dict__:
+            raise ValueError(f"{type(model).__name__}.forward is replaced on the instance: "
+                             f"output= and forward_kwargs= call the class's forward; wrap the "
+                             f"model in a module instead")
         self._stored, self._meta, self._cache = {}, {}, {}
         self._state = self._stored
-        self._meta["signature"] = normalize(self._signature(model))
+        # stored only when given, so summaries of plain models are written as before
+        if output is not None:
+            self._meta["output"] = output
+        if forward_kwargs:
+            self._meta["forward_kwargs"] = forward_kwargs
         for name, p in model.named_parameters():
             self._state[f"theta0.{name}"] = p.detach().clone()
         for name, b in model.named_buffers():
@@ -367,7 +422,32 @@ class Estimator:
             self._state["outputs"] = index
         if data is not None:
             data = self._check_runs_on(model, as_batches(data, batch_to_input), dtype, device)
+        # after the run: a forward that needs forward_kwargs fails there with that advice,
+        # not inside a tracer
+        self._meta["signature"] = self._full_signature(self.bind(model))
         return data, dtype, device
+
+    def bind(self, model: nn.Module) -> nn.Module:
+        """``model`` as this summary calls it: with its ``output`` and ``forward_kwargs``.
+
+        ``model`` itself when ``fit`` got neither; otherwise a view sharing the model's
+        parameters under the same names whose ``forward(x)`` is
+        ``model.forward(x, **forward_kwargs)[output]`` (:func:`fsd.calls.bind`).
+        """
+        return bind(model, self._meta.get("output"), self._meta.get("forward_kwargs"))
+
+    def _full_signature(self, model: nn.Module) -> Any:
+        """:meth:`_signature`, plus every parameter it does not name.
+
+        A traced signature names the parameters of the layers the forward runs; parameters
+        the forward does not use (another task's head) are stored in θ0 all the same, and
+        are listed here so that ``fsd.load`` accepts what ``save`` wrote.
+        """
+        signature = normalize(self._signature(model))
+        named = parameter_shapes(signature)
+        unused = [[name, list(p.shape)] for name, p in model.named_parameters()
+                  if name not in named]
+        return signature + unused if unused else signature
 
     def distance(self, model: nn.Module) -> Tensor:
         """Estimated FSD between the fitted reference θ0 and ``model``'s current parameters.
@@ -383,7 +463,7 @@ class Estimator:
             dtype, device = model_dtype_device(model)
             self.place(dtype, device)
             with evaluation_mode(model):
-                return self._distance(model)
+                return self._distance(self.bind(model))
 
     def layer_terms(self, model: nn.Module) -> dict[str, Tensor]:
         """:meth:`distance` split into one term per layer, by module path; they sum to it.
@@ -408,7 +488,7 @@ class Estimator:
         with float32_view(model, differentiable=True):  # as distance() does
             self.place(*model_dtype_device(model))
             with evaluation_mode(model):
-                return self._layer_terms(model)
+                return self._layer_terms(self.bind(model))
 
     def statistics_collector(self, model: nn.Module, *, momentum: float | None = None
                              ) -> Any:
@@ -506,17 +586,62 @@ class Estimator:
                                  else "no data: the data iterable is empty")
             if iterator is data:  # a generator: put the batches taken back in front
                 data = itertools.chain(taken, iterator)
-        try:
-            with torch.no_grad(), evaluation_mode(model):
-                z = model(x[:1])
-        except (RuntimeError, ValueError, TypeError, IndexError) as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else \
-                type(error).__name__
-            raise ValueError(f"the model cannot run on the data: its first batch has shape "
-                             f"{tuple(x.shape)} ({reason})") from None
-        if isinstance(z, Tensor) and z.dim() >= 1:
+        kwargs = self._meta.get("forward_kwargs", {})
+        errors = (RuntimeError, ValueError, TypeError, IndexError)
+        integer = is_integer_input(x)
+        # a Gaussian over the inputs needs floats: such estimators take integer inputs only
+        # as floats (pixel bytes), as every estimator did before integer inputs were kept
+        gaussian = self.config.get("inputs") == "gaussian"
+        result: Any = None
+        first: BaseException | None = None
+        if not (integer and gaussian):
+            try:
+                result = self._run_once(model, x[:1], kwargs)
+            except errors as error:
+                if not integer:
+                    raise self._cannot_run(x, kwargs, error) from None
+                first = error
+        if integer and (gaussian or first is not None):
+            # integer inputs to a model that needs floats: cast to the model's dtype
+            try:
+                result = self._run_once(model, x[:1].to(dtype), kwargs)
+            except errors as error:
+                if first is None:  # gaussian: does the model take the integers themselves?
+                    try:
+                        self._run_once(model, x[:1], kwargs)
+                    except errors:
+                        raise self._cannot_run(x, kwargs, error) from None
+                    raise ValueError(
+                        f"{type(self).__name__} with inputs='gaussian' fits a Gaussian to "
+                        f"the inputs, and these are discrete ({x.dtype}, e.g. token ids): "
+                        f"use LAFTR(inputs='coreset'), BGLN(inputs='coreset') (BGLN-S), "
+                        f"ExactFSD, NTK, EWC or KFAC, which store the inputs themselves"
+                    ) from None
+                raise self._cannot_run(x, kwargs, first) from None
+            data = _MappedBatches(data, _FloatInputs(dtype))
+        z = select_output(result, self._meta.get("output"),
+                          f"{type(model).__name__}.forward")
+        if z.dim() >= 1:
             self._select(z)  # raises for an outputs index beyond the model's outputs
         return data
+
+    @staticmethod
+    def _run_once(model: nn.Module, x: Tensor, kwargs: dict[str, Any]) -> Any:
+        with torch.no_grad(), evaluation_mode(model):
+            return model(x, **kwargs)
+
+    @staticmethod
+    def _cannot_run(x: Tensor, kwargs: dict[str, Any], error: BaseException) -> ValueError:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else \
+            type(error).__name__
+        if kwargs:
+            hint = f"; called with forward_kwargs={kwargs!r}"
+        elif isinstance(error, TypeError) and "argument" in reason:
+            hint = "; pass forward_kwargs= to fit for the forward's arguments besides x"
+        else:
+            hint = ""
+        return ValueError(f"the model cannot run on the data: its first batch has shape "
+                          f"{tuple(x.shape)} ({reason}){hint}")
 
     def require_fitted(self) -> None:
         """Raise :class:`NotFittedError` unless the estimator was fitted (or loaded)."""
@@ -529,7 +654,7 @@ class Estimator:
         The model must have the architecture the summary was fitted on; ``distance`` checks
         this on every call.
         """
-        check_signature(self._meta["signature"], normalize(self._signature(unwrap(model))))
+        check_signature(self._meta["signature"], self._full_signature(self.bind(unwrap(model))))
 
     def place(self, dtype: torch.dtype, device: torch.device) -> None:
         """Compute in ``dtype`` on ``device`` from now on (``distance`` follows the model).
@@ -652,6 +777,7 @@ def from_payload(payload: Any, origin: str = "summary") -> Estimator:
         estimator._meta = json.loads(payload["meta"])
         # the consistency checks run first: their message says what is wrong with the field
         check_common(estimator._stored, estimator._meta)
+        check_call_meta(estimator._meta)
         estimator._check_summary()
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as error:
         # SummaryFormatError is a ValueError: one message naming the file and the field

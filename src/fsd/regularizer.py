@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from .calls import Output
 from .estimator import Data, Estimator, atomic_torch_save, from_payload, model_dtype_device
 from .precision import compute_dtype
 from .summary_set import SummarySet
@@ -115,7 +116,9 @@ class ContinualRegularizer:
     def end_task(self, model: nn.Module, data: Data | None = None, *,
                  outputs: Sequence[int] | slice | None = None, statistics: Any = None,
                  progress: bool = False,
-                 batch_to_input: Callable[[Any], Any] | None = None) -> Estimator:
+                 batch_to_input: Callable[[Any], Any] | None = None,
+                 output: Output = None,
+                 forward_kwargs: dict[str, Any] | None = None) -> Estimator:
         """Fit the finished task's summary at the model's current parameters and keep it.
 
         Args:
@@ -127,13 +130,19 @@ class ContinualRegularizer:
             progress: show a progress bar over the data.
             batch_to_input: turns each batch into ``x`` or ``(x, y)`` (see
                 :meth:`fsd.Estimator.fit`).
+            output: which output of this task's forward to measure (a dict key, a tuple
+                index, ``None`` for a tensor).
+            forward_kwargs: this task's extra forward arguments, e.g. ``{"task": t}`` for a
+                multi-head ``forward(x, task)``. Both are stored in the task's summary, and
+                :meth:`penalty` calls the model for each summary as it was fitted.
 
         Returns:
             The new summary.
         """
         summary = self._new_estimator().fit(model, data, outputs=outputs,
                                             statistics=statistics, progress=progress,
-                                            batch_to_input=batch_to_input)
+                                            batch_to_input=batch_to_input, output=output,
+                                            forward_kwargs=forward_kwargs)
         self.summaries.append(summary)
         self._penalty = None
         return summary

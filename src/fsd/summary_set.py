@@ -17,6 +17,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from .calls import call_key
 from .estimator import Estimator, evaluation_mode, model_dtype_device
 from .exact_moments import delta_second_moment_adjoint
 from .graph import unwrap
@@ -40,7 +41,10 @@ def _batch_key(estimator: Estimator) -> tuple | None:
     if isinstance(estimator, BGLN) and estimator.config["deterministic"] \
             and estimator.config["moments"] in ("paper", "exact") \
             and not estimator._meta.get("convolutional") and not estimator._meta.get("graph"):
-        return (estimator.config["moments"], *_form(estimator))
+        # summaries that call the model differently (another task's head through
+        # forward_kwargs) walk different graphs: one batch per call
+        call = call_key(estimator._meta.get("output"), estimator._meta.get("forward_kwargs", {}))
+        return (call, estimator.config["moments"], *_form(estimator))
     return None
 
 
@@ -121,7 +125,8 @@ class SummarySet:
 
     def _batched_moment_distance(self, model: nn.Module, members: list[int],
                                  dtype: torch.dtype, device: torch.device) -> Tensor:
-        layers = trace(model)
+        # the members share their call (_batch_key): the model as the first calls it
+        layers = trace(self.estimators[members[0]].bind(model))
         for i in members:
             estimator = self.estimators[i]
             estimator.check_architecture(model)
