@@ -9,7 +9,8 @@ from pathlib import Path
 
 from fsd import __version__
 
-from .argtypes import OneLineParser, add_threads_option, apply_threads, positive_int
+from . import argtypes
+from .argtypes import OneLineParser, add_threads_option, apply_threads
 from .io import atomic_write_text, versioned, write_json
 
 #: layout of compare_estimators.json
@@ -70,17 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
         "compare-estimators",
         help="every estimator vs the true FSD on an MNIST 0/1 → 2/3 pair of networks")
     _add_data_dir(compare)
-    compare.add_argument("--width", type=positive_int, default=100,
+    compare.add_argument("--width", type=argtypes.width, default=100,
                          help="hidden width (default 100)")
-    compare.add_argument("--depth", type=positive_int, default=2, help="hidden layers (default 2)")
-    compare.add_argument("--epochs", type=positive_int, default=1, help="epochs on digits 0/1")
-    compare.add_argument("--finetune-epochs", type=positive_int, default=1,
+    compare.add_argument("--depth", type=argtypes.depth, default=2,
+                         help="hidden layers (default 2)")
+    compare.add_argument("--epochs", type=argtypes.epochs, default=1,
+                         help="epochs on digits 0/1")
+    compare.add_argument("--finetune-epochs", type=argtypes.epochs, default=1,
                          help="epochs on digits 2/3")
-    compare.add_argument("--seed", type=int, default=0)
-    compare.add_argument("--repeats", type=positive_int, default=5,
+    compare.add_argument("--seed", type=argtypes.seed, default=0)
+    compare.add_argument("--repeats", type=argtypes.repeats, default=5,
                          help="timed distance+backward calls per estimator (median reported)")
     add_threads_option(compare)
-    compare.add_argument("--out", default=None, help="also write the table as .md/.json here")
+    compare.add_argument("--out", type=argtypes.output_dir, default=None,
+                         help="also write the table as .md/.json here")
     compare.set_defaults(func=_cmd_compare)
     from . import continual
     continual.add_cli(sub)

@@ -26,7 +26,8 @@ from torch import nn
 
 from fsd.estimator import Estimator
 
-from .argtypes import add_threads_option, apply_threads, positive_int
+from . import argtypes
+from .argtypes import add_threads_option, apply_threads
 from .io import atomic_write_text, versioned, write_json
 from .models import cifar_cnn, mlp
 from .presets import PRESETS
@@ -290,8 +291,12 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     model_fn, shape = ARCHITECTURES[args.arch]
     model = model_fn()
     if args.input_shape:
-        shape = tuple(int(v) for v in args.input_shape.split(","))
-    arch = count_architecture(model, shape)
+        shape = args.input_shape
+    try:
+        arch = count_architecture(model, shape)
+    except RuntimeError as error:  # a shape the network cannot run on: one line, not torch's
+        raise ValueError(f"--input-shape {','.join(map(str, shape))}: {args.arch} cannot run on "
+                         f"inputs of this shape ({str(error).splitlines()[0]})") from None
     arch = Architecture(P=args.P if args.P is not None else arch.P,
                         A=args.A if args.A is not None else arch.A,
                         d=args.d if args.d is not None else arch.d,
@@ -332,16 +337,18 @@ def add_cli(subparsers: Any) -> None:
         "memory", help="memory-cost formulas, the memory-gain table, measured summary sizes")
     p.add_argument("--arch", choices=sorted(ARCHITECTURES), default="cifar-cnn",
                    help="network whose P, A, d are counted (default: the Split CIFAR100 CNN)")
-    p.add_argument("--input-shape", default=None, help="comma-separated, e.g. 3,32,32")
-    p.add_argument("--P", type=positive_int, default=None, help="override the parameter count")
-    p.add_argument("--A", type=positive_int, default=None, help="override the activation count")
-    p.add_argument("--d", type=positive_int, default=None, help="override the data dimension")
-    p.add_argument("--N", type=positive_int, default=200, help="coreset size (default 200)")
-    p.add_argument("--C", type=int, default=10, help="classes (default 10)")
+    p.add_argument("--input-shape", type=argtypes.input_shape, default=None,
+                   help="comma-separated, e.g. 3,32,32")
+    p.add_argument("--P", type=argtypes.count, default=None, help="override the parameter count")
+    p.add_argument("--A", type=argtypes.count, default=None, help="override the activation count")
+    p.add_argument("--d", type=argtypes.count, default=None, help="override the data dimension")
+    p.add_argument("--N", type=argtypes.coreset, default=200, help="coreset size (default 200)")
+    p.add_argument("--C", type=argtypes.classes, default=10, help="classes (default 10)")
     p.add_argument("--no-measure", dest="measure", action="store_false",
                    help="skip fitting the estimators to measure nbytes")
     p.add_argument("--skip-classwise", action="store_true",
                    help="skip the class-wise measured row (C full covariances)")
     add_threads_option(p)
-    p.add_argument("--out", default=None, help="also write memory_<arch>.md/.json here")
+    p.add_argument("--out", type=argtypes.output_dir, default=None,
+                   help="also write memory_<arch>.md/.json here")
     p.set_defaults(func=_cmd_memory)

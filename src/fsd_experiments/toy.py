@@ -31,7 +31,8 @@ from torch.func import functional_call, jvp
 
 from fsd.estimator import Estimator
 
-from .argtypes import add_threads_option, apply_threads, nonnegative_float, positive_int
+from . import argtypes
+from .argtypes import add_threads_option, apply_threads
 from .io import atomic_write_text, versioned, write_json
 from .models import mlp
 from .plotting import pyplot
@@ -278,13 +279,14 @@ def _cmd_toy(args: argparse.Namespace) -> int:
 def add_cli(subparsers: Any) -> None:
     """Register ``fsd toy`` on the ``fsd`` command's subparsers."""
     p = subparsers.add_parser("toy", help="the 1-D two-task regression figure (paper Fig. 1)")
-    p.add_argument("--out", required=True, help="output folder (toy.png, toy.md, toy.json)")
-    p.add_argument("--width", type=positive_int, default=64)
-    p.add_argument("--depth", type=positive_int, default=1, help="hidden layers (default 1)")
-    p.add_argument("--steps", type=positive_int, default=2000, help="Adam steps per task")
-    p.add_argument("--lam", type=nonnegative_float, default=10.0, help="regularization weight")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--seeds", type=positive_int, default=3,
+    p.add_argument("--out", type=argtypes.output_dir, required=True,
+                   help="output folder (toy.png, toy.md, toy.json)")
+    p.add_argument("--width", type=argtypes.width, default=64)
+    p.add_argument("--depth", type=argtypes.depth, default=1, help="hidden layers (default 1)")
+    p.add_argument("--steps", type=argtypes.steps, default=2000, help="Adam steps per task")
+    p.add_argument("--lam", type=argtypes.weight, default=10.0, help="regularization weight")
+    p.add_argument("--seed", type=argtypes.seed, default=0)
+    p.add_argument("--seeds", type=argtypes.repeats, default=3,
                    help="also tabulate seeds seed..seed+K-1 (figure: first seed; default 3)")
     add_threads_option(p)
     p.set_defaults(func=_cmd_toy)

@@ -8,14 +8,13 @@ from pathlib import Path
 
 from fsd.metrics import METRICS
 
+from .. import argtypes
 from ..argtypes import (
     Distinct,
     add_threads_option,
     apply_threads,
     device,
     momentum,
-    nonnegative_float,
-    positive_float,
     positive_int,
 )
 from ..benchmarks import MODELS
@@ -107,29 +106,31 @@ def _add_run_options(parser: argparse.ArgumentParser, *, enforce_required: bool)
                         required=enforce_required)
     parser.add_argument("--method", choices=list(METHODS), help="(required)",
                         required=enforce_required)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[20, 21, 22], action=Distinct,
+    parser.add_argument("--seeds", type=argtypes.seed, nargs="+", default=[20, 21, 22],
+                        action=Distinct,
                         help="seeds, run one after the other (default: 20 21 22, the paper's)")
-    parser.add_argument("--out", help="(required) output directory (results, plots, "
+    parser.add_argument("--out", type=argtypes.output_dir,
+                        help="(required) output directory (results, plots, "
                                       "checkpoints)", required=enforce_required)
     parser.add_argument("--data-dir", default=None,
                     help="data directory (default: $FSD_DATA_DIR, else ~/.cache/fsd/data)")
     paper = "(default: the paper's for the benchmark and method)"
     for name, kind, what in [
-            ("--epochs", positive_int, f"epochs per task {paper}"),
-            ("--first-epochs", positive_int, "epochs on the first task (default: the paper's, "
+            ("--epochs", argtypes.epochs, f"epochs per task {paper}"),
+            ("--first-epochs", argtypes.epochs, "epochs on the first task (default: the paper's, "
              "200 on Split CIFAR-100; elsewhere --epochs)"),
-            ("--lr", positive_float, f"Adam learning rate {paper}"),
+            ("--lr", argtypes.learning_rate, f"Adam learning rate {paper}"),
             ("--batch-size", positive_int, f"batch size {paper}"),
-            ("--fsd-scale", nonnegative_float, f"penalty weight λ {paper}"),
-            ("--width", positive_int, "hidden width of the MLP (default: split 256, "
+            ("--fsd-scale", argtypes.weight, f"penalty weight λ {paper}"),
+            ("--width", argtypes.width, "hidden width of the MLP (default: split 256, "
              "permuted 512)"),
             ("--momentum", momentum, "EMA momentum of the gate frequencies, the weight kept on "
              "the past (default: running mean, which is the paper's 1/batch_size; 0.99 for "
              "bgln-s-cw on Split CIFAR-100)"),
-            ("--coreset-size", positive_int, "coreset points per task (default 40; 200 on "
+            ("--coreset-size", argtypes.coreset, "coreset points per task (default 40; 200 on "
              "Split CIFAR-100)"),
-            ("--num-samples", positive_int, "Monte Carlo samples per BGLN-S/LAFTR distance call "
-             "(default 32)"),
+            ("--num-samples", argtypes.samples, "Monte Carlo samples per BGLN-S/LAFTR distance "
+             "call (default 32)"),
             ("--train-subset", positive_int, "random training examples kept per task (tiny runs)"),
             ("--test-subset", positive_int, "random test examples kept per task (tiny runs)"),
             ("--tasks", positive_int, "use only the first N tasks"),
@@ -179,12 +180,15 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     # prog given: the default derives it from the usage line above, which names options
     cl_sub = cl.add_subparsers(dest="cl_command", metavar="{report,gap,merge,tune}", prog="fsd cl")
     rep = cl_sub.add_parser("report", help="compare finished runs in one markdown table")
-    rep.add_argument("dirs", nargs="+", help="run directories (or parents of them)")
-    rep.add_argument("--out", default=None, help="write the table here (e.g. docs/results.md)")
+    rep.add_argument("dirs", nargs="+", type=argtypes.input_path,
+                     help="run directories (or parents of them)")
+    rep.add_argument("--out", type=argtypes.output_file, default=None,
+                     help="write the table here (e.g. docs/results.md)")
     rep.set_defaults(func=_cmd_report)
     gap = cl_sub.add_parser("gap", help="true FSD vs each stored summary's estimate at the "
                                         "end of a finished run")
-    gap.add_argument("dir", help="a run directory (with results.json and checkpoints/)")
+    gap.add_argument("dir", type=argtypes.input_path,
+                     help="a run directory (with results.json and checkpoints/)")
     gap.add_argument("--data-dir", default=None)
     gap.add_argument("--examples", type=positive_int, default=10_000,
                      help="training inputs per task for the true FSD (10000)")
@@ -199,8 +203,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     gap.set_defaults(func=_cmd_gap)
     merge = cl_sub.add_parser("merge", help="combine finished runs of the same settings "
                                             "(e.g. seeds run in parallel) into one directory")
-    merge.add_argument("dirs", nargs="+", help="finished run directories")
-    merge.add_argument("--out", required=True, help="directory for the merged results")
+    merge.add_argument("dirs", nargs="+", type=argtypes.input_path,
+                       help="finished run directories")
+    merge.add_argument("--out", type=argtypes.output_dir, required=True,
+                       help="a new or empty directory for the merged results")
     merge.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     merge.add_argument("--partial", action="store_true",
                        help="accept runs stopped before all their seeds; take the finished ones")
@@ -209,9 +215,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         "tune", help="the paper's tuning protocol: a grid of λ on one seed, then the best λ "
                      "on the reported seeds (--seeds)")
     _add_run_options(tune_parser, enforce_required=True)
-    tune_parser.add_argument("--grid", type=nonnegative_float, nargs="+", required=True,
+    tune_parser.add_argument("--grid", type=argtypes.weight, nargs="+", required=True,
                              action=Distinct, metavar="LAMBDA",
                              help="the values of the penalty weight λ to try")
-    tune_parser.add_argument("--tuning-seed", type=int, default=42,
+    tune_parser.add_argument("--tuning-seed", type=argtypes.seed, default=42,
                              help="the seed the grid runs on (default 42, the paper's)")
     tune_parser.set_defaults(func=_cmd_tune)

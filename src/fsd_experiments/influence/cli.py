@@ -7,13 +7,13 @@ import json
 import sys
 from pathlib import Path
 
+from .. import argtypes
 from ..argtypes import (
+    Distinct,
     add_threads_option,
     apply_threads,
     correlation_count,
     device,
-    nonnegative_float,
-    positive_float,
     positive_int,
     probability,
 )
@@ -85,14 +85,14 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                                    required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--out", required=True, help="output directory")
+        p.add_argument("--out", type=argtypes.output_dir, required=True, help="output directory")
         p.add_argument("--data-dir", default=None,
                        help="data directory (default: $FSD_DATA_DIR, else ~/.cache/fsd/data)")
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--damping", type=nonnegative_float, default=1e-3,
+        p.add_argument("--seed", type=argtypes.seed, default=0)
+        p.add_argument("--damping", type=argtypes.weight, default=1e-3,
                        help="λ: PBRF proximity weight and CG damping (default 1e-3)")
         add_threads_option(p)
-        p.add_argument("--points-per-solve", type=positive_int, default=32,
+        p.add_argument("--points-per-solve", type=argtypes.points_per_solve, default=32,
                        help="PBRFs solved side by side, vmapped (default 32; lower it if "
                             "memory runs short, the scores do not depend on it)")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -103,16 +103,19 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     uci.add_argument("--methods", nargs="+", default=list(UCI_METHODS), choices=UCI_METHODS)
     uci.add_argument("--removals", type=correlation_count, default=50,
                      help="training points scored (50)")
-    uci.add_argument("--epochs", type=positive_int, default=200, help="base training epochs (200)")
-    uci.add_argument("--pbrf-epochs", type=positive_float, default=20,
+    uci.add_argument("--epochs", type=argtypes.epochs, default=200,
+                     help="base training epochs (200)")
+    uci.add_argument("--pbrf-epochs", type=argtypes.fractional_epochs, default=20,
                      help="PBRF optimization length in epochs of batch-128 steps (20)")
-    uci.add_argument("--pbrf-lr", type=positive_float, default=None,
+    uci.add_argument("--pbrf-lr", type=argtypes.learning_rate, default=None,
                      help="SGD learning rate of the PBRF solves (default: the chosen lr)")
-    uci.add_argument("--lrs", type=positive_float, nargs="+", default=list(LEARNING_RATES),
+    uci.add_argument("--lrs", type=argtypes.learning_rate, nargs="+", action=Distinct,
+                     default=list(LEARNING_RATES),
                      help="learning rates searched on the validation split")
     uci.add_argument("--subset", type=positive_int, default=None,
                      help="use only this many random rows of the data set (tiny runs)")
-    uci.add_argument("--cg-iters", type=positive_int, default=200, help="max CG iterations (200)")
+    uci.add_argument("--cg-iters", type=argtypes.steps, default=200,
+                     help="max CG iterations (200)")
     uci.add_argument("--cg-data", type=positive_int, default=None,
                      help="random training points CG's Gauss-Newton matrix averages over "
                           "(default: all)")
@@ -141,16 +144,17 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     mis.add_argument("--n-train", type=positive_int, default=6000,
                      help="MNIST training images (6000)")
     mis.add_argument("--corrupt", type=probability, default=0.1, help="fraction relabelled (0.1)")
-    mis.add_argument("--width", type=positive_int, default=128,
+    mis.add_argument("--width", type=argtypes.width, default=128,
                      help="hidden width (default 128 for CPU; the paper uses 1024)")
-    mis.add_argument("--depth", type=positive_int, default=2)
-    mis.add_argument("--epochs", type=positive_int, default=50)
-    mis.add_argument("--lr", type=positive_float, default=0.1, help="SGD learning rate (0.1)")
+    mis.add_argument("--depth", type=argtypes.depth, default=2)
+    mis.add_argument("--epochs", type=argtypes.epochs, default=50)
+    mis.add_argument("--lr", type=argtypes.learning_rate, default=0.1,
+                     help="SGD learning rate (0.1)")
     mis.add_argument("--pool", type=positive_int, default=1000,
                      help="random training points scored")
-    mis.add_argument("--pbrf-steps", type=positive_int, default=100,
+    mis.add_argument("--pbrf-steps", type=argtypes.steps, default=100,
                      help="SGD steps per PBRF solve (100, sized for 2 shared CPU cores)")
-    mis.add_argument("--pbrf-lr", type=positive_float, default=0.003,
+    mis.add_argument("--pbrf-lr", type=argtypes.learning_rate, default=0.003,
                      help="PBRF SGD learning rate (0.003: stable for BGLN-D's logit metric)")
     mis.add_argument("--cg-data", type=positive_int, default=500,
                      help="random training points the Gauss-Newton matrix averages over")
@@ -158,7 +162,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                      help="random training points EWC's Fisher is fitted on (1000)")
     mis.add_argument("--bgln-covariance", default="lowrank", choices=["full", "diag", "lowrank"])
     mis.add_argument("--bgln-rank", type=positive_int, default=64)
-    mis.add_argument("--cg-iters", type=positive_int, default=10, help="max CG iterations (10)")
+    mis.add_argument("--cg-iters", type=argtypes.steps, default=10,
+                     help="max CG iterations (10)")
     mis.add_argument("--device", default="cpu", type=device,
                      help="torch device for the network and every method, e.g. cuda (cpu)")
     common(mis)
