@@ -86,6 +86,17 @@ def write_json(path: str | os.PathLike, obj: Any, *, indent: int = 1,
     atomic_write_text(path, text)
 
 
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON in ``path``; a file that is not JSON is a ``ValueError`` naming it.
+
+    (``json``'s own message says where in the file, not which file.)
+    """
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error})") from None
+
+
 class DirectoryInUseError(RuntimeError):
     """Another process holds the run directory."""
 
@@ -120,6 +131,22 @@ def exclusive_directory(path: str | os.PathLike) -> Iterator[None]:
         yield
     finally:
         handle.close()  # closing releases the lock
+
+
+def refuse_used_directory(path: str | os.PathLike, why: str) -> None:
+    """Raise ``ValueError`` unless ``path`` is missing or empty (its ``.lock`` aside).
+
+    For commands that must not write beside another run's files: ``why`` says what mixing
+    them in would do.
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        return
+    entries = sorted(p.name for p in directory.iterdir() if p.name != ".lock")
+    if entries:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise ValueError(f"{directory} is not empty ({shown}): give a new or empty directory "
+                         f"({why})")
 
 
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:

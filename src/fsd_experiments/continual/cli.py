@@ -9,6 +9,7 @@ from pathlib import Path
 from fsd.metrics import METRICS
 
 from .. import argtypes
+from .. import argtypes
 from ..argtypes import (
     Distinct,
     add_threads_option,
@@ -62,7 +63,11 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
-    merged = merge_runs(args.dirs, args.out, plots=not args.no_plots, partial=args.partial)
+    try:
+        merged = merge_runs(args.dirs, args.out, plots=not args.no_plots, partial=args.partial)
+    except DirectoryInUseError as error:  # an fsd cl (or merge) holds --out: a message
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     print(results_markdown(merged))
     print(f"wrote {Path(args.out) / 'results.json'} (seeds {merged.seeds})")
     return 0

@@ -19,9 +19,10 @@ from fsd.ntk import NTK
 
 from ..benchmarks import make_tasks
 from ..compat import cl_checkpoint_settings, is_cl_results
+from ..io import exclusive_directory, read_json, refuse_used_directory
 from ..presets import PRESETS, default_hyperparameters
 from .results import RunResults, SeedResult, _pm, write_results
-from .runner import build_model, summary_outputs
+from .runner import METHODS, build_model, checked_matrix, read_checkpoint, summary_outputs
 from .settings import Hyperparameters
 
 
@@ -41,6 +42,10 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
     if Path(out).resolve() in {Path(p).resolve() for p in paths}:
         raise ValueError(f"--out {out} is one of the runs merged: give a new directory (merged "
                          f"results would list seeds whose checkpoints it does not hold)")
+    # into another run's directory, its results.json would be replaced while its checkpoints
+    # stay, and fsd cl gap or a rerun there would mix the two
+    why = "merge writes only where no other run's results or checkpoints are"
+    refuse_used_directory(out, why)  # before reading the runs; again under the lock below
     runs: list[tuple[Path, RunResults]] = []
     for path in paths:
         file = Path(path) / "results.json"
@@ -80,8 +85,9 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
         devices={str(r.seed): d for r, d in zip(done, devices, strict=True)},
         merged_from=[str(Path(p)) for p in paths])
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_results(merged, out, plots=plots)
+    with exclusive_directory(out):  # an fsd cl (or merge) starting there now is refused
+        refuse_used_directory(out, why)
+        write_results(merged, out, plots=plots)
     return merged
 
 
@@ -178,10 +184,10 @@ def report(paths: Sequence[str]) -> str:
     """One markdown table comparing runs (method × benchmark) next to the paper's numbers."""
     rows: list[tuple[str, str, Path, RunResults]] = []
     for path in _find_results(paths):
-        raw = json.loads(path.read_text())
-        if not is_cl_results(raw):
+        raw = read_json(path)  # a file that is not JSON is named, not a bare JSON error
+        if not isinstance(raw, dict) or not is_cl_results(raw):
             continue  # another tool's results.json (e.g. fsd influence) under the same folder
-        res = RunResults.from_json(raw)
+        res = RunResults.from_json(raw, path)  # checked: a NaN or a null is named, not shown
         rows.append((res.benchmark, res.method, path, res))
     rows.sort(key=lambda r: (r[0], r[1], str(r[2])))
     lines = [
@@ -251,15 +257,23 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
     estimate, ratio`` (and ``linearized``, ``layers``).
 
     Raises:
-        ValueError: ``by_layer`` on a run whose summaries do not split by layer; a directory
-            with neither results.json nor a checkpoint.
+        ValueError: ``by_layer`` on a run whose summaries do not split by layer; a run of a
+            method without summaries; a directory with neither results.json nor a
+            checkpoint; a seed whose checkpoint is missing, damaged or does not fit the
+            run's settings, or lacks a summary it would compare (each names the file).
     """
     run = Path(run_dir)
     benchmark, method, hp, seeds = _run_settings(run)
+    if METHODS[method].estimator is None:
+        raise ValueError(f"{run} is a run of {method}, which stores no summaries; fsd cl gap "
+                         f"compares each task's summary with the true FSD")
     if by_layer and method not in LAYER_SPLIT_METHODS:  # before any data loads
         raise ValueError(f"--by-layer splits summaries whose estimate is a sum over layers "
                          f"(fsd cl --method {' or '.join(LAYER_SPLIT_METHODS)}); {run} is a "
                          f"run of {method}")
+    # every seed's files are checked before any data loads or any FSD is computed: a task
+    # left out of the table, or a traceback after an hour, would be worse than one line
+    states = {seed: _gap_checkpoint(run / "checkpoints" / f"seed{seed}") for seed in seeds}
     rows: list[dict[str, Any]] = []
     for seed in seeds:
         ckpt = run / "checkpoints" / f"seed{seed}"
@@ -267,14 +281,15 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
                                   test_subset=hp.test_subset, num_tasks=hp.tasks)
         shape = tasks[0].x_train.shape[1:]
         final = build_model(hp, shape, n_out)
-        state = torch.load(ckpt / "state.pt", weights_only=True)
-        final.load_state_dict(state["model"])
-        trained = len(state["matrix"])  # one row of accuracies per task trained
+        state = states[seed]
+        trained = len(checked_matrix(state, ckpt / "state.pt", len(tasks)))  # a row per task
+        try:
+            final.load_state_dict(state["model"])
+        except (RuntimeError, TypeError, AttributeError) as error:
+            raise ValueError(f"{ckpt / 'state.pt'} does not fit the model of the run's "
+                             f"settings ({type(error).__name__})") from None
         for t in range(trained - 1):
-            path = ckpt / f"task{t}.fsd"
-            if not path.exists():
-                continue
-            summary = load(path)
+            summary = load(ckpt / f"task{t}.fsd")  # a damaged file: SummaryFormatError naming it
             reference = build_model(hp, shape, n_out)
             reference.load_state_dict(summary.reference_state_dict())
             x = tasks[t].x_train[:examples]
@@ -302,6 +317,21 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
     return rows
 
 
+def _gap_checkpoint(ckpt: Path) -> dict[str, Any]:
+    """A seed's checkpoint for :func:`penalty_gap`, with the summaries it compares present."""
+    state_path = ckpt / "state.pt"
+    if not state_path.is_file():
+        raise ValueError(f"{state_path} not found: fsd cl gap reads each seed's checkpoint (a "
+                         f"merged directory has none; give the run directories it merged)")
+    state = read_checkpoint(state_path)
+    trained = len(checked_matrix(state, state_path, None))
+    missing = [f"task{t}.fsd" for t in range(trained - 1) if not (ckpt / f"task{t}.fsd").is_file()]
+    if missing:
+        raise ValueError(f"{ckpt} lacks {', '.join(missing)}, which fsd cl gap compares after "
+                         f"task {trained}")
+    return state
+
+
 def _run_settings(run: Path) -> tuple[str, str, Hyperparameters, list[int]]:
     """Benchmark, method, settings and seeds of a run directory, finished or not.
 
@@ -318,8 +348,8 @@ def _run_settings(run: Path) -> tuple[str, str, Hyperparameters, list[int]]:
                 [*seeds, *(s for s in started if s not in seeds)])
     if not started:
         raise ValueError(f"{run} has neither results.json nor a checkpoint of fsd cl")
-    saved = json.loads(torch.load(run / "checkpoints" / f"seed{started[0]}" / "state.pt",
-                                  weights_only=True)["hyperparameters"])
+    saved = json.loads(read_checkpoint(run / "checkpoints" / f"seed{started[0]}" / "state.pt")
+                       ["hyperparameters"])
     benchmark, method = saved.pop("benchmark", None), saved.pop("method", None)
     if benchmark is None or method is None:
         raise ValueError(f"{run}: its checkpoint is older than the settings it would need; "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -15,10 +14,12 @@ import torch
 
 from fsd import __version__
 
+from ..benchmarks import CL_BENCHMARKS
 from ..compat import CL_RESULTS_SCHEMA, cl_results
 from ..devices import device_name
-from ..io import atomic_write_text, write_json
+from ..io import atomic_write_text, read_json, write_json
 from ..plotting import pyplot
+from ..presets import CL_METHODS
 from .settings import Hyperparameters
 
 
@@ -132,18 +133,130 @@ class RunResults:
         return out
 
     @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> RunResults:
-        """Read a results.json dictionary, also one written by an older version."""
+    def from_json(cls, raw: Mapping[str, Any],
+                  source: str | os.PathLike = "results.json") -> RunResults:
+        """Read a results.json dictionary, also one written by an older version.
+
+        Raises:
+            ResultsFormatError: what :func:`check_results` refuses, naming ``source``.
+        """
+        check_results(raw, source)
         current = cl_results(raw)
         names = {f.name for f in fields(cls)}
         values = {k: v for k, v in current.items() if k in names}
-        values["hyperparameters"] = Hyperparameters.from_dict(current["hyperparameters"])
+        try:
+            values["hyperparameters"] = Hyperparameters.from_dict(current["hyperparameters"])
+        except (ValueError, TypeError) as error:
+            raise ResultsFormatError(f"{source}: not a valid fsd cl results file: "
+                                     f"{error}") from None
         return cls(**values)
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> RunResults:
-        """Read a results.json file."""
-        return cls.from_json(json.loads(Path(path).read_text()))
+        """Read a results.json file (refused, naming it, if it is not valid JSON or results)."""
+        return cls.from_json(read_json(path), path)
+
+
+class ResultsFormatError(ValueError):
+    """A results.json that is not a valid ``fsd cl`` results file; the message names it."""
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+def _seed_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                           for v in value)
+
+
+def _results_problem(raw: Any) -> str | None:
+    """What makes ``raw`` not an ``fsd cl`` results dictionary, or ``None``."""
+    if not isinstance(raw, Mapping):
+        return f"expected a JSON object, got {type(raw).__name__}"
+    required = ("benchmark", "method", "seeds", "accuracy_matrix", "avg_accuracy",
+                "backward_transfer", "wall_seconds", "hyperparameters")
+    missing = [k for k in required if k not in raw]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    if raw["benchmark"] not in CL_BENCHMARKS:
+        return f"unknown benchmark {raw['benchmark']!r}"
+    if raw["method"] not in CL_METHODS:
+        return f"unknown method {raw['method']!r}"
+    seeds = raw["seeds"]
+    if not _seed_list(seeds) or not seeds:
+        return f"seeds must be a non-empty list of integers, got {seeds!r}"
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:  # each would be counted twice in every mean over seeds
+        return f"seeds list {', '.join(map(str, repeated))} twice"
+    requested = raw.get("seeds_requested", seeds)
+    if not _seed_list(requested) or len(set(requested)) != len(requested) \
+            or not set(seeds) <= set(requested):
+        return f"seeds_requested {requested!r} must list distinct seeds, the finished ones too"
+    if not isinstance(raw.get("complete", True), bool):
+        return f"complete must be true or false, got {raw['complete']!r}"
+    hp = raw["hyperparameters"]
+    if not isinstance(hp, Mapping):
+        return "hyperparameters must be an object"
+    # the settings every version recorded (older files may lack only those compat fills in)
+    for key in ("epochs", "batch_size", "width"):
+        value = hp.get(key)
+        if not (_number(value) and isinstance(value, int) and value >= 1):
+            return f"hyperparameters: {key} must be a positive integer, got {value!r}"
+    for key in ("fsd_scale", "lr"):
+        value = hp.get(key)
+        if not (_number(value) and value >= 0):
+            return f"hyperparameters: {key} must be a finite number ≥ 0, got {value!r}"
+    matrices = raw["accuracy_matrix"]
+    if not isinstance(matrices, Mapping) or set(matrices) != {str(s) for s in seeds}:
+        keys = sorted(matrices) if isinstance(matrices, Mapping) else matrices
+        return f"accuracy_matrix must have one matrix per seed {seeds}, has {keys!r}"
+    sizes = set()
+    for key, matrix in matrices.items():
+        if not isinstance(matrix, list) or not matrix or not all(
+                isinstance(row, list) and len(row) == len(matrix) for row in matrix):
+            return (f"accuracy_matrix[{key!r}] must be a square T × T list of rows (T tasks), "
+                    f"got {matrix!r}")
+        if not all(_number(v) and 0 <= v <= 100 for row in matrix for v in row):
+            return (f"accuracy_matrix[{key!r}] holds a value that is not an accuracy in "
+                    f"[0, 100] percent (NaN, inf, null or out of range)")
+        sizes.add(len(matrix))
+    if len(sizes) > 1:
+        return f"accuracy_matrix: the seeds' matrices differ in size {sorted(sizes)}"
+    for key in ("avg_accuracy", "backward_transfer", "wall_seconds"):
+        summary, stats = raw[key], ("total",) if key == "wall_seconds" else ("mean", "std")
+        if not isinstance(summary, Mapping) or not isinstance(summary.get("per_seed"), list) \
+                or len(summary["per_seed"]) != len(seeds) \
+                or not all(_number(v) for v in summary["per_seed"]) \
+                or not all(_number(summary.get(stat)) for stat in stats):
+            return (f"{key} must hold per_seed (one finite number per seed) and "
+                    f"{' and '.join(stats)}, got {summary!r}")
+    if not all(v >= 0 for v in raw["wall_seconds"]["per_seed"]):
+        return "wall_seconds per_seed must be ≥ 0"
+    size = raw.get("summary_bytes_per_task", 0.0)
+    if not (_number(size) and size >= 0):
+        return f"summary_bytes_per_task must be a finite number ≥ 0, got {size!r}"
+    threads = raw.get("torch_threads")
+    if threads is not None and not (isinstance(threads, int) and threads >= 1):
+        return f"torch_threads must be a positive integer or null, got {threads!r}"
+    return None
+
+
+def check_results(raw: Any, source: str | os.PathLike = "results.json") -> None:
+    """Refuse a results dictionary that would read into wrong numbers.
+
+    Checked: the keys every layout has, a known benchmark and method, distinct integer seeds
+    (a seed listed twice would count twice), one square matrix of finite accuracies in
+    [0, 100] per seed and all of one size, finite per-seed summaries of the right length
+    (``avg_accuracy: null`` is refused, not printed), non-negative wall times and sizes.
+
+    Raises:
+        ResultsFormatError: ``"<source>: not a valid fsd cl results file: <what>"``.
+    """
+    problem = _results_problem(raw)
+    if problem:
+        raise ResultsFormatError(f"{source}: not a valid fsd cl results file: {problem}")
 
 
 def _pm(summary: dict, digits: int = 2) -> str:

@@ -37,8 +37,12 @@ class CheckpointMismatchError(RuntimeError):
     """A run directory holds a checkpoint written with other settings than those asked for."""
 
 
-class UnreadableCheckpointError(CheckpointMismatchError):
-    """A run directory holds a checkpoint that cannot be resumed: damaged or incomplete."""
+class UnreadableCheckpointError(CheckpointMismatchError, ValueError):
+    """A run directory holds a checkpoint that cannot be resumed: damaged or incomplete.
+
+    Also a ``ValueError``: the commands that read checkpoints without resuming them (``fsd
+    cl gap``) report it as they report any bad input.
+    """
 
 
 _STATE_KEYS = ("hyperparameters", "model", "optimizer", "shuffle_state", "matrix",
@@ -157,17 +161,9 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
     result = SeedResult(seed)
     start_task = 0
     if state_path.exists():
+        start_over = f"; delete {ckpt_dir} to start seed {seed} over"
         # map_location: a run started on a GPU can be resumed on a CPU-only machine
-        try:
-            state = torch.load(state_path, map_location=dev, weights_only=True)
-        except Exception as error:  # empty, truncated, random bytes, a pickle of anything
-            raise UnreadableCheckpointError(
-                f"{state_path} is not a readable checkpoint ({type(error).__name__}); delete "
-                f"{ckpt_dir} to start seed {seed} over") from None
-        if not isinstance(state, dict) or any(k not in state for k in _STATE_KEYS):
-            raise UnreadableCheckpointError(
-                f"{state_path} is not an fsd cl checkpoint (keys missing); delete {ckpt_dir} "
-                f"to start seed {seed} over")
+        state = read_checkpoint(state_path, map_location=dev, advice=start_over)
         saved_hp = cl_checkpoint_settings(state["hyperparameters"], benchmark, method)
         # checkpoints written before the fingerprint was recorded carry none
         if "data_sha256" in state and state["data_sha256"] != data_sha256:
@@ -179,11 +175,13 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
             raise CheckpointMismatchError(
                 f"{state_path} was written with other settings ({saved_hp}); use another --out "
                 f"or delete {ckpt_dir} to start over")
+        # the accuracies become the results: a NaN, a row of another width or no row at
+        # all would resume into a wrong matrix (and a wrong average) without a word
+        result.matrix = checked_matrix(state, state_path, len(tasks), advice=start_over)
         try:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             shuffle.set_state(state["shuffle_state"].cpu())
-            result.matrix = [list(map(float, row)) for row in state["matrix"].tolist()]
             result.wall_seconds = float(state["wall_seconds"])
             result.summary_bytes = [int(b) for b in state["summary_bytes"].tolist()]
         except (RuntimeError, ValueError, TypeError, AttributeError) as error:
@@ -192,6 +190,14 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
                 f"{state_path} does not fit the model of these settings "
                 f"({type(error).__name__}); delete {ckpt_dir} to start seed {seed} over"
             ) from None
+        if not (math.isfinite(result.wall_seconds) and result.wall_seconds >= 0
+                and all(b >= 0 for b in result.summary_bytes)
+                and len(result.summary_bytes) <= len(result.matrix)):
+            # they become the results' wall time and summary size per task
+            raise UnreadableCheckpointError(
+                f"{state_path}: its wall time ({result.wall_seconds}) or summary sizes "
+                f"({result.summary_bytes}) are not those of {len(result.matrix)} trained "
+                f"tasks{start_over}")
         start_task = len(result.matrix)
         if spec.estimator is not None and start_task < len(tasks):
             _check_summaries(ckpt_dir, start_task, seed)
@@ -252,6 +258,59 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
              f"{time.perf_counter() - began:.0f}s: acc " + " ".join(
                  f"{a:.2f}" for a in row[:t + 1]))
     return result
+
+
+def read_checkpoint(state_path: Path, map_location: Any = "cpu",
+                    advice: str = "") -> dict[str, Any]:
+    """The dictionary of an ``fsd cl`` checkpoint (``state.pt``), or one line naming the file.
+
+    Raises:
+        UnreadableCheckpointError: the file is empty, truncated, not a torch file, or lacks
+            keys of a checkpoint. ``advice`` is appended to the message (what to do).
+    """
+    try:
+        state = torch.load(state_path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # empty, truncated, random bytes, a pickle of anything
+        raise UnreadableCheckpointError(
+            f"{state_path} is not a readable checkpoint ({type(error).__name__}){advice}"
+        ) from None
+    if not isinstance(state, dict) or any(k not in state for k in _STATE_KEYS):
+        raise UnreadableCheckpointError(
+            f"{state_path} is not an fsd cl checkpoint (keys missing){advice}")
+    return state
+
+
+def checked_matrix(state: dict[str, Any], state_path: Path, num_tasks: int | None,
+                   advice: str = "") -> list[list[float]]:
+    """The accuracy matrix of a checkpoint, checked against a stream of ``num_tasks`` tasks.
+
+    After k tasks it is k × ``num_tasks`` (1 ≤ k ≤ ``num_tasks``: a checkpoint is written
+    after each task) of finite accuracies in [0, 100] percent. ``num_tasks=None`` takes the
+    matrix's own width (the stream's length when the data are not loaded yet).
+
+    Raises:
+        UnreadableCheckpointError: naming the file and what is wrong, plus ``advice``.
+    """
+    matrix = state["matrix"]
+    problem = None
+    if num_tasks is None and isinstance(matrix, Tensor) and matrix.dim() == 2:
+        num_tasks = matrix.shape[1]
+    if not isinstance(matrix, Tensor) or not matrix.is_floating_point():
+        problem = f"is not a floating-point tensor ({type(matrix).__name__})"
+    elif num_tasks is None or matrix.dim() != 2 or not 1 <= matrix.shape[0] <= num_tasks \
+            or matrix.shape[1] != num_tasks:
+        tasks = num_tasks or "T"
+        problem = (f"has shape {tuple(matrix.shape)}; after k of the {tasks} tasks it is "
+                   f"k × {tasks}, 1 ≤ k ≤ {tasks}")
+    elif not torch.isfinite(matrix).all():
+        problem = "holds non-finite accuracies (NaN or inf)"
+    elif ((matrix < 0) | (matrix > 100)).any():
+        problem = "holds accuracies outside [0, 100] percent"
+    if problem:
+        raise UnreadableCheckpointError(f"{state_path}: its accuracy matrix {problem}{advice}")
+    return [list(map(float, row)) for row in matrix.tolist()]
 
 
 def _check_summaries(ckpt_dir: Path, start_task: int, seed: int) -> None:
