@@ -9,7 +9,6 @@ from pathlib import Path
 from fsd.metrics import METRICS
 
 from .. import argtypes
-from .. import argtypes
 from ..argtypes import (
     Distinct,
     add_threads_option,
