@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from datafiles import REAL_DATA_DIR
 from fsd import load as fsd_load
 from fsd_experiments import continual
 from fsd_experiments.cli import main
@@ -20,10 +21,8 @@ from fsd_experiments.compat import CL_RESULTS_SCHEMA, cl_hyperparameters
 from fsd_experiments.continual.reporting import _protocol
 from fsd_experiments.models import mlp
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-DATA_DIR = Path(os.environ.get("FSD_DATA_DIR", SHARED))
-HAS_MNIST = (DATA_DIR / "mnist").is_dir()
-needs_mnist = pytest.mark.skipif(not HAS_MNIST, reason=f"no MNIST under {DATA_DIR}")
+DATA_DIR = REAL_DATA_DIR
+needs_mnist = pytest.mark.usefixtures("real_data")
 
 TINY = ["--epochs", "1", "--train-subset", "200", "--test-subset", "100", "--tasks", "3",
         "--no-progress", "--num-samples", "16", "--data-dir", str(DATA_DIR)]
@@ -94,6 +93,40 @@ def test_report_table_from_a_handmade_results_file(tmp_path):
     assert "| 1.0 min/seed (4 threads) |" in continual.report([str(tmp_path)])
 
 
+def test_comparison_plot_draws_each_runs_accuracies(tmp_path, capsys):
+    from fsd_experiments.continual.reporting import _comparison_figure, _read_runs
+    matrices = {"finetune": {"1": [[99.0, 50.0, 40.0], [60.0, 98.0, 45.0], [30.0, 70.0, 97.0]],
+                             "2": [[97.0, 50.0, 40.0], [62.0, 96.0, 45.0], [34.0, 72.0, 99.0]]},
+                "bgln-d": {"1": [[99.0, 50.0, 40.0], [97.0, 98.0, 45.0], [96.0, 95.0, 97.0]]}}
+    for method, matrix in matrices.items():
+        res = {"benchmark": "split-mnist", "method": method, "seeds": [int(s) for s in matrix],
+               "seeds_requested": [int(s) for s in matrix], "complete": True,
+               "accuracy_matrix": matrix,
+               "avg_accuracy": continual.accuracy_summary([90.0] * len(matrix)),
+               "backward_transfer": continual.accuracy_summary([-1.0] * len(matrix)),
+               "wall_seconds": {"per_seed": [60.0] * len(matrix), "total": 60.0 * len(matrix)},
+               "summary_bytes_per_task": 0.0,
+               "hyperparameters": continual.default_hyperparameters("split-mnist", method)}
+        (tmp_path / method).mkdir()
+        (tmp_path / method / "results.json").write_text(json.dumps(res))
+    fig = _comparison_figure(_read_runs([str(tmp_path)]))
+    (ax,) = fig.axes
+    thick = {line.get_label().split(":")[0]: line for line in ax.lines if line.get_lw() > 2}
+    # the mean over tasks trained so far, of the seeds' mean matrix, after each task
+    assert list(thick["finetune"].get_ydata()) == pytest.approx([98.0, 79.0, 67.0])
+    assert list(thick["bgln-d"].get_ydata()) == pytest.approx([99.0, 97.5, 96.0])
+    assert thick["finetune"].get_label() == "finetune: 67.00 % after task 3, 2 seeds"
+    thin = [list(line.get_ydata()) for line in ax.lines if line.get_lw() < 2]
+    assert [99.0, 97.0, 96.0] in thin and [98.0, 97.0] not in thin and len(thin) == 6
+    # through the command: the table and the figure file
+    assert main(["cl", "report", str(tmp_path), "--plot", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.count("| split-mnist |") == 2
+    with pytest.raises(SystemExit) as info:  # refused while parsing, before any table
+        main(["cl", "report", str(tmp_path), "--plot", str(tmp_path / "c.bad")])
+    assert info.value.code == 2 and "--plot: must end in .png" in capsys.readouterr().err
+
+
 # ----- end to end through the CLI ------------------------------------------------------------
 
 def _run(out: Path, benchmark: str, method: str, *extra: str) -> dict:
@@ -157,7 +190,8 @@ def test_plots_and_report_cli(tmp_path, capsys):
     assert "bgln-d" in text and "99.72 ± 0.03" in text and "not paper protocol" in text
 
 
-def test_missing_data_gives_clear_error(tmp_path, capsys):
+def test_missing_data_gives_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FSD_NO_DOWNLOAD", "1")
     code = main(["cl", "--benchmark", "split-mnist", "--method", "finetune", "--seeds", "1",
                  "--out", str(tmp_path / "o"), "--data-dir", str(tmp_path / "empty")])
     assert code == 2

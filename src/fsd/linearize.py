@@ -35,12 +35,12 @@ from typing import Any, Mapping
 
 import torch
 from torch import Tensor, fx, nn
-from torch.func import functional_call, jvp
+from torch.func import functional_call
 from torch.fx.node import map_arg
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import rules
+from . import autodiff, rules
 from .graph import GateNode, gate_nodes, traced_graph, unwrap
 from .interpreter import GateFn, TracedLayer, true_gates
 from .rules import AffineRule, UnsupportedModuleError
@@ -175,7 +175,10 @@ def _linearize(fn: Any, node: fx.Node, value: dict, delta: dict) -> tuple[Any, A
         out, _ = tree_flatten(fn(dict(zip(moving, primals, strict=True))))
         return tuple(out[i] for i in moves)
 
-    tangents = jvp(f, tuple(value[n] for n in moving), tuple(delta[n] for n in moving))[1]
+    # an operation without a forward-mode derivative (weight_norm's kernel) takes two vjps;
+    # attention's fast paths (taken under torch.no_grad()) are off inside
+    tangents = autodiff.jvp(f, tuple(value[n] for n in moving),
+                            tuple(delta[n] for n in moving))[1]
     d: list[Any] = [None] * len(leaves)
     for i, t in zip(moves, tangents, strict=True):
         d[i] = t

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from . import conv_moments
+from .autodiff import one_line
 from .coreset import Reservoir
 from .covariance import Covariance, low_rank_plus_diagonal, sample, sampling_factor
 from .estimator import Data, Estimator, iter_batches
@@ -242,6 +243,27 @@ class _LinearizedEstimator(Estimator):
                 if missing:
                     raise ValueError(f"the statistics hold no max-pool routing for {missing} "
                                      f"(a collector made with gates=False?)")
+        elif layers is None:  # LAFTR or BGLN-S on a graph: a walk that fails fails here
+            self._check_walk(model)
+
+    def _check_walk(self, model: nn.Module) -> None:
+        """Walk the graph once on one input, as ``distance`` does, or refuse in one line.
+
+        An operation that neither forward mode nor two reverse-mode products differentiate
+        (:func:`fsd.autodiff.jvp`) would fail every ``distance``; it fails ``fit`` instead.
+        """
+        x = self._state.get("coreset.x")
+        if x is None:
+            mean = self._state["input.mean"]
+            x = torch.zeros((1, *self._meta["input_shape"]), dtype=mean.dtype,
+                            device=mean.device)
+        try:
+            with torch.no_grad():
+                linearized_outputs(model, self.reference_state(), x[:1],
+                                   true_gates if self.bernoulli else None)
+        except Exception as error:  # of any kind: distance() would raise it on every call
+            raise ValueError(f"{self._name} cannot linearize this model's graph "
+                             f"({one_line(error)}); use ExactFSD, NTK or EWC") from None
 
     def _store_statistics(self, collector: StatisticsCollector, gaussian: bool,
                           dtype: torch.dtype, device: torch.device) -> list[list[int]]:

@@ -220,6 +220,19 @@ def output_file(text: str) -> str:
     return text
 
 
+#: the figure formats ``--plot`` writes (matplotlib's Agg backend)
+FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def figure_file(text: str) -> str:
+    """An output file for a figure: :func:`output_file` ending in one of FIGURE_SUFFIXES."""
+    output_file(text)
+    if Path(text).suffix.lower() not in FIGURE_SUFFIXES:
+        raise argparse.ArgumentTypeError(
+            f"must end in {', '.join(FIGURE_SUFFIXES)} (the figure's format), got {text!r}")
+    return text
+
+
 def input_path(text: str) -> str:
     """A path to read: not empty (``''`` would silently be the current directory)."""
     if not text.strip():

@@ -11,15 +11,11 @@ from fsd import __version__
 
 from . import argtypes
 from .argtypes import OneLineParser, add_threads_option, apply_threads
+from .data.common import add_data_options, downloads_disabled
 from .io import atomic_write_text, versioned, write_json
 
 #: layout of compare_estimators.json
 COMPARE_SCHEMA = 1
-
-
-def _add_data_dir(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-dir", default=None,
-                        help="data directory (default: $FSD_DATA_DIR, else ~/.cache/fsd/data)")
 
 
 def _cmd_data_fetch(args: argparse.Namespace) -> int:
@@ -58,19 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="obtain and check data sets")
     data_sub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     fetch = data_sub.add_parser("fetch", help="put a data set into the data directory")
-    fetch.add_argument("name", help="mnist, fashion-mnist, cifar10, cifar100 (uci: manual "
-                                    "steps)")
+    fetch.add_argument("name", help="mnist, fashion-mnist, cifar10, cifar100, uci")
     fetch.add_argument("--source", default=None,
                        help="copy from this folder instead of downloading (e.g. a local "
                             "mirror); for cifar10/cifar100 the official archive "
                             "cifar-10-python.tar.gz / cifar-100-python.tar.gz")
-    _add_data_dir(fetch)
+    add_data_options(fetch, reads=False)
     fetch.set_defaults(func=_cmd_data_fetch)
 
     compare = sub.add_parser(
         "compare-estimators",
         help="every estimator vs the true FSD on an MNIST 0/1 → 2/3 pair of networks")
-    _add_data_dir(compare)
+    add_data_options(compare)
     compare.add_argument("--width", type=argtypes.width, default=100,
                          help="hidden width (default 100)")
     compare.add_argument("--depth", type=argtypes.depth, default=2,
@@ -122,7 +117,8 @@ def _main(argv: list[str] | None) -> int:
         return 0
     from .data import DataNotFoundError
     try:
-        return args.func(args)
+        with downloads_disabled(getattr(args, "no_download", False)):
+            return args.func(args)
     except (DataNotFoundError, ValueError) as error:
         # bad names, missing files, inconsistent options: a message, not a traceback
         print(f"error: {error}", file=sys.stderr)

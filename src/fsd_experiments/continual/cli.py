@@ -18,9 +18,17 @@ from ..argtypes import (
     positive_int,
 )
 from ..benchmarks import MODELS
+from ..data import add_data_options
 from ..io import DirectoryInUseError, atomic_write_text
 from ..presets import CNN_METHODS
-from .reporting import gap_layers_markdown, gap_markdown, merge_runs, penalty_gap, report
+from .reporting import (
+    comparison_plot,
+    gap_layers_markdown,
+    gap_markdown,
+    merge_runs,
+    penalty_gap,
+    report,
+)
 from .results import results_markdown
 from .runner import BENCHMARKS, METHODS, CheckpointMismatchError, run
 from .settings import OPTIMIZER_MODES, PENALTY_MODES, PENALTY_OUTPUTS, RunSettings
@@ -82,6 +90,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
                   + " ".join(args.dirs) + "`.\n\n")
         atomic_write_text(out, header + table)
         print(f"wrote {out}")
+    if args.plot:
+        print(f"wrote {comparison_plot(args.dirs, args.plot)}")
     return 0
 
 
@@ -116,8 +126,7 @@ def _add_run_options(parser: argparse.ArgumentParser, *, enforce_required: bool)
     parser.add_argument("--out", type=argtypes.output_dir,
                         help="(required) output directory (results, plots, "
                                       "checkpoints)", required=enforce_required)
-    parser.add_argument("--data-dir", default=None,
-                    help="data directory (default: $FSD_DATA_DIR, else ~/.cache/fsd/data)")
+    add_data_options(parser)
     paper = "(default: the paper's for the benchmark and method)"
     for name, kind, what in [
             ("--epochs", argtypes.epochs, f"epochs per task {paper}"),
@@ -188,12 +197,15 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                      help="run directories (or parents of them)")
     rep.add_argument("--out", type=argtypes.output_file, default=None,
                      help="write the table here (e.g. docs/results.md)")
+    rep.add_argument("--plot", type=argtypes.figure_file, default=None, metavar="FILE",
+                     help="also draw the runs' accuracy after each task on one set of axes "
+                          "(per benchmark) into FILE (.png, .pdf, .svg)")
     rep.set_defaults(func=_cmd_report)
     gap = cl_sub.add_parser("gap", help="true FSD vs each stored summary's estimate at the "
                                         "end of a finished run")
     gap.add_argument("dir", type=argtypes.input_path,
                      help="a run directory (with results.json and checkpoints/)")
-    gap.add_argument("--data-dir", default=None)
+    add_data_options(gap)
     gap.add_argument("--examples", type=positive_int, default=10_000,
                      help="training inputs per task for the true FSD (10000)")
     gap.add_argument("--linearized", action="store_true",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import json
 import math
 import os
@@ -19,9 +20,10 @@ from fsd.ntk import NTK
 
 from ..benchmarks import make_tasks
 from ..compat import cl_checkpoint_settings, is_cl_results
-from ..io import exclusive_directory, read_json, refuse_used_directory
+from ..io import atomic_write_bytes, exclusive_directory, read_json, refuse_used_directory
+from ..plotting import pyplot
 from ..presets import PRESETS, default_hyperparameters
-from .results import RunResults, SeedResult, _pm, write_results
+from .results import RunResults, SeedResult, _mean_matrix, _pm, write_results
 from .runner import METHODS, build_model, checked_matrix, read_checkpoint, summary_outputs
 from .settings import Hyperparameters
 
@@ -180,8 +182,8 @@ def _protocol(hp: Hyperparameters, benchmark: str, method: str, device: str = "c
                                if changed else "")
 
 
-def report(paths: Sequence[str]) -> str:
-    """One markdown table comparing runs (method × benchmark) next to the paper's numbers."""
+def _read_runs(paths: Sequence[str]) -> list[tuple[str, str, Path, RunResults]]:
+    """(benchmark, method, results.json, results) of every ``fsd cl`` run under ``paths``."""
     rows: list[tuple[str, str, Path, RunResults]] = []
     for path in _find_results(paths):
         raw = read_json(path)  # a file that is not JSON is named, not a bare JSON error
@@ -190,6 +192,12 @@ def report(paths: Sequence[str]) -> str:
         res = RunResults.from_json(raw, path)  # checked: a NaN or a null is named, not shown
         rows.append((res.benchmark, res.method, path, res))
     rows.sort(key=lambda r: (r[0], r[1], str(r[2])))
+    return rows
+
+
+def report(paths: Sequence[str]) -> str:
+    """One markdown table comparing runs (method × benchmark) next to the paper's numbers."""
+    rows = _read_runs(paths)
     lines = [
         "| benchmark | method | seeds | avg acc (%) | paper avg acc | BWT (%) | paper BWT | "
         "summary bytes/task | wall time | protocol | run |",
@@ -219,6 +227,59 @@ def report(paths: Sequence[str]) -> str:
         "Paper numbers: tables `avg_mnist` and `bwt_mnist` of the paper (– = not reported "
         "there)."]
     return "\n".join(lines + notes) + "\n"
+
+
+def comparison_plot(paths: Sequence[str], out: str | os.PathLike) -> Path:
+    """One figure comparing runs: test accuracy on each task after each task trained.
+
+    One panel per benchmark, one colour per run: a thin line per task from the moment it is
+    trained (how much of it is kept as later tasks are learned) and a thick line for the mean
+    accuracy over the tasks trained so far, labelled with the final average. Accuracies are
+    means over the run's seeds. Written atomically to ``out`` (its suffix picks the format).
+    """
+    rows = _read_runs(paths)
+    if not rows:
+        raise ValueError(f"no fsd cl results.json in {', '.join(map(str, paths))} to plot")
+    out = Path(out)
+    plt = pyplot()
+    fig = _comparison_figure(rows)
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, dpi=120, format=out.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
+    atomic_write_bytes(out, buffer.getvalue())
+    return out
+
+
+def _comparison_figure(rows: list[tuple[str, str, Path, RunResults]]) -> Any:
+    """The figure of :func:`comparison_plot` (a matplotlib ``Figure``)."""
+    benchmarks = list(dict.fromkeys(bench for bench, *_ in rows))
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(benchmarks), figsize=(6.0 * len(benchmarks), 4.2),
+                             squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, bench in zip(axes[0], benchmarks, strict=True):
+        runs = [(method, res) for b, method, _, res in rows if b == bench]
+        for k, (method, res) in enumerate(runs):
+            r = _mean_matrix(res)
+            t = r.shape[0]
+            colour = colours[k % len(colours)]
+            for j in range(t):  # task j+1's accuracy from the moment it is trained
+                ax.plot(range(j + 1, t + 1), r[j:, j], color=colour, lw=1, alpha=0.35)
+            seeds = f", {len(res.seeds)} seeds" if len(res.seeds) > 1 else ""
+            ax.plot(range(1, t + 1), [r[i, :i + 1].mean() for i in range(t)], color=colour,
+                    lw=2.5, marker="o",
+                    label=f"{method}: {r[-1].mean():.2f} % after task {t}{seeds}")
+        t_max = max(_mean_matrix(res).shape[0] for _, res in runs)
+        ax.set_xticks(range(1, t_max + 1))
+        ax.set_xlabel("tasks trained")
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_title(f"{bench}: mean over tasks so far (thick), each task (thin)", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    return fig
 
 
 #: the ``fsd cl`` methods whose summaries split by layer (``fsd cl gap --by-layer``)

@@ -10,6 +10,7 @@ from fsd.metrics import METRICS
 from .. import argtypes
 from ..argtypes import add_threads_option, apply_threads, number_list, positive_int
 from ..benchmarks import load_benchmark
+from ..data import add_data_options
 from .study import FidelityConfig, run_fidelity
 from .suite import BENCHMARKS, MINIMIZE_ESTIMATORS, STUDIES
 
@@ -43,8 +44,7 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--benchmark", choices=BENCHMARKS, default="split-mnist")
     p.add_argument("--out", type=argtypes.output_dir, required=True,
                    help="output folder (JSON, markdown, PNGs)")
-    p.add_argument("--data-dir", default=None,
-                   help="data directory (default: $FSD_DATA_DIR, else ~/.cache/fsd/data)")
+    add_data_options(p)
     p.add_argument("--studies", type=_studies, default=",".join(STUDIES),
                    help="comma-separated subset of pairs,depth,minimize (default: all)")
     p.add_argument("--width", type=argtypes.width, default=100)

@@ -17,7 +17,7 @@ from ..argtypes import (
     positive_int,
     probability,
 )
-from ..data import UCI_DATASETS, DataNotFoundError, load_uci
+from ..data import UCI_DATASETS, DataNotFoundError, add_data_options, load_uci
 from .mislabeled import MISLABELED_METHODS, run_mislabeled
 from .uci import LEARNING_RATES, UCI_METHODS, _canonical_uci, run_uci, write_uci_summary
 
@@ -86,8 +86,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--out", type=argtypes.output_dir, required=True, help="output directory")
-        p.add_argument("--data-dir", default=None,
-                       help="data directory (default: $FSD_DATA_DIR, else ~/.cache/fsd/data)")
+        add_data_options(p)
         p.add_argument("--seed", type=argtypes.seed, default=0)
         p.add_argument("--damping", type=argtypes.weight, default=1e-3,
                        help="λ: PBRF proximity weight and CG damping (default 1e-3)")
