@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call
 
-from . import distributed
+from . import autodiff, distributed
 from .estimator import Data, Estimator, iter_batches
 from .hooks import forward_hooks
 from .metrics import check_metric, output_hessian_factors
@@ -39,6 +39,10 @@ class EWC(Estimator):
         seed: seed for ``fisher="sampled"``.
 
     The distance is a sum of one term per module that holds parameters (:meth:`layer_terms`).
+
+    Per-example gradients are vectorized with ``torch.func.vmap``; on a model that ``vmap``
+    cannot batch (``nn.GRU``'s in-place hidden state) ``fit`` takes one example at a time
+    instead (:func:`fsd.autodiff.squared_gradients`): the same Fisher, more slowly.
     """
 
     splits_by_layer = True
@@ -85,22 +89,19 @@ class EWC(Estimator):
         generator = torch.Generator().manual_seed(self.config["seed"])
         select = self._select
 
-        def projected(p: dict[str, Tensor], x: Tensor, h: Tensor) -> Tensor:
-            z = functional_call(model, {**p, **buffers}, (x.unsqueeze(0),))
-            return (select(z)[0] * h).sum()
+        def forward(p: dict[str, Tensor], x: Tensor) -> Tensor:
+            return select(functional_call(model, {**p, **buffers}, (x,)))
 
-        # per-example, per-factor gradients Jᵀh, squared and summed over factors
-        def example_diag(x: Tensor, hs: Tensor) -> dict[str, Tensor]:
-            grads = vmap(grad(projected), in_dims=(None, None, 0))(params, x, hs)
-            return {k: g.pow(2).sum(0) for k, g in grads.items()}
+        looped = False  # vmap could not batch this model: every later batch loops directly
 
         def generic(x: Tensor, hs: Tensor) -> dict[str, Tensor]:
-            out = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
-            for xs, hc in zip(torch.split(x, self.config["chunk_size"]),
-                              torch.split(hs, self.config["chunk_size"]), strict=True):
-                diag = vmap(example_diag)(xs, hc)
-                for k in out:
-                    out[k] += diag[k].sum(0).to(torch.float64)
+            nonlocal looped
+            try:
+                out, looped = autodiff.squared_gradients(forward, params, x, hs,
+                                                         self.config["chunk_size"], loop=looped)
+            except Exception as error:  # the per-example loop failed too: the model's forward
+                raise ValueError(f"EWC cannot take per-example gradients of this model "
+                                 f"({autodiff.one_line(error)}); use NTK or ExactFSD") from None
             return out
 
         linear_layers = _linear_layers(model)

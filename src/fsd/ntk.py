@@ -8,8 +8,9 @@ from typing import Any, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jvp
+from torch.func import functional_call
 
+from . import autodiff
 from .coreset import Reservoir
 from .estimator import Data, Estimator, iter_batches
 from .metrics import check_metric, pointwise_distance
@@ -20,7 +21,13 @@ class NTK(Estimator):
     """ρ(f(x, θ0), f(x, θ0) + J(x, θ0)(θ − θ0)) averaged over a coreset.
 
     The Jacobian-vector product is computed by forward-mode AD (``torch.func.jvp``), which
-    stays differentiable w.r.t. θ. Works with any ``nn.Module``.
+    stays differentiable w.r.t. θ. Works with any ``nn.Module``: attention runs its
+    differentiable kernels (:func:`fsd.autodiff.differentiable_kernels`), and a model with an
+    operation that has no forward-mode derivative (``weight_norm``, oneDNN's LSTM) takes the
+    product as two reverse-mode ones instead (:func:`fsd.autodiff.double_vjp`, same value).
+    ``fit`` takes the product once on a stored input and raises ``ValueError`` in one line if
+    neither mode can differentiate the model. ``distance`` works under ``torch.no_grad()`` and
+    ``torch.inference_mode()`` too (returning the value without a graph).
 
     Args:
         coreset_size: number of stored inputs (uniform random subset; default 40,
@@ -42,6 +49,19 @@ class NTK(Estimator):
                                  desc="NTK: coreset"):
             reservoir.add(x, y)
         self._state["coreset.x"] = reservoir.tensors()[0]
+        self._check_differentiable(model)
+
+    def _check_differentiable(self, model: nn.Module) -> None:
+        """Take J·v once on one stored input: a model neither mode differentiates fails here."""
+        reference = self.reference_state()
+        tangents = {n: torch.ones_like(v) for n, v in reference.items() if v.is_floating_point()}
+        try:
+            with torch.no_grad():
+                self._products(model, self._state["coreset.x"][:1], tangents)
+        except Exception as error:  # of any kind: distance() would raise it on every call
+            raise ValueError(f"NTK cannot take Jacobian-vector products through this model "
+                             f"({autodiff.one_line(error)}), by forward mode or by two "
+                             f"reverse-mode products; use ExactFSD, EWC or LAFTR") from None
 
     def _check_summary(self) -> None:
         x = require(self._stored, "coreset.x")
@@ -54,21 +74,30 @@ class NTK(Estimator):
         # a network whose only change is its running statistics has moved too
         reference = self.reference_state()
         current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        names = [n for n, v in reference.items() if v.is_floating_point()]
-        fixed = {n: v for n, v in reference.items() if not v.is_floating_point()}
-        x = self._state["coreset.x"]
+        tangents = {n: current[n] - v for n, v in reference.items() if v.is_floating_point()}
+        f0, jv = self._products(model, self._state["coreset.x"], tangents)
+        reference = self._select(f0).detach()
+        return pointwise_distance(self.config["metric"], reference, self._select(jv)).mean()
+
+    def _products(self, model: nn.Module, x: Tensor, tangents: dict[str, Tensor]
+                  ) -> tuple[Tensor, Tensor]:
+        """f(x, θ0) and J(x, θ0)·tangents (by parameter and floating buffer name)."""
+        reference = self.reference_state()
+        names = list(tangents)
+        fixed = {n: v for n, v in reference.items() if n not in tangents}
 
         def f(*values: Tensor) -> Tensor:
             state = {**dict(zip(names, values, strict=True)), **fixed}
             return functional_call(model, state, (x,))
 
         primals = tuple(reference[n] for n in names)
-        tangents = tuple(current[n] - reference[n] for n in names)
-        with explicit_batch_norm(model):  # torch's kernel has no derivative in its statistics
-            # torch's annotation of jvp does not tie the tuple's length to has_aux (False here)
-            f0, jv = jvp(f, primals, tangents)  # pyright: ignore[reportAssignmentType]
-        reference = self._select(f0).detach()
-        return pointwise_distance(self.config["metric"], reference, self._select(jv)).mean()
+        # torch's kernel has no derivative in BatchNorm's statistics; fused attention none
+        with explicit_batch_norm(model), autodiff.differentiable_kernels():
+            # forward mode unless it failed on this model before (then two vjps directly)
+            f0, jv, reverse = autodiff.jvp(f, primals, tuple(tangents.values()),
+                                           reverse=self._cache.get("reverse_jvp", False))
+        self._cache["reverse_jvp"] = reverse
+        return f0, jv
 
 
 @contextlib.contextmanager
