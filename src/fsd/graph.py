@@ -22,10 +22,20 @@ raises :class:`~fsd.rules.UnsupportedModuleError` naming the operation and its n
 needs the chain. LAFTR and BGLN-S take any graph (:mod:`fsd.linearize`), reading its gates
 with :func:`gate_nodes` — the same tracer, so the same paths; ExactFSD, NTK, EWC and KFAC run
 the model's own forward (KFAC when its parameters are all in Linear and Conv2d layers).
+
+In-place operations: the traced graph is rewritten so that no node writes to a tensor that
+another node reads: ``x.relu_()``, ``F.relu(x, inplace=True)``, ``torch.relu_(x)``,
+``x.add_(y)`` become their out-of-place forms, and every later reader of the tensor an
+in-place operation wrote reads that operation's result instead — what the eager forward
+computes. A module with ``inplace=True`` (``nn.ReLU(inplace=True)``) stays in the graph; the
+walkers call it through :func:`out_of_place`. An in-place write that another tensor would see
+through a view taken before it is refused.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 import operator
 import weakref
 from dataclasses import dataclass
@@ -135,7 +145,183 @@ def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
             f"({type(error).__name__}: {first}); LAFTR and BGLN need a forward without "
             f"data-dependent control flow — or use ExactFSD, NTK, EWC or KFAC, which run the "
             f"model as it is") from None
+    _functionalize(graph, dict(model.named_modules()))
     return fx.GraphModule(model, graph, type(model).__name__)
+
+
+# augmented assignments, should fx record them (for tensors Python falls back to ``+``)
+_INPLACE_OPERATORS: dict[Any, Any] = {
+    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv,
+    operator.imod: operator.mod, operator.ipow: operator.pow,
+    operator.imatmul: operator.matmul, operator.iand: operator.and_,
+    operator.ior: operator.or_, operator.ixor: operator.xor,
+    operator.ilshift: operator.lshift, operator.irshift: operator.rshift,
+}
+# in-place methods that only set a flag or share memory: not writes to the values
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad"})
+# operations whose result may share memory with their first argument
+_VIEW_METHODS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "transpose",
+    "permute", "t", "squeeze", "unsqueeze", "expand", "expand_as", "narrow", "select",
+    "unfold", "diagonal", "movedim", "moveaxis", "swapaxes", "swapdims", "split", "chunk",
+    "unbind", "tensor_split", "as_strided", "detach", "contiguous", "real", "imag",
+})
+_VIEW_FUNCTIONS = frozenset({
+    torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.squeeze,
+    torch.unsqueeze, torch.narrow, torch.select, torch.split, torch.chunk, torch.unbind,
+    torch.movedim, torch.swapaxes, torch.diagonal, torch.t, torch.detach,
+    torch.tensor_split, operator.getitem,
+})
+_VIEW_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._DropoutNd)
+
+
+def _on_copy(x: torch.Tensor, method: str, *args: Any, **kwargs: Any) -> Any:
+    """``x.<method>(*args)`` on a copy of ``x``: an in-place method without an out-of-place form."""
+    return getattr(x.clone(), method)(*args, **kwargs)
+
+
+def out_of_place(module: nn.Module) -> nn.Module:
+    """``module``, or for one made with ``inplace=True`` a shallow copy that is not in place.
+
+    The walkers call modules on tensors that other nodes (and autograd) still read; an
+    ``nn.ReLU(inplace=True)`` would overwrite them. The copy shares the parameters.
+    """
+    if getattr(module, "inplace", False) is not True:
+        return module
+    twin = copy.copy(module)
+    twin.__dict__["inplace"] = False  # the copy's own attribute: the original is untouched
+    return twin
+
+
+def _inplace_name(name: str) -> bool:
+    return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
+
+
+def _inplace_argument(node: fx.Node) -> int | str | None:
+    """Where a function call passes ``inplace=True`` (a keyword or a position), if it does."""
+    if node.kwargs.get("inplace") is True:
+        return "inplace"
+    try:
+        names = list(inspect.signature(node.target).parameters)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # builtins without a signature
+        return None
+    position = names.index("inplace") if "inplace" in names else len(node.args)
+    return position if position < len(node.args) and node.args[position] is True else None
+
+
+def _inplace_function(target: Any) -> tuple[str, Any] | None:
+    """(name, out-of-place twin or None) of ``torch.relu_``, ``F.leaky_relu_``, …."""
+    name = getattr(target, "__name__", "")
+    if not isinstance(name, str) or not _inplace_name(name):
+        return None
+    for namespace in (F, torch):
+        if getattr(namespace, name, None) is target:
+            return name, getattr(namespace, name[:-1], None)
+    return None
+
+
+def _written(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
+    """The node whose tensor ``node`` overwrites in place, if it does (its first argument)."""
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node):
+        return None
+    if node.op == "call_method" and _inplace_name(str(node.target)):
+        return first
+    if node.op == "call_function" and (node.target in _INPLACE_OPERATORS
+                                       or _inplace_function(node.target) is not None
+                                       or _inplace_argument(node) is not None):
+        return first
+    if node.op == "call_module" and getattr(modules.get(str(node.target)), "inplace",
+                                            False) is True:
+        return first
+    return None
+
+
+def _make_out_of_place(node: fx.Node) -> None:
+    """Rewrite an in-place call (not a module's) as the out-of-place call it equals."""
+    if node.op == "call_method":
+        name = str(node.target)
+        if callable(getattr(torch.Tensor, name[:-1], None)):
+            node.target = name[:-1]  # x.relu_() → x.relu()
+        else:  # x.copy_(y), x.fill_(v): the same method on a copy
+            node.op, node.target = "call_function", _on_copy
+            node.args = (node.args[0], name, *node.args[1:])
+        return
+    if node.op != "call_function":
+        return  # a module with inplace=True: the walkers call out_of_place(module)
+    if node.target in _INPLACE_OPERATORS:
+        node.target = _INPLACE_OPERATORS[node.target]
+        return
+    where = _inplace_argument(node)
+    if isinstance(where, str):
+        node.kwargs = {**node.kwargs, where: False}
+        return
+    if where is not None:
+        node.args = (*node.args[:where], False, *node.args[where + 1:])
+        return
+    found = _inplace_function(node.target)
+    assert found is not None  # _written said it writes
+    name, twin = found
+    if twin is not None:
+        node.target = twin  # torch.relu_(x) → torch.relu(x)
+    else:
+        node.target = _on_copy
+        node.args = (node.args[0], name, *node.args[1:])
+
+
+def _is_view(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    if node.op == "call_method":
+        return str(node.target) in _VIEW_METHODS
+    if node.op == "call_function":
+        return node.target in _VIEW_FUNCTIONS
+    if node.op == "call_module":
+        return isinstance(modules.get(str(node.target)), _VIEW_MODULES)
+    return False
+
+
+def _functionalize(graph: fx.Graph, modules: dict[str, nn.Module]) -> None:
+    """Rewrite the in-place operations of a traced graph as out-of-place ones (in place).
+
+    Each later reader of the tensor an in-place operation writes reads the operation's
+    result instead, which is what the eager forward computes; a write that a tensor taken
+    as a view before it (``v = x.view(…); x.relu_(); … v``) would see is refused, since
+    the rewritten graph could not show it.
+
+    Raises:
+        UnsupportedModuleError: an in-place write seen through a view.
+    """
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    aliases: dict[fx.Node, set[fx.Node]] = {}  # nodes that may share memory, by node
+
+    def join(a: fx.Node, b: fx.Node) -> None:
+        group = aliases.setdefault(a, {a}) | aliases.setdefault(b, {b})
+        for member in group:
+            aliases[member] = group
+
+    for node in nodes:
+        written = _written(node, modules)
+        if written is None:
+            source = node.args[0] if node.args else None
+            if isinstance(source, fx.Node) and _is_view(node, modules):
+                join(node, source)
+            continue
+        here = position[node]
+        for other in aliases.get(written, {written}) - {written}:
+            late = [u for u in other.users if position[u] > here]
+            if position[other] < here and late:
+                what = getattr(node.target, "__name__", str(node.target))
+                raise UnsupportedModuleError(
+                    f"the in-place operation {what} at graph node '{node.name}' writes to "
+                    f"'{written.name}', which graph node '{late[0].name}' reads through "
+                    f"'{other.name}', a view taken before the write; LAFTR and BGLN need "
+                    f"that operation written out of place (e.g. x = x.relu())")
+        for user in list(written.users):
+            if position[user] > here:
+                user.replace_input_with(written, node)
+        _make_out_of_place(node)
+        join(node, written)
 
 
 @dataclass(frozen=True)

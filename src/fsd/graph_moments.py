@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import rules
 from .covariance import Covariance
-from .graph import gate_nodes, traced_graph, unwrap
+from .graph import gate_nodes, out_of_place, traced_graph, unwrap
 from .rules import AffineRule, GateRule
 
 
@@ -115,8 +115,8 @@ def _evaluate(node: fx.Node, value: dict[fx.Node, Any], modules: Mapping[str, nn
     def pick(n: fx.Node) -> Any:
         return chosen.get(n, value[n])
     args, kwargs = map_arg(node.args, pick), map_arg(node.kwargs, pick)
-    if node.op == "call_module":
-        return modules[str(node.target)](*args, **kwargs)
+    if node.op == "call_module":  # never in place: other nodes read the same values
+        return out_of_place(modules[str(node.target)])(*args, **kwargs)
     if node.op == "call_method":
         self_arg, *rest = args
         return getattr(self_arg, str(node.target))(*rest, **kwargs)

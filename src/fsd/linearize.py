@@ -41,7 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import autodiff, rules
-from .graph import GateNode, gate_nodes, traced_graph, unwrap
+from .graph import GateNode, gate_nodes, out_of_place, traced_graph, unwrap
 from .interpreter import GateFn, TracedLayer, true_gates
 from .rules import AffineRule, UnsupportedModuleError
 
@@ -213,10 +213,14 @@ def _module(node: fx.Node, module: nn.Module, reference: Mapping[str, Tensor],
         return rule.linearized(TracedLayer("", module, rule), a0, delta[node.all_input_nodes[0]],
                                state0, state1, true_gates)
 
+    # a module made with inplace=True would overwrite its input, which other nodes and
+    # autograd still read: call its out-of-place twin
+    function = out_of_place(module)
+
     def run(state: dict[str, Tensor]) -> Any:
         def call(substitute: dict[fx.Node, Tensor]) -> Any:
             args, kwargs = _arguments(node, value, substitute)
-            return functional_call(module, state, args, kwargs)
+            return functional_call(function, state, args, kwargs)
         return call
 
     out0, d = _linearize(run(state1), node, value, delta)
