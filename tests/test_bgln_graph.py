@@ -292,7 +292,7 @@ def test_a_collector_recording_during_training_gives_the_summary_of_fit():
         fsd.StatisticsCollector(Residual().to(DTYPE))
 
 
-def test_an_activation_module_called_twice_is_refused_in_one_line():
+def test_an_activation_module_called_twice_has_statistics_per_call():
     class Twice(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -304,13 +304,17 @@ def test_an_activation_module_called_twice_is_refused_in_one_line():
             return self.out(self.act(y))
 
     model = Twice().to(DTYPE)
-    for build in (lambda: fsd.BGLN().fit(model, _data(50)), lambda: fsd.StatisticsCollector(model)):
-        with pytest.raises(fsd.UnsupportedModuleError,
-                           match=r"ReLU at 'act' is called 2 times.*own module") as info:
-            build()
-        assert "\n" not in str(info.value)
-    # LAFTR has no statistics to share: it takes the model
-    assert float(fsd.LAFTR().fit(model, _data(50)).distance(perturbed(model, 0.3))) > 0
+    data = _data(50)
+    # each call is its own gate, keyed by its graph node (tests/test_graph_calls.py has more)
+    assert [layer.path for layer in graph_gates(model)] == ["act", "act_1"]
+    est = fsd.BGLN().fit(model, data)
+    xs = torch.cat([x for x, _ in data])
+    with torch.no_grad():
+        s1 = model.fc1(xs)
+        s2 = xs + model.fc2(F.relu(s1))
+    torch.testing.assert_close(est._state["gate.act"][0], (s1 > 0).to(DTYPE).mean(0))
+    torch.testing.assert_close(est._state["gate.act_1"][0], (s2 > 0).to(DTYPE).mean(0))
+    assert float(fsd.LAFTR().fit(model, data).distance(perturbed(model, 0.3))) > 0
 
 
 def test_bgln_d_on_a_residual_network_says_in_one_line_what_takes_the_graph():

@@ -55,11 +55,15 @@ def test_trace_error_names_the_unsupported_module_and_its_path():
         fsd.trace(nn.Sequential(nn.ModuleList([nn.Linear(2, 2)])))
 
 
-def test_trace_refuses_a_module_object_at_two_positions_naming_both():
+def test_trace_refuses_a_module_object_with_parameters_at_two_positions_naming_both():
+    linear = nn.Linear(3, 3)
+    model = nn.Sequential(linear, nn.ReLU(), nn.Sequential(linear, nn.ReLU()))
+    with pytest.raises(fsd.UnsupportedModuleError, match=r"at '2\.0' is the same object as at '0'"):
+        fsd.trace(model)
+    # a parameter-free module at two positions is one layer per position
     relu = nn.ReLU()
     model = nn.Sequential(nn.Linear(3, 3), relu, nn.Sequential(nn.Linear(3, 3), relu))
-    with pytest.raises(fsd.UnsupportedModuleError, match=r"at '2\.1' is the same object as at '1'"):
-        fsd.trace(model)
+    assert [layer.path for layer in fsd.trace(model)] == ["0", "1", "2.0", "2.1"]
 
 
 def test_trace_refuses_an_empty_model():

@@ -218,11 +218,29 @@ def test_collector_records_per_class_gate_fractions():
     assert stats.covariances.shape == (3, 5)  # diagonal
 
 
-def test_collector_rejects_a_relu_used_twice():
+def test_collector_records_a_relu_used_twice_per_position():
     relu = nn.ReLU()
-    model = nn.Sequential(nn.Linear(3, 4), relu, nn.Linear(4, 4), relu, nn.Linear(4, 2))
-    with pytest.raises(fsd.UnsupportedModuleError, match="same object as at '1'"):
-        StatisticsCollector(model)
+    model = nn.Sequential(nn.Linear(3, 4), relu, nn.Linear(4, 4), relu,
+                          nn.Linear(4, 2)).to(DTYPE)
+    x = torch.randn(40, 3, dtype=DTYPE)
+    with StatisticsCollector(model) as collector:
+        with collector.record():
+            model(x[:25])
+            model(x[25:])
+    stats = collector.finalize()
+    with torch.no_grad():
+        s1 = model[0](x)
+        s2 = model[2](torch.relu(s1))
+    assert sorted(stats.gate_means) == ["1", "3"]
+    torch.testing.assert_close(stats.gate_means["1"][0], (s1 > 0).to(DTYPE).mean(0),
+                               rtol=0, atol=1e-15)
+    torch.testing.assert_close(stats.gate_means["3"][0], (s2 > 0).to(DTYPE).mean(0),
+                               rtol=0, atol=1e-15)
+    # a Linear shared by two positions has no chain (which reads weights by path): layer
+    # moments, BGLN-D's layer-wise reference, refuse it
+    shared = nn.Linear(3, 3)
+    with pytest.raises(fsd.UnsupportedModuleError, match="same object as at '0'"):
+        StatisticsCollector(nn.Sequential(shared, nn.ReLU(), shared), layer_moments=True)
 
 
 # ----------------------------------------------------------------------------------------

@@ -23,6 +23,12 @@ needs the chain. LAFTR and BGLN-S take any graph (:mod:`fsd.linearize`), reading
 with :func:`gate_nodes` — the same tracer, so the same paths; ExactFSD, NTK, EWC and KFAC run
 the model's own forward (KFAC when its parameters are all in Linear and Conv2d layers).
 
+Call sites: a module called at more than one place in ``forward`` (torchvision's
+``BasicBlock`` calls ``self.relu`` twice; a shared ``MaxPool2d``) is one node per call, and
+each call is keyed by its graph node's name (``"layer1_0_relu"``, ``"layer1_0_relu_1"``)
+instead of the module's path (:func:`call_site_paths`), so every call site has its own
+statistics. A module called once keeps its path, as before.
+
 In-place operations: the traced graph is rewritten so that no node writes to a tensor that
 another node reads: ``x.relu_()``, ``F.relu(x, inplace=True)``, ``torch.relu_(x)``,
 ``x.add_(y)`` become their out-of-place forms, and every later reader of the tensor an
@@ -92,7 +98,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 @dataclass(frozen=True)
 class ChainStep:
-    """One step of a traced chain: the module it runs and its path."""
+    """One step of a traced chain: the module it runs and its path.
+
+    The path is the module's, or for a module called at several places the call's graph node
+    name (:func:`call_site_paths`).
+    """
 
     path: str
     module: nn.Module
@@ -324,6 +334,36 @@ def _functionalize(graph: fx.Graph, modules: dict[str, nn.Module]) -> None:
         join(node, written)
 
 
+def call_site_paths(graph: fx.Graph, modules: dict[str, nn.Module]) -> dict[fx.Node, str]:
+    """The key of every module call of a traced graph: what its statistics are stored under.
+
+    A module called at one place keeps its path (``"body.0"``); each call of a module called
+    at several (torchvision's ``self.relu``) is keyed by its graph node's name
+    (``"layer1_0_relu"``, ``"layer1_0_relu_1"``), which is the same for every trace of the
+    same forward, so fit and distance, and a saved summary, agree.
+
+    Raises:
+        UnsupportedModuleError: a call site's node name is the path of a module called
+            once, so two keys would be the same.
+    """
+    calls: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+    keys: dict[fx.Node, str] = {}
+    for node in graph.nodes:
+        if node.op != "call_module":
+            continue
+        target = str(node.target)
+        if calls[target] > 1 and calls.get(node.name) == 1 and node.name in modules:
+            raise UnsupportedModuleError(
+                f"the call of '{target}' at graph node '{node.name}' (one of its "
+                f"{calls[target]} calls) would be keyed '{node.name}', which is also the "
+                f"path of the module called there; rename that module")
+        keys[node] = target if calls[target] == 1 else node.name
+    return keys
+
+
 @dataclass(frozen=True)
 class GateNode:
     """An activation in a traced graph that BGLN gates.
@@ -331,7 +371,9 @@ class GateNode:
     Attributes:
         path: the module's attribute path for a module call, the graph node's name for a
             function call (``F.relu(x)`` → ``"relu"``) — the path :func:`runnable` gives the
-            module it puts in the call's place, so statistics recorded there match.
+            module it puts in the call's place, so statistics recorded there match — or for
+            each call of a module called at several places, the call's node name
+            (:func:`call_site_paths`).
         module: the module called, or the equivalent module of a function call.
         input: the graph node of the pre-activation.
     """
@@ -386,12 +428,13 @@ def _traced(model: nn.Module) -> tuple[fx.Graph, dict[fx.Node, GateNode]]:
 def _find_gates(graph: fx.Graph, modules: dict[str, nn.Module]) -> dict[fx.Node, GateNode]:
     gates: dict[fx.Node, GateNode] = {}
     data: set[fx.Node] = set()  # nodes that depend on the model's input
+    sites = call_site_paths(graph, modules)
     for node in graph.nodes:
         if node.op == "placeholder" or any(n in data for n in node.all_input_nodes):
             data.add(node)
         if node.op == "call_module":
             module = modules[str(node.target)]
-            path = str(node.target)
+            path = sites[node]
             rule = rules.RULES.get(type(module))
             if not isinstance(rule, rules.GateRule):
                 continue
@@ -424,6 +467,7 @@ def _trace_chain(model: nn.Module) -> list[ChainStep]:
                                      f"LAFTR and BGLN need exactly one")
     current = placeholders[0]
     steps: list[ChainStep] = []
+    sites = call_site_paths(graph, modules)
     for node in graph.nodes:
         if node.op == "placeholder":
             continue
@@ -437,7 +481,7 @@ def _trace_chain(model: nn.Module) -> list[ChainStep]:
         if inputs != [current]:
             raise _branch_error(name, node, f"it reads {', '.join(map(str, inputs)) or 'no'} "
                                             f"instead of the previous step '{current}'")
-        steps.append(_step(name, node, modules))
+        steps.append(_step(name, node, modules, sites))
         current = node
     if not steps:
         raise UnsupportedModuleError(f"{name}.forward has no layers")
@@ -509,9 +553,10 @@ def _replacement(node: fx.Node) -> nn.Module | None:
     return None if flatten is None else nn.Flatten(flatten)
 
 
-def _step(name: str, node: fx.Node, modules: dict[str, nn.Module]) -> ChainStep:
+def _step(name: str, node: fx.Node, modules: dict[str, nn.Module],
+          sites: dict[fx.Node, str]) -> ChainStep:
     if node.op == "call_module":
-        return ChainStep(str(node.target), modules[str(node.target)], False)
+        return ChainStep(sites[node], modules[str(node.target)], False)
     module = _replacement(node)
     if module is not None:
         return ChainStep(node.name, module, True)

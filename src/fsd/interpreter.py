@@ -40,34 +40,42 @@ def trace(model: nn.Module) -> list[TracedLayer]:
 
     Nested ``nn.Sequential`` containers of layers with rules are flattened directly; any
     other model (a class with a ``forward``, a Sequential subclass, wrappers) is traced with
-    torch.fx (:func:`fsd.graph.chain`). Raises :class:`~fsd.rules.UnsupportedModuleError`
-    naming the class and path of the first module that has no rule, of a module object used
-    at two positions, or of the graph node where a traced model stops being a chain.
+    torch.fx (:func:`fsd.graph.chain`). A module without parameters or buffers (a ReLU, a
+    max-pool) may be called at several positions: each call is its own layer, under its
+    position's path in a Sequential or its call's graph node name in a traced class
+    (:func:`fsd.graph.call_site_paths`), with its own statistics. Raises
+    :class:`~fsd.rules.UnsupportedModuleError` naming the class and path of the first module
+    that has no rule, of a module with parameters used at two positions (the chain walkers
+    read a layer's parameters by its path), or of the graph node where a traced model stops
+    being a chain.
     """
     model = unwrap(model)
     # a user's class is traced; torch's own layers (the root itself) get the rule's message
     if not _plain(model) and not type(model).__module__.startswith("torch.nn."):
         layers = [TracedLayer(step.path, step.module, rule_for(step.module, step.path))
                   for step in chain(model)]
-        calls: dict[int, str] = {}
+        calls: set[int] = set()
         for layer in layers:
-            if id(layer.module) in calls:
+            if id(layer.module) in calls and not _stateless(layer.module):
+                path = next(p for p, m in model.named_modules() if m is layer.module)
                 raise UnsupportedModuleError(
-                    f"module {type(layer.module).__name__} at '{layer.path}' is called twice "
-                    f"in forward; give each position its own module")
-            calls[id(layer.module)] = layer.path
+                    f"module {type(layer.module).__name__} at '{path}' is called twice in "
+                    f"forward: the chain walk reads a layer's parameters by its path; "
+                    f"{_SHARED_WEIGHTS}")
+            calls.add(id(layer.module))
         _check_hooks(model)
         return layers
     layers: list[TracedLayer] = []
     seen: dict[int, str] = {}
 
     def visit(module: nn.Module, path: str) -> None:
-        # a module object used at two positions would be visited once by named_children()
-        # and share one hook and one set of statistics: refuse it
-        if id(module) in seen:
+        # a module object at two positions is two layers, each under its position's path;
+        # one with parameters would be read by one path only: refuse it
+        if id(module) in seen and not _stateless(module):
             raise UnsupportedModuleError(
                 f"module {type(module).__name__} at '{path or '<root>'}' is the same object as "
-                f"at '{seen[id(module)] or '<root>'}'; give each position its own module")
+                f"at '{seen[id(module)] or '<root>'}': the chain walk reads a layer's "
+                f"parameters by its path; {_SHARED_WEIGHTS}")
         seen[id(module)] = path
         if type(module) is nn.Sequential:
             for name, child in module._modules.items():
@@ -81,6 +89,16 @@ def trace(model: nn.Module) -> list[TracedLayer]:
         raise UnsupportedModuleError("the model has no layers")
     _check_hooks(model)
     return layers
+
+
+_SHARED_WEIGHTS = ("give each position its own module, or use LAFTR, BGLN-S or BGLN-D with "
+                   "moments='exact' (flat graphs), which take shared weights on the graph "
+                   "path, or ExactFSD, NTK or EWC")
+
+
+def _stateless(module: nn.Module) -> bool:
+    """No parameters and no buffers: calling it at two places shares nothing but its type."""
+    return next(module.parameters(), None) is None and next(module.buffers(), None) is None
 
 
 def _plain(module: nn.Module) -> bool:

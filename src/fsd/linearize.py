@@ -50,29 +50,14 @@ def graph_gates(model: nn.Module) -> list[TracedLayer]:
     """The activations BGLN-S gates in ``model``'s graph, in graph order, with their rules.
 
     Paths are a module's attribute path, or the graph node's name for a function call
-    (:func:`fsd.graph.gate_nodes`): the paths under which the statistics are stored.
+    (:func:`fsd.graph.gate_nodes`): the paths under which the statistics are stored. An
+    activation module called at several places (torchvision's ``self.relu``) is one gate per
+    call, each keyed by its call's graph node name, so each has its own statistics.
 
     Raises:
-        UnsupportedModuleError: the forward cannot be traced, or one activation module is
-            called at two places (it would share one set of gate statistics).
+        UnsupportedModuleError: the forward cannot be traced.
     """
-    model = unwrap(model)
-    layers: list[TracedLayer] = []
-    calls: dict[str, int] = {}
-    for gate in gate_nodes(model).values():
-        calls[gate.path] = calls.get(gate.path, 0) + 1
-        layers.append(_layer(gate))
-    twice = [path for path, count in calls.items() if count > 1]
-    if twice:
-        module = model.get_submodule(twice[0])
-        names = [path for path, m in model.named_modules(remove_duplicate=False)
-                 if m is module]
-        where = f"at '{names[1]}' is the same object as at '{names[0]}'" if len(names) > 1 \
-            else f"at '{twice[0]}' is called {calls[twice[0]]} times in forward"
-        raise UnsupportedModuleError(
-            f"module {type(module).__name__} {where}: BGLN would keep one set of gate "
-            f"statistics for its {calls[twice[0]]} calls; give each position its own module")
-    return layers
+    return [_layer(gate) for gate in gate_nodes(unwrap(model)).values()]
 
 
 def _layer(gate: GateNode) -> TracedLayer:

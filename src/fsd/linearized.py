@@ -364,6 +364,15 @@ class _LinearizedEstimator(Estimator):
             require_shape(stored, key, [groups] + [None] * max(gate.dim() - 2, 1)
                           + [SMOOTH_MOMENTS])
             require_gate_moments(stored, key)
+        # statistics are keyed by call site (a module path, or a call's graph node name,
+        # fsd.graph.call_site_paths), and the signature records every call site's path
+        signature = self._meta.get("signature")
+        sites = {e.get("path") for e in signature if isinstance(e, dict)} \
+            if isinstance(signature, list) else set()
+        for key in [k for k in stored if k.startswith(("gate.", "gate_moments.", "routing."))]:
+            if key.split(".", 1)[1] not in sites:
+                raise SummaryFormatError(f"field {key!r}: the stored architecture has no "
+                                         f"layer or call site '{key.split('.', 1)[1]}'")
 
     # ----- distance ---------------------------------------------------------------------
     def _gate_means(self) -> dict[str, Tensor]:

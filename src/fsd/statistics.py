@@ -212,8 +212,11 @@ class StatisticsCollector:
         model: the network: a chain of supported layers (``nn.Sequential`` or a class), or,
             for gate statistics alone (BGLN-S), any graph torch.fx traces — a residual
             network too. Activations must be modules here (a ``F.relu`` call cannot be
-            hooked: :meth:`fsd.BGLN.fit` with data runs :func:`fsd.graph.runnable` instead),
-            each called at one place.
+            hooked: :meth:`fsd.BGLN.fit` with data runs :func:`fsd.graph.runnable` instead).
+            An activation or max-pool module called at several places (torchvision's
+            ``self.relu``) records each call under its own call site's path
+            (:func:`fsd.graph.call_site_paths`), counting its calls from each forward of
+            ``model``.
         moments: collect input moments (``"full"``, ``"diag"``) or not (``None``).
         gates: collect gate statistics (ReLU-family firing frequencies, smooth gates' moments).
         momentum: ``None`` (running mean) or EMA momentum for the gates.
@@ -242,8 +245,8 @@ class StatisticsCollector:
             except UnsupportedModuleError:
                 if layer_moments:  # BGLN-D's layer-wise moments: chains only
                     raise
-                # a graph that is not a chain (BGLN-S): its activations wherever they are;
-                # graph_gates refuses an activation module called at two places
+                # a graph that is not a chain (BGLN-S): its activations wherever they are,
+                # one per call site
                 layers = graph_gates(model)
         # what each layer's rule collects (fsd.rules.Rule.collects)
         gate_layers = ([layer for layer in layers if layer.rule.collects == "gates"]
@@ -263,8 +266,11 @@ class StatisticsCollector:
         self.layer_paths = ([layer.path for layer in layers
                              if layer.rule.collects == "layer_moments"][1:]
                             if layer_moments else [])
-        functional = [p for p in self.gate_paths + self.layer_paths + self.pool_paths
-                      if p not in modules]
+        # a layer is recorded by a hook on its module: a function call has none
+        owned = {id(m) for m in modules.values()}
+        functional = [layer.path for layer in gate_layers + pool_layers
+                      if id(layer.module) not in owned] + \
+            [p for p in self.layer_paths if p not in modules]
         if functional:
             raise UnsupportedModuleError(
                 f"the layer at '{functional[0]}' is a function call in "
@@ -273,11 +279,19 @@ class StatisticsCollector:
                 f"traces the model")
         for path in self.layer_paths:
             self._handles.append(modules[path].register_forward_pre_hook(self._layer_hook(path)))
-        # trace() and graph_gates() have refused module objects used at two positions, so
-        # one hook = one layer
-        for path in self.gate_paths + self.pool_paths:
-            self._handles.append(modules[path].register_forward_pre_hook(
-                self._averaging_hook(path, self._rules[path].fit_statistics)))
+        # one hook per module; a module called at several places (trace() and graph_gates()
+        # admit parameter-free ones) records its k-th call of a forward under the k-th call
+        # site's path, in graph order
+        sites: dict[int, tuple[nn.Module, list[str]]] = {}
+        for layer in gate_layers + pool_layers:
+            sites.setdefault(id(layer.module), (layer.module, []))[1].append(layer.path)
+        self._calls: dict[int, int] = {}  # calls so far in this forward, per reused module
+        for module, paths in sites.values():
+            self._handles.append(module.register_forward_pre_hook(self._averaging_hook(
+                paths, self._rules[paths[0]].fit_statistics)))
+        if any(len(paths) > 1 for _, paths in sites.values()):
+            self._handles.append(model.register_forward_pre_hook(
+                recording_hook(self._new_forward_fn())))
 
     @contextlib.contextmanager
     def record(self, labels: Tensor | None = None) -> Iterator[None]:
@@ -341,11 +355,31 @@ class StatisticsCollector:
             acc = self._moment_acc.setdefault(key, MomentAccumulator(self.moments == "diag"))
             acc.update(part)
 
-    def _averaging_hook(self, path: str, values):
-        """A hook averaging ``values(module, input)`` per example into ``path``'s accumulator."""
+    def _new_forward_fn(self):
+        # a forward of the model starts: reused modules count their calls from the first
+        def hook(module: nn.Module, args: tuple) -> None:
+            self._calls.clear()
+        return hook
+
+    def _averaging_hook(self, paths: list[str], values):
+        """A hook averaging ``values(module, input)`` per example into a path's accumulator.
+
+        ``paths``: the module's call sites in graph order; its k-th call in a forward of the
+        model records under ``paths[k]`` (one path: every call).
+        """
         def hook(module: nn.Module, args: tuple) -> None:
             if not self._active:
                 return
+            path = paths[0]
+            if len(paths) > 1:
+                call = self._calls.get(id(module), 0)
+                if call >= len(paths):
+                    raise RuntimeError(
+                        f"the {type(module).__name__} recorded at {paths} was called more "
+                        f"than its {len(paths)} times in one forward of the model (called "
+                        f"outside the model's forward inside record()?)")
+                self._calls[id(module)] = call + 1
+                path = paths[call]
             for key, part in self._split(args[0]):
                 per_path = self._gate_acc.setdefault(key, {})
                 per_path.setdefault(path, GateAccumulator(self.momentum)).add(
