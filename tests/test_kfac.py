@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -294,39 +295,40 @@ def test_save_load_roundtrip_and_tampered_factors(tmp_path):
         fsd.load(tmp_path / "bad.fsd")
 
 
-@pytest.mark.parametrize("model,message", [
-    (nn.Sequential(nn.Conv1d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2)), "Conv1d at '0'"),
-    (nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3), nn.Linear(3, 2)), "LayerNorm at '1'"),
-    (nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten()), "groups=1.*groups=2"),
-    (nn.Sequential(nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"), nn.Flatten()),
-     "padding_mode='reflect'"),
-    (nn.Sequential(nn.Conv2d(2, 2, 2, padding="same"), nn.Flatten()), "even kernel"),
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.layer(torch.relu(self.layer(x)))
+
+
+@pytest.mark.parametrize("make,shape,diagonal", [
+    # before: each refused at fit ("KFAC needs a model whose parameters all belong to ...",
+    # "groups=1", "padding_mode", "even kernel", "called once", "(batch, features) inputs")
+    (lambda: nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3), nn.Linear(3, 2)), (3,),
+     ["1.weight", "1.bias"]),
+    (lambda: nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten()), (2, 5, 5),
+     ["0.weight", "0.bias"]),
+    (lambda: nn.Sequential(nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"),
+                           nn.Flatten()), (2, 4, 4), ["0.weight", "0.bias"]),
+    (lambda: nn.Sequential(nn.Conv2d(2, 2, 2, padding="same"), nn.Flatten()), (2, 4, 4),
+     ["0.weight", "0.bias"]),
+    (_Twice, (3,), ["layer.weight", "layer.bias"]),
+    (lambda: nn.Sequential(nn.Linear(3, 2), nn.Flatten()), (5, 3), ["0.weight", "0.bias"]),
 ])
-def test_models_beyond_linear_and_conv2d_layers_are_refused(model, message):
-    x = torch.randn(4, 1, 6) if isinstance(model[0], nn.Conv1d) else (
-        torch.randn(4, 2, 5, 5) if isinstance(model[0], nn.Conv2d) else torch.randn(4, 3))
-    with pytest.raises(ValueError, match=message):
-        fsd.KFAC().fit(model, x)
-
-
-def test_a_linear_called_twice_is_refused():
-    class Twice(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer = nn.Linear(3, 3)
-
-        def forward(self, x):
-            return self.layer(torch.relu(self.layer(x)))
-
-    with pytest.raises(ValueError, match="called once"):
-        fsd.KFAC().fit(Twice(), torch.randn(4, 3))
-
-
-def test_a_linear_on_sequences_is_refused():
-    # a Linear on (batch, length, features) has one ā per position, which K-FAC does not sum
-    with pytest.raises(ValueError, match=r"Linear at '0' called on \(batch, features\) inputs; "
-                                         r"it got shape \(4, 5, 3\)"):
-        fsd.KFAC().fit(nn.Sequential(nn.Linear(3, 2)), torch.randn(4, 5, 3))
+def test_layers_kfac_cannot_factor_get_the_dense_gauss_newton_diagonal(make, shape, diagonal):
+    torch.manual_seed(2)
+    model = make().to(DTYPE)
+    x = torch.randn(6, *shape, dtype=DTYPE)
+    est = fsd.KFAC(metric="kl").fit(model, x)
+    assert est.diagonal_parameters == diagonal
+    dense = dense_gauss_newton(model, x, "kl").diagonal()
+    offsets = _parameter_offsets(model)
+    for name in diagonal:
+        torch.testing.assert_close(est._stored[f"kfac_diag.{name}"].reshape(-1),
+                                   dense[offsets[name]], rtol=1e-10, atol=1e-14)
 
 
 @pytest.mark.parametrize("make,shape", [
@@ -424,3 +426,156 @@ def test_kronecker_quadratic_derivatives_match_finite_differences_and_vmap():
         deltas, g.detach(), a.detach())
     torch.testing.assert_close(batched, 2 * g.detach() @ deltas @ a.detach(), rtol=1e-12,
                                atol=1e-12)
+
+
+# ----- Conv1d and the diagonal Gauss–Newton blocks of every other parameter ----------------
+
+def _parameter_offsets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The flat indices of each parameter in ``dense_gauss_newton``'s order."""
+    offset, out = 0, {}
+    for name, p in model.named_parameters():
+        out[name] = torch.arange(offset, offset + p.numel())
+        offset += p.numel()
+    return out
+
+
+class _NormMLP(nn.Module):
+    """LayerNorm between Linears, and a positional parameter added to the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.position = nn.Parameter(0.3 * torch.randn(4))
+        self.inp = nn.Linear(4, 6)
+        self.norm = nn.LayerNorm(6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.norm(self.inp(x + self.position))))
+
+
+class _Tokens(nn.Module):
+    """An Embedding over token ids carried as floats (the ids index the table inside)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.position = nn.Parameter(0.3 * torch.randn(3, 4))
+        self.conv = nn.Conv1d(4, 5, 2, padding=1)
+        self.out = nn.Linear(5 * 4, 3)
+
+    def forward(self, x):
+        h = self.embed(x.long()) + self.position  # (n, 3, 4)
+        return self.out(torch.relu(self.conv(h.transpose(1, 2))).flatten(1))
+
+
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(3, 4, batch_first=True)  # vmap cannot batch it: per-example loop
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.out(self.rnn(x)[0][:, -1])
+
+
+_DIAGONAL_MODELS = [
+    (_NormMLP, lambda n: torch.randn(n, 4, dtype=DTYPE),
+     ["position", "norm.weight", "norm.bias"]),
+    (_Tokens, lambda n: torch.randint(0, 7, (n, 3)).to(DTYPE),
+     ["position", "embed.weight"]),
+    (_Recurrent, lambda n: torch.randn(n, 3, 3, dtype=DTYPE),
+     ["rnn.weight_ih_l0", "rnn.weight_hh_l0", "rnn.bias_ih_l0", "rnn.bias_hh_l0"]),
+]
+
+
+@pytest.mark.parametrize("make,inputs,diagonal", _DIAGONAL_MODELS)
+@pytest.mark.parametrize("metric", ["euclidean", "kl"])
+def test_diagonal_blocks_are_the_dense_gauss_newton_diagonal(make, inputs, diagonal, metric):
+    # before: "KFAC needs a model whose parameters all belong to nn.Linear or nn.Conv2d"
+    torch.manual_seed(4)
+    model = make().to(DTYPE)
+    x = inputs(9)
+    est = fsd.KFAC(metric=metric).fit(model, [x[:5], x[5:]])  # two batches
+    assert est.diagonal_parameters == diagonal
+    dense = dense_gauss_newton(model, x, metric)
+    offsets = _parameter_offsets(model)
+    for name in diagonal:
+        torch.testing.assert_close(est._stored[f"kfac_diag.{name}"].reshape(-1),
+                                   dense.diagonal()[offsets[name]], rtol=1e-10, atol=1e-14)
+    # the penalty: Kronecker terms as before, plus ½ Σ D Δp² per module of diagonal blocks
+    moved = _moved(model, 0.1)
+    delta = dict(zip(offsets, (q - p for p, q in zip(model.parameters(), moved.parameters(),
+                                                    strict=True)), strict=True))
+    terms = est.layer_terms(moved)
+    for name in diagonal:
+        path = name.rpartition(".")[0]
+        expected = sum(0.5 * (dense.diagonal()[offsets[n]] * delta[n].reshape(-1) ** 2).sum()
+                       for n in diagonal if n.rpartition(".")[0] == path)
+        torch.testing.assert_close(terms[path], expected, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(est.distance(moved), sum(terms.values()))
+
+
+def test_a_conv1d_has_the_kronecker_factors_of_the_same_conv2d_of_height_one():
+    # before: "KFAC needs a model whose parameters all belong to nn.Linear or nn.Conv2d"
+    torch.manual_seed(5)
+    conv1d = nn.Sequential(nn.Conv1d(2, 3, 3, stride=2, padding=1), nn.ReLU(),
+                           nn.Conv1d(3, 2, 2, dilation=2, padding=1),
+                           nn.Flatten(), nn.Linear(2 * 4, 3)).to(DTYPE)
+    conv2d = nn.Sequential(nn.Conv2d(2, 3, (1, 3), stride=(1, 2), padding=(0, 1)), nn.ReLU(),
+                           nn.Conv2d(3, 2, (1, 2), dilation=(1, 2), padding=(0, 1)),
+                           nn.Flatten(), nn.Linear(2 * 4, 3)).to(DTYPE)
+    with torch.no_grad():
+        for a, b in zip(conv1d.parameters(), conv2d.parameters(), strict=True):
+            b.copy_(a.reshape(b.shape))
+    x = torch.randn(7, 2, 7, dtype=DTYPE)
+    assert conv1d(x).shape == conv2d(x.unsqueeze(2)).shape
+    one = fsd.KFAC(metric="kl").fit(conv1d, x)
+    two = fsd.KFAC(metric="kl").fit(conv2d, x.unsqueeze(2))
+    assert one.diagonal_parameters == [] and one._meta["layers"] == two._meta["layers"]
+    for key, value in two._stored.items():
+        if key.startswith("kfac."):
+            torch.testing.assert_close(one._stored[key], value, rtol=1e-12, atol=1e-15)
+
+
+def test_one_conv1d_under_the_euclidean_metric_is_the_exact_fsd():
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Conv1d(2, 3, 3, padding=1), nn.Flatten()).to(DTYPE)
+    x = torch.randn(11, 2, 5, dtype=DTYPE)
+    moved = _moved(model)
+    est = fsd.KFAC().fit(model, x)
+    exact = 0.5 * (moved(x) - model(x)).pow(2).sum(1).mean()
+    torch.testing.assert_close(est.distance(moved), exact, rtol=1e-10, atol=1e-14)
+
+
+def test_summaries_of_kronecker_blocks_only_are_written_as_before(tmp_path):
+    # no "diagonal" entry in the metadata and no new field: files as older versions wrote
+    est = fsd.KFAC().fit(_mlp(), torch.randn(8, 3, dtype=DTYPE))
+    assert "diagonal" not in est._meta
+    assert all(k.startswith(("theta0.", "kfac.")) for k in est._stored)
+
+
+def test_diagonal_blocks_save_load_and_refuse_tampering(tmp_path):
+    torch.manual_seed(8)
+    model = _NormMLP().to(DTYPE)
+    est = fsd.KFAC().fit(model, torch.randn(8, 4, dtype=DTYPE))
+    est.save(tmp_path / "k.fsd")
+    moved = _moved(model)
+    loaded = fsd.load(tmp_path / "k.fsd")
+    assert loaded.diagonal_parameters == est.diagonal_parameters
+    torch.testing.assert_close(loaded.distance(moved), est.distance(moved), rtol=0, atol=0)
+    payload = torch.load(tmp_path / "k.fsd", weights_only=True)
+    payload.pop("checksums")  # as a file written before checksums: the checks themselves
+    for change, message in [
+        (lambda p: p["tensors"].__setitem__("kfac_diag.norm.bias",
+                                            -p["tensors"]["kfac_diag.norm.bias"]),
+         r"kfac_diag\.norm\.bias"),
+        (lambda p: p["tensors"].pop("kfac_diag.position"), r"kfac_diag\.position"),
+        (lambda p: p.__setitem__("meta", json.dumps(
+            {**json.loads(p["meta"]), "diagonal": ["norm.weight", "norm.bias"]})),
+         r"cover the parameters"),
+    ]:
+        bad = copy.deepcopy(payload)
+        change(bad)
+        torch.save(bad, tmp_path / "bad.fsd")
+        with pytest.raises(fsd.SummaryFormatError, match=message):
+            fsd.load(tmp_path / "bad.fsd")

@@ -25,6 +25,19 @@ locations and independent of the patches::
 with ā_t = [patch_t; 1] in the order of ``weight.reshape(out_channels, -1)``. They are exact
 for a one-layer network under the Euclidean metric (Σ_k g_kt g_kt'ᵀ = δ_tt' I there) and, as
 for a Linear, on one example when T = 1. BackPACK's KFLR puts the 1/T on neither factor.
+An ``nn.Conv1d`` is the one-dimensional case: T output positions, patches of (C, k).
+
+Every other parameter tensor p — of a ``LayerNorm``, an ``Embedding``, attention, a recurrent
+layer, a parameter read directly in ``forward`` (a positional embedding), a parametrized
+(``weight_norm``) layer, or a Linear or convolution that K-FAC cannot factor (called other
+than once, on inputs of another rank, grouped or non-zero-padded convolutions) — gets a
+diagonal Gauss–Newton block: the diagonal of F restricted to p,
+
+    D_p = E_x[Σ_k (J_pᵀ h_k)²],
+
+taken with the same exact Hessian factors h_k as G, from per-example gradients
+(:func:`fsd.autodiff.squared_gradients`). Its penalty is ½ Σ D_p ⊙ Δp², EWC's form; the
+blocks between parameters are dropped as between layers.
 """
 
 from __future__ import annotations
@@ -36,27 +49,39 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from . import distributed
+from . import autodiff, distributed
 from .estimator import Data, Estimator, iter_batches
 from .metrics import check_metric, output_hessian_factors
-from .validation import SummaryFormatError, require, require_psd, require_shape
+from .validation import (
+    SummaryFormatError,
+    require,
+    require_nonnegative,
+    require_psd,
+    require_shape,
+)
+
+_DIAGONAL = "kfac_diag."  # the prefix of a diagonal block's field, then the parameter's name
 
 
 class KFAC(Estimator):
-    """Kronecker-factored Gauss-Newton penalty of every ``nn.Linear`` and ``nn.Conv2d`` layer.
+    """Kronecker-factored Gauss-Newton penalty; a diagonal block for every other parameter.
 
-    Every parameter of the model must belong to an ``nn.Linear`` (called on (batch, features)
-    inputs) or an ``nn.Conv2d`` (on (batch, channels, height, width) inputs, zero padding, one
-    group), each called once by the forward; the forward itself may be any graph. Anything
-    else raises ``ValueError`` at ``fit``. The factors are the exact expectations over the data
-    and over the metric's Hessian factors (EWC's ``fisher="true"``), one backward pass per
-    factor and batch; convolutions take KFC's factors (module docstring).
+    Each ``nn.Linear`` called once on (batch, features) inputs and each ``nn.Conv1d`` /
+    ``nn.Conv2d`` called once on (batch, channels, *spatial) inputs with zero padding and
+    one group gets a Kronecker block A ⊗ G (convolutions: KFC's factors, module docstring).
+    Every other parameter tensor — LayerNorm, Embedding, attention, recurrent layers,
+    positional parameters, those Linear and convolution layers — gets the diagonal of its
+    Gauss–Newton block (:attr:`diagonal_parameters`). The forward itself may be any graph.
+    The factors are the exact expectations over the data and over the metric's Hessian
+    factors (EWC's ``fisher="true"``), one backward pass per factor and batch, plus one
+    per-example gradient pass per batch when there are diagonal blocks.
 
     Args:
         metric: output metric whose Hessian H defines the Gauss-Newton matrix:
             ``"euclidean"`` (H = I), ``"kl"`` (the softmax Fisher) or ``"softmax_euclidean"``.
 
-    The distance is a sum of one term ½ tr(ΔW̄ᵀ G ΔW̄ A) per layer (:meth:`layer_terms`).
+    The distance is a sum of one term ½ tr(ΔW̄ᵀ G ΔW̄ A) per Kronecker layer and one term
+    ½ Σ D ⊙ Δp² per module holding diagonal parameters (:meth:`layer_terms`).
     """
 
     splits_by_layer = True
@@ -64,49 +89,50 @@ class KFAC(Estimator):
     def __init__(self, metric: str = "euclidean") -> None:
         super().__init__(metric=check_metric(metric))
 
-    def _layers(self, model: nn.Module) -> dict[str, _LinearLayer]:
-        layers: dict[str, _LinearLayer] = {}
-        others = []
-        for path, module in model.named_modules():
-            if next(module.parameters(recurse=False), None) is None:
-                continue
-            if type(module) is nn.Linear:
-                layers[path] = _LinearLayer(module, path)
-            elif type(module) is nn.Conv2d:
-                layers[path] = _ConvLayer(module, path)  # refuses what unfold cannot cut
-            else:
-                others.append(f"{type(module).__name__} at '{path or '<root>'}'")
-        if others or not layers:
-            raise ValueError("KFAC needs a model whose parameters all belong to nn.Linear or "
-                             "nn.Conv2d layers; this one has "
-                             f"{', '.join(others) or 'no Linear or Conv2d layer'} "
-                             "(EWC, NTK and ExactFSD take any model)")
-        return layers
+    @property
+    def diagonal_parameters(self) -> list[str]:
+        """The parameters with a diagonal Gauss–Newton block (the others are in Kronecker ones)."""
+        self.require_fitted()
+        return list(self._meta.get("diagonal", []))
 
     def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
              dtype: torch.dtype, device: torch.device, progress: bool) -> None:
-        layers = self._layers(model)
+        candidates = _kronecker_candidates(model)
+        layers: dict[str, _LinearLayer] | None = None  # the Kronecker layers, from batch 1
         params = {k: v.detach().requires_grad_(True)
                   for k, v in self.reference_parameters().items()}
         buffers = {k[len("buffer0."):]: v for k, v in self._state.items()
                    if k.startswith("buffer0.")}
-        # sums over examples, zero-initialised so every rank reduces the same tensors
-        inputs_sq = {p: torch.zeros(layer.fan_in + 1, layer.fan_in + 1, dtype=dtype,
-                                    device=device) for p, layer in layers.items()}
-        grads_sq = {p: torch.zeros(layer.fan_out, layer.fan_out, dtype=dtype, device=device)
-                    for p, layer in layers.items()}
+        inputs_sq: dict[str, Tensor] = {}
+        grads_sq: dict[str, Tensor] = {}
+        diagonal: dict[str, Tensor] = {}
+        looped = False  # vmap could not batch the model: per-example loop from then on
         count = 0
         for x, _ in iter_batches(data, dtype=dtype, device=device, progress=progress,
                                  desc="KFAC: factors"):
-            seen: dict[str, list[tuple[Tensor, Tensor]]] = {path: [] for path in layers}
+            hooked = candidates if layers is None else layers
+            seen: dict[str, list[tuple[Tensor, Tensor]]] = {path: [] for path in hooked}
             handles = [layer.module.register_forward_hook(_recorder(seen[p]))
-                       for p, layer in layers.items()]
+                       for p, layer in hooked.items()]
             try:
                 z = self._select(functional_call(model, {**params, **buffers}, (x,)))
             finally:
                 for handle in handles:
                     handle.remove()
-            calls = {p: len(v) for p, v in seen.items() if len(v) != 1}
+            if layers is None:
+                # the first batch decides: a layer called once on inputs of its rank is
+                # factored, any other gets diagonal blocks
+                layers = {p: layer for p, layer in candidates.items()
+                          if len(seen[p]) == 1 and seen[p][0][0].dim() == layer.dims}
+                # sums over examples, zero-initialised so every rank reduces the same tensors
+                inputs_sq = {p: torch.zeros(layer.fan_in + 1, layer.fan_in + 1, dtype=dtype,
+                                            device=device) for p, layer in layers.items()}
+                grads_sq = {p: torch.zeros(layer.fan_out, layer.fan_out, dtype=dtype,
+                                           device=device) for p, layer in layers.items()}
+                factored = {name for p, layer in layers.items() for name in layer.names()}
+                diagonal = {k: torch.zeros_like(v, dtype=torch.float64)
+                            for k, v in params.items() if k not in factored}
+            calls = {p: len(seen[p]) for p in layers if len(seen[p]) != 1}
             if calls:
                 raise ValueError(f"KFAC needs each layer called once by the forward; calls "
                                  f"per layer: {calls}")
@@ -116,16 +142,25 @@ class KFAC(Estimator):
                 inputs_sq[path] += rows.T @ rows
             hs = output_hessian_factors(self.config["metric"], z.detach())
             outputs = [seen[p][0][1] for p in layers]
-            for j in range(hs.shape[1]):
-                gs = torch.autograd.grad((z * hs[:, j]).sum(), outputs,
-                                         retain_graph=j < hs.shape[1] - 1, allow_unused=True)
-                for (path, layer), g in zip(layers.items(), gs, strict=True):
-                    if g is not None:  # None: the selected outputs do not use this layer
-                        grads_sq[path] += layer.grad_gram(g)
+            if outputs:
+                for j in range(hs.shape[1]):
+                    gs = torch.autograd.grad((z * hs[:, j]).sum(), outputs,
+                                             retain_graph=j < hs.shape[1] - 1,
+                                             allow_unused=True)
+                    for (path, layer), g in zip(layers.items(), gs, strict=True):
+                        if g is not None:  # None: the selected outputs do not use this layer
+                            grads_sq[path] += layer.grad_gram(g)
+            if diagonal:
+                batch, looped = self._diagonal(model, params, buffers, list(diagonal), x, hs,
+                                               looped)
+                for k in diagonal:
+                    diagonal[k] += batch[k]
             count += x.shape[0]
+        assert layers is not None  # iter_batches raises for data without an example
         sums, count = distributed.sum_tensors(
             {**{f"A:{p}": v for p, v in inputs_sq.items()},
-             **{f"G:{p}": v for p, v in grads_sq.items()}}, count)
+             **{f"G:{p}": v for p, v in grads_sq.items()},
+             **{f"D:{k}": v for k, v in diagonal.items()}}, count)
         for path in layers:
             key = f"{path}." if path else ""
             for factor in "AG":
@@ -133,8 +168,30 @@ class KFAC(Estimator):
                 # which fsd.load's check can exceed: store the symmetric part
                 total = sums[f"{factor}:{path}"]
                 self._state[f"kfac.{key}{factor}"] = (total + total.T) / (2 * count)
+        for name in diagonal:
+            self._state[f"{_DIAGONAL}{name}"] = (sums[f"D:{name}"] / count).to(dtype)
         self._meta["layers"] = [[path, layer.module.bias is not None]
                                 for path, layer in layers.items()]
+        if diagonal:  # absent from summaries with Kronecker blocks only, as before
+            self._meta["diagonal"] = list(diagonal)
+
+    def _diagonal(self, model: nn.Module, params: dict[str, Tensor],
+                  buffers: dict[str, Tensor], names: list[str], x: Tensor, hs: Tensor,
+                  looped: bool) -> tuple[dict[str, Tensor], bool]:
+        """Σ over the batch of Σ_k (J_pᵀ h_k)² for the diagonal parameters p (float64)."""
+        fixed = {k: v.detach() for k, v in params.items()}
+        select = self._select
+
+        def forward(p: dict[str, Tensor], x: Tensor) -> Tensor:
+            return select(functional_call(model, {**fixed, **p, **buffers}, (x,)))
+
+        try:
+            return autodiff.squared_gradients(forward, {k: fixed[k] for k in names}, x, hs,
+                                              16, loop=looped)
+        except Exception as error:  # the per-example loop failed too: the model's forward
+            raise ValueError(f"KFAC cannot take per-example gradients of this model's "
+                             f"parameters {names[:3]} for their diagonal blocks "
+                             f"({autodiff.one_line(error)}); use NTK or ExactFSD") from None
 
     def _check_summary(self) -> None:
         layers = self._meta.get("layers")
@@ -142,33 +199,45 @@ class KFAC(Estimator):
                 isinstance(e, list) and len(e) == 2 and isinstance(e[0], str)
                 and isinstance(e[1], bool) for e in layers):
             raise SummaryFormatError("meta 'layers': expected a list of [path, has_bias]")
-        # every parameter belongs to exactly one recorded layer: a layer missing from the
-        # list would have its term dropped from the distance
-        covered: list[str] = []
+        diagonal = self._meta.get("diagonal", [])  # absent: a summary of Kronecker blocks only
+        if not isinstance(diagonal, list) or not all(isinstance(n, str) for n in diagonal):
+            raise SummaryFormatError("meta 'diagonal': expected a list of parameter names")
+        # every parameter belongs to exactly one recorded block: a parameter missing from the
+        # lists would have its term dropped from the distance
+        covered: list[str] = list(diagonal)
         for path, has_bias in layers:
             key = f"{path}." if path else ""
             covered += [f"{key}weight"] + ([f"{key}bias"] if has_bias else [])
         theta0 = sorted(k[len("theta0."):] for k in self._stored if k.startswith("theta0."))
         if sorted(covered) != theta0:
-            raise SummaryFormatError(f"meta 'layers': covers the parameters {sorted(covered)}, "
-                                     f"the summary holds {theta0}")
+            raise SummaryFormatError(f"meta 'layers' and 'diagonal': cover the parameters "
+                                     f"{sorted(covered)}, the summary holds {theta0}")
         factors = {f"kfac.{path}.{f}" if path else f"kfac.{f}" for path, _ in layers
                    for f in "AG"}
         extra = sorted(k for k in self._stored if k.startswith("kfac.") and k not in factors)
         if extra:
             raise SummaryFormatError(f"field {extra[0]!r}: a factor of no recorded layer")
+        blocks = {f"{_DIAGONAL}{name}" for name in diagonal}
+        extra = sorted(k for k in self._stored if k.startswith(_DIAGONAL) and k not in blocks)
+        if extra:
+            raise SummaryFormatError(f"field {extra[0]!r}: the block of no diagonal parameter")
         for path, _ in layers:
             key = f"{path}." if path else ""
             weight = require(self._stored, f"theta0.{key}weight")
-            if weight.dim() not in (2, 4):  # Linear (out, in) or Conv2d (out, in, kh, kw)
+            # Linear (out, in), Conv1d (out, in, k) or Conv2d (out, in, kh, kw)
+            if weight.dim() not in (2, 3, 4):
                 raise SummaryFormatError(f"field 'theta0.{key}weight': shape "
-                                         f"{tuple(weight.shape)}, expected 2 or 4 dimensions")
+                                         f"{tuple(weight.shape)}, expected 2 to 4 dimensions")
             out_features, in_features = weight.shape[0], weight[0].numel()
             require_shape(self._stored, f"kfac.{key}A", [in_features + 1, in_features + 1])
             require_shape(self._stored, f"kfac.{key}G", [out_features, out_features])
             require_psd(self._stored, f"kfac.{key}A")
             require_psd(self._stored, f"kfac.{key}G")
-        if not self._meta.get("layers"):
+        for name in diagonal:
+            require_shape(self._stored, f"{_DIAGONAL}{name}",
+                          list(self._stored[f"theta0.{name}"].shape))
+            require_nonnegative(self._stored, f"{_DIAGONAL}{name}")
+        if not layers and not diagonal:
             raise SummaryFormatError("meta 'layers': no layer recorded")
 
     def _layer_terms(self, model: nn.Module) -> dict[str, Tensor]:
@@ -178,7 +247,7 @@ class KFAC(Estimator):
         for path, has_bias in self._meta["layers"]:
             key = f"{path}." if path else ""
             delta = current[f"{key}weight"] - theta0[f"{key}weight"]
-            delta = delta.reshape(delta.shape[0], -1)  # a Conv2d's rows in patch order
+            delta = delta.reshape(delta.shape[0], -1)  # a convolution's rows in patch order
             bias = (current[f"{key}bias"] - theta0[f"{key}bias"] if has_bias
                     else delta.new_zeros(delta.shape[0]))
             delta = torch.cat([delta, bias.unsqueeze(1)], dim=1)  # ΔW̄ = [ΔW, Δb]
@@ -186,6 +255,11 @@ class KFAC(Estimator):
             # with round-off in the products can leave a tiny negative term: clamp it
             terms[path] = 0.5 * _KroneckerQuadratic.apply(
                 delta, self._state[f"kfac.{key}G"], self._state[f"kfac.{key}A"])[0].clamp_min(0)
+        for name in self._meta.get("diagonal", []):
+            path = name.rpartition(".")[0]  # the module that holds the parameter
+            term = 0.5 * (self._state[f"{_DIAGONAL}{name}"]
+                          * (current[name] - theta0[name]).pow(2)).sum()
+            terms[path] = terms[path] + term if path in terms else term
         return terms
 
     def _distance(self, model: nn.Module) -> Tensor:
@@ -254,20 +328,59 @@ def _recorder(calls: list[tuple[Tensor, Tensor]]):
     return hook
 
 
+def _kronecker_candidates(model: nn.Module) -> dict[str, _LinearLayer]:
+    """The layers K-FAC may factor, by path: Linear, Conv1d and Conv2d that unfold can cut.
+
+    Whether each is called once, on inputs of its rank, is seen on the first batch.
+    """
+    layers: dict[str, _LinearLayer] = {}
+    for path, module in model.named_modules():
+        if type(module) is nn.Linear:
+            layers[path] = _LinearLayer(module, path)
+        elif type(module) in (nn.Conv1d, nn.Conv2d):
+            padding = _unfold_padding(module)  # type: ignore[arg-type]
+            if padding is not None:
+                layers[path] = _ConvLayer(module, path, padding)  # type: ignore[arg-type]
+    return layers
+
+
+def _unfold_padding(module: nn.Conv1d | nn.Conv2d) -> tuple[int, ...] | None:
+    """The zero padding on each side that unfold takes, or ``None`` if it cannot cut patches.
+
+    Grouped convolutions, other padding modes, and ``padding="same"`` with an even kernel
+    extent (torch pads one more on one side) get diagonal blocks instead.
+    """
+    if module.groups != 1 or module.padding_mode != "zeros":
+        return None
+    if module.padding == "valid":
+        return (0,) * len(module.kernel_size)
+    if module.padding == "same":
+        totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size, strict=True)]
+        if any(t % 2 for t in totals):
+            return None
+        return tuple(t // 2 for t in totals)
+    return tuple(int(p) for p in module.padding)
+
+
 class _LinearLayer:
     """What K-FAC reads from an ``nn.Linear``: one row of ā and of g per example."""
 
-    dims, layout = 2, "(batch, features)"
+    dims = 2
 
-    def __init__(self, module: nn.Linear | nn.Conv2d, path: str) -> None:
+    def __init__(self, module: nn.Linear | nn.Conv1d | nn.Conv2d, path: str) -> None:
         self.module, self.path = module, path
         self.fan_in, self.fan_out = module.weight[0].numel(), module.weight.shape[0]
 
+    def names(self) -> list[str]:
+        """The names of the parameters this layer's block covers."""
+        key = f"{self.path}." if self.path else ""
+        return [f"{key}weight"] + ([f"{key}bias"] if self.module.bias is not None else [])
+
     def _check(self, x: Tensor) -> None:
         if x.dim() != self.dims:
-            raise ValueError(f"KFAC needs {type(self.module).__name__} at "
-                             f"'{self.path or '<root>'}' called on {self.layout} inputs; it "
-                             f"got shape {tuple(x.shape)}")
+            raise ValueError(f"KFAC factored {type(self.module).__name__} at "
+                             f"'{self.path or '<root>'}' on inputs of {self.dims} dimensions; "
+                             f"a later batch gave it shape {tuple(x.shape)}")
 
     def input_rows(self, x: Tensor) -> Tensor:
         """The layer's inputs as rows a (without the bias's 1), Σ ā āᵀ summing over them."""
@@ -280,39 +393,33 @@ class _LinearLayer:
 
 
 class _ConvLayer(_LinearLayer):
-    """An ``nn.Conv2d``: a Linear on the patch at each of its T output locations (KFC)."""
+    """An ``nn.Conv2d`` or ``nn.Conv1d``: a Linear on the patch at each of its T output locations.
 
-    dims, layout = 4, "(batch, channels, height, width)"
+    A Conv1d's patches are cut as a Conv2d's of height 1 (KFC's factors either way).
+    """
 
-    def __init__(self, module: nn.Conv2d, path: str) -> None:
+    def __init__(self, module: nn.Conv1d | nn.Conv2d, path: str,
+                 padding: tuple[int, ...]) -> None:
         super().__init__(module, path)
-        where = f"Conv2d at '{path or '<root>'}'"
-        if module.groups != 1 or module.padding_mode != "zeros":
-            raise ValueError(f"KFAC needs Conv2d layers with groups=1 and padding_mode='zeros'"
-                             f"; {where} has groups={module.groups}, "
-                             f"padding_mode={module.padding_mode!r}")
         self.conv = module
-        if module.padding == "valid":
-            self.padding = (0, 0)
-        elif module.padding == "same":
-            totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size,
-                                                  strict=True)]
-            if any(t % 2 for t in totals):  # torch pads one more on one side: unfold cannot
-                raise ValueError(f"KFAC cannot take padding='same' with an even kernel extent "
-                                 f"({where}); give the padding as numbers")
-            self.padding = (totals[0] // 2, totals[1] // 2)
-        else:
-            self.padding = (int(module.padding[0]), int(module.padding[1]))
+        self.dims = module.weight.dim()  # (batch, channels, *spatial) inputs
+        flat = self.dims == 3  # Conv1d: unfold a height-1 image
+        self.kernel = (1, *module.kernel_size) if flat else tuple(module.kernel_size)
+        self.dilation = (1, *module.dilation) if flat else tuple(module.dilation)
+        self.stride = (1, *module.stride) if flat else tuple(module.stride)
+        self.padding = (0, *padding) if flat else padding
 
     def input_rows(self, x: Tensor) -> Tensor:
-        """One row per (example, output location): the patch, in the weight's (C, kh, kw) order."""
+        """One row per (example, output location): the patch, in the weight's (C, k…) order."""
         self._check(x)
-        patches = F.unfold(x, self.conv.kernel_size, dilation=self.conv.dilation,
-                           padding=self.padding, stride=self.conv.stride)
+        if self.dims == 3:
+            x = x.unsqueeze(2)
+        patches = F.unfold(x, self.kernel, dilation=self.dilation, padding=self.padding,
+                           stride=self.stride)
         return patches.transpose(1, 2).reshape(-1, patches.shape[1])
 
     def grad_gram(self, g: Tensor) -> Tensor:
         """Σ over the batch of the mean over output locations of g_t g_tᵀ."""
-        locations = g.shape[2] * g.shape[3]
+        locations = g[0, 0].numel()
         g = g.flatten(2).transpose(1, 2).reshape(-1, g.shape[1])
         return g.T @ g / locations
