@@ -420,11 +420,20 @@ class Estimator:
                 raise ValueError(f"outputs must be a non-empty list of non-negative output "
                                  f"indices or a slice, got {list(outputs)}")
             self._state["outputs"] = index
+        try:
+            self._meta["signature"] = self._full_signature(self.bind(model))
+        except Exception as error:
+            # a forward that needs forward_kwargs, or returns no tensor, fails in a tracer
+            # too: say what to pass instead
+            if data is not None:
+                try:
+                    self._check_runs_on(model, as_batches(data, batch_to_input), dtype, device)
+                except ValueError as run_error:
+                    if "forward_kwargs" in str(run_error) or "output=" in str(run_error):
+                        raise run_error from None
+            raise error
         if data is not None:
             data = self._check_runs_on(model, as_batches(data, batch_to_input), dtype, device)
-        # after the run: a forward that needs forward_kwargs fails there with that advice,
-        # not inside a tracer
-        self._meta["signature"] = self._full_signature(self.bind(model))
         return data, dtype, device
 
     def bind(self, model: nn.Module) -> nn.Module:
