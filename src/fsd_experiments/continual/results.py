@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeGuard
 
 import numpy as np
 import torch
@@ -161,7 +161,8 @@ class ResultsFormatError(ValueError):
     """A results.json that is not a valid ``fsd cl`` results file; the message names it."""
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[float]:
+    # a finite int or float; bool is an int to Python but not a number here
     return isinstance(value, (int, float)) and not isinstance(value, bool) \
         and math.isfinite(value)
 
