@@ -32,10 +32,13 @@ def test_python_dash_m_fsd_experiments_runs():
 
 
 def test_missing_data_is_a_clear_error(tmp_path, capsys):
-    code = main(["compare-estimators", "--data-dir", str(tmp_path)])
+    code = main(["compare-estimators", "--data-dir", str(tmp_path), "--no-download"])
     assert code == 2
     err = capsys.readouterr().err
     assert "fsd data fetch mnist" in err and str(tmp_path) in err
+    with pytest.raises(SystemExit) as info:  # '' would be the current directory
+        main(["compare-estimators", "--data-dir", ""])
+    assert info.value.code == 2 and "--data-dir: is empty" in capsys.readouterr().err
 
 
 @pytest.mark.usefixtures("real_data")

@@ -73,13 +73,21 @@ def downloads_disabled(disabled: bool = True) -> Iterator[None]:
             os.environ[NO_DOWNLOAD_ENV] = before
 
 
+def _data_dir(text: str) -> str:
+    """A ``--data-dir`` value: not empty (``''`` would silently be the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (it would be the current directory); give a "
+                                         "folder, or leave the option out for the default")
+    return text
+
+
 def add_data_options(parser: argparse.ArgumentParser, *, reads: bool = True) -> None:
     """``--data-dir`` and ``--no-download``: the data options of every command that reads data.
 
     ``reads=False`` (``fsd data fetch``, which downloads because it is asked to) adds only
     ``--data-dir``.
     """
-    parser.add_argument("--data-dir", default=None,
+    parser.add_argument("--data-dir", type=_data_dir, default=None,
                         help="data directory (default: $FSD_DATA_DIR, else ~/.cache/fsd/data)"
                              + ("; a data set missing there is fetched on first use"
                                 if reads else ""))
