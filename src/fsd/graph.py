@@ -383,9 +383,10 @@ class GateNode:
     input: fx.Node
 
 
-# traced graphs by model, with the structure they were traced from, and their gate nodes:
-# LAFTR's and BGLN-S's graph walk (fsd.linearize) reads them on every distance() call
-_Traced = tuple[tuple, fx.Graph, dict[fx.Node, GateNode]]
+# traced graphs by model, with the structure they were traced from, their gate nodes and
+# their call sites' keys: LAFTR's and BGLN-S's graph walk (fsd.linearize) reads them on every
+# distance() call
+_Traced = tuple[tuple, fx.Graph, dict[fx.Node, GateNode], dict[fx.Node, str]]
 _GRAPHS: weakref.WeakKeyDictionary[nn.Module, _Traced] = weakref.WeakKeyDictionary()
 
 
@@ -415,20 +416,23 @@ def gate_nodes(model: nn.Module) -> dict[fx.Node, GateNode]:
     return _traced(model)[1]
 
 
-def _traced(model: nn.Module) -> tuple[fx.Graph, dict[fx.Node, GateNode]]:
+def _traced(model: nn.Module
+            ) -> tuple[fx.Graph, dict[fx.Node, GateNode], dict[fx.Node, str]]:
     structure = _structure(model)
     cached = _GRAPHS.get(model)
     if cached is None or cached[0] != structure:
         graph = _symbolic_trace(model).graph
-        cached = (structure, graph, _find_gates(graph, dict(model.named_modules())))
+        modules = dict(model.named_modules())
+        sites = call_site_paths(graph, modules)
+        cached = (structure, graph, _find_gates(graph, modules, sites), sites)
         _GRAPHS[model] = cached
-    return cached[1], cached[2]
+    return cached[1], cached[2], cached[3]
 
 
-def _find_gates(graph: fx.Graph, modules: dict[str, nn.Module]) -> dict[fx.Node, GateNode]:
+def _find_gates(graph: fx.Graph, modules: dict[str, nn.Module], sites: dict[fx.Node, str]
+                ) -> dict[fx.Node, GateNode]:
     gates: dict[fx.Node, GateNode] = {}
     data: set[fx.Node] = set()  # nodes that depend on the model's input
-    sites = call_site_paths(graph, modules)
     for node in graph.nodes:
         if node.op == "placeholder" or any(n in data for n in node.all_input_nodes):
             data.add(node)
@@ -459,7 +463,7 @@ def _gate_input(node: fx.Node) -> fx.Node | None:
 
 def _trace_chain(model: nn.Module) -> list[ChainStep]:
     name = type(model).__name__
-    graph = traced_graph(model)
+    graph, _, sites = _traced(model)
     modules = dict(model.named_modules())
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
@@ -467,7 +471,6 @@ def _trace_chain(model: nn.Module) -> list[ChainStep]:
                                      f"LAFTR and BGLN need exactly one")
     current = placeholders[0]
     steps: list[ChainStep] = []
-    sites = call_site_paths(graph, modules)
     for node in graph.nodes:
         if node.op == "placeholder":
             continue

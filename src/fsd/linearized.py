@@ -122,7 +122,7 @@ class _LinearizedEstimator(Estimator):
                     f"would ignore what the hook changes; remove it or use ExactFSD, NTK, EWC "
                     f"or KFAC") from None
             if self.bernoulli:
-                graph_gates(model)  # a forward fx cannot trace, an activation called twice
+                graph_gates(model)  # refuses a forward fx cannot trace
             return None
 
     @property
@@ -642,8 +642,9 @@ class BGLN(_LinearizedEstimator):
     traces (residual additions, ``torch.cat``, LayerNorm, attention, …), where it gates the
     activations — modules with a gate rule and ``F.relu``/``F.gelu``/``torch.tanh``/… calls,
     whose statistics ``fit`` stores by module path or graph node name — and linearizes every
-    other operation like LAFTR (:mod:`fsd.linearize`). An activation module called at two
-    places is refused (it would share one set of statistics). BGLN-D with ``moments="paper"``
+    other operation like LAFTR (:mod:`fsd.linearize`). An activation or max-pool module called
+    at several places has statistics per call, keyed by the call's graph node name
+    (:func:`fsd.graph.call_site_paths`). BGLN-D with ``moments="paper"``
     walks chains; with ``moments="exact"`` it also takes graphs of flat layers — residual
     additions, concatenations — (:mod:`fsd.graph_moments`).
 
