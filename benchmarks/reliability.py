@@ -31,6 +31,9 @@ import fsd
 
 CASES: list[tuple[str, Callable[[], object]]] = []
 
+#: the commands run offline: a case that reached for data must not download it
+_OFFLINE = {**os.environ, "FSD_NO_DOWNLOAD": "1"}
+
 
 def case(description: str):
     def register(fn: Callable[[], object]) -> Callable[[], object]:
@@ -121,13 +124,15 @@ def _():
 
 @case("KFAC on a residual network with LayerNorm")
 def _():
-    fsd.KFAC().fit(_Residual(norm=True), X)
+    est = fsd.KFAC().fit(_Residual(norm=True), X)
+    return f"diagonal Gauss-Newton blocks for {', '.join(est.diagonal_parameters)}"
 
 
 @case("KFAC on a grouped convolution")
 def _():
-    fsd.KFAC().fit(nn.Sequential(nn.Conv2d(2, 4, 3, groups=2), nn.Flatten()),
-                   torch.randn(8, 2, 5, 5))
+    est = fsd.KFAC().fit(nn.Sequential(nn.Conv2d(2, 4, 3, groups=2), nn.Flatten()),
+                         torch.randn(8, 2, 5, 5))
+    return f"diagonal Gauss-Newton blocks for {', '.join(est.diagonal_parameters)}"
 
 
 @case("`distance` of a model with another architecture")
@@ -249,6 +254,66 @@ def _():
     return f"Fisher of layer 0 sums to {float(est._stored['fisher.0.weight'].sum()):.4g}"
 
 
+@case("`fit` of a model with a NaN parameter")
+def _():
+    model = _mlp()
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")
+    fsd.LAFTR().fit(model, X)
+
+
+@case("`fit` of a model on the `meta` device")
+def _():
+    fsd.EWC().fit(_mlp().to("meta"), X)
+
+
+@case("`fit` of a model whose forward returns a dict, without `output=`")
+def _():
+    class DictOut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _mlp()
+
+        def forward(self, x):
+            return {"logits": self.net(x)}
+
+    fsd.NTK().fit(DictOut(), X)
+
+
+@case("EWC on a float16 model (its Fisher overflowed to inf before)")
+def _():
+    est = fsd.EWC().fit(_mlp().half(), 255 * X.abs().half())
+    moved = _mlp().half()
+    with torch.no_grad():
+        moved[0].weight.add_(0.01)
+    distance = est.distance(moved)
+    return (f"finite {distance.dtype} distance {float(distance.detach()):.3g}; the Fisher is "
+            f"stored in {est._stored['fisher.0.weight'].dtype}")
+
+
+@case("`fsd.load` of a summary with one flipped bit in a stored tensor")
+def _():
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "summary.fsd")
+        fsd.EWC().fit(_mlp(), X).save(path)
+        payload = torch.load(path, weights_only=True)
+        weight = payload["tensors"]["theta0.0.weight"]
+        weight.view(torch.int32)[0, 0] ^= 1 << 20  # one bit of the first weight's mantissa
+        torch.save(payload, path)
+        return fsd.load(path)
+
+
+@case("`fsd.calibrate` with `scale=0`")
+def _():
+    est = fsd.EWC().fit(_mlp(), X)
+    fsd.calibrate(est, _mlp(), X, scale=0.0)
+
+
+@case("`ContinualRegularizer(strength=1e308)`")
+def _():
+    fsd.ContinualRegularizer(strength=1e308)
+
+
 CL = ["cl", "--benchmark", "split-mnist", "--method", "finetune", "--out", "OUT"]
 COMMANDS: list[tuple[str, list[str]]] = [
     ("`fsd cl ... --tasks -1`", [*CL, "--tasks", "-1"]),
@@ -273,6 +338,13 @@ COMMANDS: list[tuple[str, list[str]]] = [
     ("`fsd toy --lam nan`", ["toy", "--out", "OUT", "--lam", "nan"]),
     ("`fsd compare-estimators --repeats 0`", ["compare-estimators", "--repeats", "0"]),
     ("`fsd cl report` of a missing directory", ["cl", "report", "MISSING"]),
+    ("`fsd fidelity --epochs 1e30`", ["fidelity", "--out", "OUT", "--epochs", "1e30"]),
+    ("`fsd fidelity --lrs 0`", ["fidelity", "--out", "OUT", "--lrs", "0"]),
+    ("`fsd memory --C -1`", ["memory", "--C", "-1"]),
+    ("`fsd toy --out ''`", ["toy", "--out", ""]),
+    ("`fsd cl ... --data-dir ''`", [*CL, "--data-dir", ""]),
+    ("`fsd cl` with MNIST missing and downloads off",
+     [*CL, "--seeds", "1", "--no-download"]),
 ]
 
 
@@ -297,7 +369,8 @@ TINY_CL = ["cl", "--benchmark", "split-mnist", "--method", "bgln-d", "--seeds", 
 def _cl_checkpoint(d: str, damage: Callable[[str], None]) -> list[str]:
     """A finished tiny ``fsd cl`` run on fake MNIST, damaged; the command resuming it."""
     args = [*TINY_CL, "--data-dir", _fake_mnist(d), "--out", os.path.join(d, "run")]
-    subprocess.run([shutil.which("fsd") or "fsd", *args], check=True, capture_output=True)
+    subprocess.run([shutil.which("fsd") or "fsd", *args], check=True, capture_output=True,
+                   env=_OFFLINE)
     os.remove(os.path.join(d, "run", "results.json"))
     damage(os.path.join(d, "run", "checkpoints", "seed1"))
     return args
@@ -345,7 +418,8 @@ def _file_command(setup: Callable[[str], list[str]]) -> tuple[str, str]:
     if command is None:
         return "skipped", "no `fsd` command (pip install -e \".[experiments]\")"
     with tempfile.TemporaryDirectory() as d:
-        run = subprocess.run([command, *setup(d)], capture_output=True, text=True, timeout=300)
+        run = subprocess.run([command, *setup(d)], capture_output=True, text=True, timeout=300,
+                             env=_OFFLINE)
         lines = [line for line in run.stderr.strip().splitlines() if line.strip()]
         message = lines[-1].replace(d, "DIR") if lines else ""
     return f"exit {run.returncode}", message
@@ -371,7 +445,7 @@ def _command(args: list[str]) -> tuple[str, str]:
                 os.path.join(d, "missing") if a == "MISSING" else a for a in args]
         run = subprocess.run([command, *args, *(["--data-dir", d] if args[0] != "cl" or
                                                   args[1] != "report" else [])],
-                             capture_output=True, text=True, timeout=120)
+                             capture_output=True, text=True, timeout=120, env=_OFFLINE)
         lines = [line for line in run.stderr.strip().splitlines() if line.strip()]
         message = lines[-1].replace(d, "DIR") if lines else ""
     return f"exit {run.returncode}", message
