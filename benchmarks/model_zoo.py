@@ -1,4 +1,4 @@
-"""Which estimators take which models: the table of docs/user-guide.md (issue 35).
+"""Which estimators take which models: the table of docs/user-guide.md.
 
 Run:  .venv/bin/python benchmarks/model_zoo.py [--markdown]
 

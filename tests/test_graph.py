@@ -138,11 +138,11 @@ ESTIMATORS = {
 MLP_KINDS = ["functional", "leaky", "method", "wrapper", "subclass"]
 
 
-@pytest.mark.parametrize("kind", [*MLP_KINDS, "cnn"])
-@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+# exact moments are for MLPs only (on convolutions they would carry (C·H·W)² moments)
+@pytest.mark.parametrize("kind, name", [
+    (kind, name) for kind in [*MLP_KINDS, "cnn"] for name in sorted(ESTIMATORS)
+    if not (kind == "cnn" and name == "bgln-d-exact")])
 def test_a_traced_model_gets_the_distance_of_its_sequential_twin(kind, name):
-    if kind == "cnn" and name.startswith("bgln-d"):
-        pytest.skip("BGLN-D is MLP-only")
     model = _build(kind)
     x = _inputs(kind)
     moved = _moved(model)
@@ -242,8 +242,8 @@ class DataDependent(nn.Module):
 
 
 @pytest.mark.parametrize("model,message", [
-    (Residual(), r"not a chain of layers at graph node 'add'.*ExactFSD, NTK and EWC any model, "
-                r"KFAC any model of Linear and Conv2d layers"),
+    (Residual(), r"not a chain of layers at graph node 'add'.*ExactFSD, NTK, EWC and KFAC any "
+                r"model$"),
     (SoftmaxMLP(), r"operation softmax \(call_function\) at graph node 'softmax'.*register_rule"),
     (DataDependent(), r"cannot trace DataDependent\.forward"),
 ])

@@ -1,4 +1,4 @@
-"""Real users' models × the eight estimators (issue 35's closing evidence).
+"""Real users' models × the eight estimators.
 
 The models (``tests/zoo_models.py``) are written the way their sources write them. Every cell
 of model × estimator is either refused at ``fit`` in one line naming an alternative, or its
@@ -77,8 +77,7 @@ def _not_chain(model: str, reads: str, previous: str) -> str:
             f"reads {reads} instead of the previous step '{previous}'. BGLN-D with "
             f"moments='paper' (Algorithm 2) walks chains; BGLN-D with moments='exact' takes "
             f"graphs of flat layers (residual additions, concatenations), BGLN-S and LAFTR any "
-            f"graph, ExactFSD, NTK and EWC any model, KFAC any model of Linear and Conv2d "
-            f"layers")
+            f"graph, ExactFSD, NTK, EWC and KFAC any model")
 
 
 def _no_rule(operation: str, kind: str, model: str) -> str:

@@ -21,7 +21,7 @@ not a chain (a residual ``+``, ``torch.cat`` of two branches) or an operation wi
 raises :class:`~fsd.rules.UnsupportedModuleError` naming the operation and its node: BGLN-D
 needs the chain. LAFTR and BGLN-S take any graph (:mod:`fsd.linearize`), reading its gates
 with :func:`gate_nodes` — the same tracer, so the same paths; ExactFSD, NTK, EWC and KFAC run
-the model's own forward (KFAC when its parameters are all in Linear and Conv2d layers).
+the model's own forward.
 
 Call sites: a module called at more than one place in ``forward`` (torchvision's
 ``BasicBlock`` calls ``self.relu`` twice; a shared ``MaxPool2d``) is one node per call, and
@@ -579,8 +579,7 @@ def _branch_error(name: str, node: fx.Node, why: str) -> UnsupportedModuleError:
         f"{name}.forward is not a chain of layers at graph node '{node.name}' ({what}): {why}. "
         f"BGLN-D with moments='paper' (Algorithm 2) walks chains; BGLN-D with "
         f"moments='exact' takes graphs of flat layers (residual additions, concatenations), "
-        f"BGLN-S and LAFTR any graph, ExactFSD, NTK and EWC any model, KFAC any model of "
-        f"Linear and Conv2d layers")
+        f"BGLN-S and LAFTR any graph, ExactFSD, NTK, EWC and KFAC any model")
 
 
 def _inplace(node: fx.Node) -> bool:
