@@ -496,13 +496,19 @@ def test_fetch_mnist_from_shared_source(tmp_path: Path, monkeypatch: pytest.Monk
     assert x.shape == (10000, 1, 28, 28) and y.shape == (10000,)
 
 
-def _write_fake_fashion(directory: Path) -> None:
-    """Full-size (all-zero) Fashion-MNIST-shaped idx files, gzip level 1 for speed."""
+def _write_fake_fashion(directory: Path, labelled: bool = False) -> None:
+    """Full-size Fashion-MNIST-shaped idx files, gzip level 1 for speed: all zeros, or with
+    ``labelled`` labels cycling through the ten classes and one white pixel per image."""
     directory.mkdir(parents=True)
     for name in MNIST_FILES:
         n = 60000 if name.startswith("train") else 10000
         shape = (n, 28, 28) if "images" in name else (n,)
-        payload = encode_idx(np.zeros(shape, dtype=np.uint8))
+        array = np.zeros(shape, dtype=np.uint8)
+        if labelled and "labels" in name:
+            array = (np.arange(n) % 10).astype(np.uint8)
+        elif labelled:
+            array[:, 14, 14] = 255
+        payload = encode_idx(array)
         (directory / f"{name}.gz").write_bytes(gzip.compress(payload, compresslevel=1))
 
 
@@ -527,12 +533,17 @@ def test_fetch_fashion_rejects_wrong_files(tmp_path: Path) -> None:
         fetch("fashion-mnist", tmp_path / "dd", source=tmp_path / "src")
 
 
-@pytest.mark.skipif(
-    not data.FASHION_MNIST_SYSTEM_DIR.is_dir(), reason="dataset-fashion-mnist not installed"
-)
-def test_fetch_fashion_from_debian_package(tmp_path: Path) -> None:
-    fetch("fashion-mnist", tmp_path)
+def test_first_use_copies_fashion_mnist_from_the_debian_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if not data.FASHION_MNIST_SYSTEM_DIR.is_dir():
+        # without dataset-fashion-mnist installed, its folder's layout is written here
+        system = tmp_path / "usr-share-datasets-fashion-mnist"
+        _write_fake_fashion(system, labelled=True)
+        monkeypatch.setattr(data.fetching, "FASHION_MNIST_SYSTEM_DIR", system)
+    monkeypatch.setenv("FSD_NO_DOWNLOAD", "1")  # a copy, not a download
     x, y = load_mnist(tmp_path, split="test", kind="fashion-mnist")
+    assert "fsd: Fashion-MNIST not found" in capsys.readouterr().err
     assert x.shape == (10000, 1, 28, 28) and sorted(torch.unique(y).tolist()) == list(range(10))
     assert float(x.max()) == 1.0
 

@@ -419,10 +419,6 @@ def test_unknown_names_are_clear_errors(tmp_path, capsys):
         studies.run_uci("concrete", ["exact", "magic"], data_dir=tmp_path)
     assert main(["influence", "uci", "--dataset", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown UCI data set 'nope'" in capsys.readouterr().err
-    assert main(["influence", "uci", "--dataset", "concrete", "--out", str(tmp_path),
-                 "--data-dir", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert "data.txt" in err and str(tmp_path) in err
     with pytest.raises(SystemExit):
         main(["influence", "uci", "--dataset", "concrete", "--methods", "magic",
               "--out", str(tmp_path)])
