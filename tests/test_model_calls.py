@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import fsd
+from conftest import perturbed
 from fsd.calls import bind
 from fsd.estimator import from_payload
 from fsd.validation import SummaryFormatError, payload_checksums
@@ -76,15 +77,6 @@ def _model(returns: str = "tensor", seed: int = 0) -> MultiHead:
     return MultiHead(returns=returns).to(DTYPE)
 
 
-def _moved(model: nn.Module, scale: float = 0.1, seed: int = 1) -> nn.Module:
-    other = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return other
-
-
 def _data(n: int = 40, seed: int = 2) -> torch.Tensor:
     return torch.randn(n, 5, dtype=DTYPE, generator=torch.Generator().manual_seed(seed))
 
@@ -100,7 +92,7 @@ def _round_trip(estimator: fsd.Estimator, tmp_path: Path) -> fsd.Estimator:
 @pytest.mark.parametrize("name", ESTIMATORS)
 def test_forward_kwargs_give_exactly_the_wrappers_distance(name, tmp_path):
     model, x = _model(), _data()
-    moved = _moved(model)
+    moved = perturbed(model)
     for task in (0, 2):
         summary = ESTIMATORS[name]().fit(model, x, forward_kwargs={"task": task})
         reference = ESTIMATORS[name]().fit(FixedTask(model, task), x)
@@ -125,7 +117,7 @@ def test_forward_kwargs_give_exactly_the_wrappers_distance(name, tmp_path):
 
 def test_exact_fsd_with_forward_kwargs_is_its_formula_on_that_head():
     model, x = _model(), _data()
-    moved = _moved(model)
+    moved = perturbed(model)
     summary = fsd.ExactFSD().fit(model, x, forward_kwargs={"task": 1})
     with torch.no_grad():
         truth = 0.5 * (moved(x, 1) - model(x, 1)).pow(2).sum(1).mean()
@@ -166,7 +158,7 @@ def test_wrong_forward_kwargs_are_named_in_the_error():
 @pytest.mark.parametrize("returns, output", [("dict", "logits"), ("tuple", 0)])
 def test_output_picks_a_dict_key_or_tuple_item_like_a_wrapper(name, returns, output):
     model, x = _model(returns), _data()
-    moved = _moved(model)
+    moved = perturbed(model)
     summary = ESTIMATORS[name]().fit(model, x, output=output, forward_kwargs={"task": 1})
     reference = ESTIMATORS[name]().fit(FixedTask(model, 1, output), x)
     assert torch.equal(summary.distance(moved), reference.distance(FixedTask(moved, 1, output)))
@@ -201,7 +193,7 @@ def test_output_must_be_a_key_or_an_index(output):
 
 def test_outputs_selects_units_of_the_chosen_output():
     model, x = _model("dict"), _data()
-    moved = _moved(model)
+    moved = perturbed(model)
     summary = fsd.ExactFSD().fit(model, x, output="logits", forward_kwargs={"task": 0},
                                  outputs=[0, 2])
     with torch.no_grad():
@@ -260,7 +252,7 @@ def test_files_written_before_output_and_forward_kwargs_load_and_agree(name):
     old = fsd.load(OLD_FILES / f"{name}.pt")
     fresh = makers[name].fit(model, x)
     assert fresh.to_payload()["meta"] == from_payload(old.to_payload()).to_payload()["meta"]
-    moved = _moved(model)
+    moved = perturbed(model)
     assert torch.equal(old.distance(moved), fresh.distance(moved))
 
 
@@ -270,7 +262,7 @@ def test_files_written_before_output_and_forward_kwargs_load_and_agree(name):
 @pytest.mark.parametrize("how", ["forward_kwargs", "wrapper"])
 def test_unused_heads_survive_save_and_load(name, how, tmp_path):
     model, x = _model(), _data()
-    moved = _moved(model)
+    moved = perturbed(model)
     if how == "wrapper":
         fitted = ESTIMATORS[name]().fit(FixedTask(model, 1), x)
         call = FixedTask(moved, 1)
@@ -331,7 +323,7 @@ TOKEN_ESTIMATORS = {
 @pytest.mark.parametrize("name", TOKEN_ESTIMATORS)
 def test_token_ids_give_the_one_hot_networks_distance(name, tmp_path):
     model, ids = _tokens()
-    moved = _moved(model)
+    moved = perturbed(model)
     onehot = nn.functional.one_hot(ids, 11).to(DTYPE)
     summary = TOKEN_ESTIMATORS[name]().fit(model, ids)
     reference = TOKEN_ESTIMATORS[name]().fit(OneHot(model), onehot)
@@ -348,7 +340,7 @@ def test_token_ids_give_the_one_hot_networks_distance(name, tmp_path):
 
 def test_exact_fsd_on_token_ids_is_its_formula():
     model, ids = _tokens()
-    moved = _moved(model)
+    moved = perturbed(model)
     with torch.no_grad():
         truth = 0.5 * (moved(ids) - model(ids)).pow(2).sum(1).mean()
     assert torch.allclose(fsd.ExactFSD().fit(model, ids).distance(moved), truth, rtol=1e-13,
@@ -362,7 +354,7 @@ def test_kfac_takes_token_ids_or_refuses_in_one_line():
     except ValueError as error:  # an Embedding outside K-FAC's blocks
         assert "\n" not in str(error) and "EWC" in str(error)
     else:
-        assert math.isfinite(float(summary.distance(_moved(model))))
+        assert math.isfinite(float(summary.distance(perturbed(model))))
 
 
 @pytest.mark.parametrize("make", [
@@ -384,7 +376,7 @@ def test_integer_inputs_of_a_model_that_needs_floats_are_cast_as_before(name):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 2)).to(DTYPE)
     pixels = torch.randint(0, 4, (30, 5), generator=torch.Generator().manual_seed(4))
-    moved = _moved(model)
+    moved = perturbed(model)
     from_ints = ESTIMATORS[name]().fit(model, [(pixels, torch.zeros(30))]).distance(moved)
     from_floats = ESTIMATORS[name]().fit(model, pixels.to(DTYPE)).distance(moved)
     assert torch.equal(from_ints, from_floats)
@@ -407,7 +399,7 @@ def test_regularizer_calls_each_tasks_head_through_save_and_load(tmp_path):
         snapshots.append(copy.deepcopy(model))
         reg.save(tmp_path / "reg.pt")
         reg = fsd.ContinualRegularizer.load(tmp_path / "reg.pt", make)
-    moved = _moved(model)
+    moved = perturbed(model)
     expected = sum(make().fit(FixedTask(s, t), x).distance(FixedTask(moved, t))
                    for t, (s, x) in enumerate(zip(snapshots, tasks, strict=True)))
     assert torch.allclose(reg.penalty(moved), expected, rtol=1e-12, atol=0)
@@ -416,7 +408,7 @@ def test_regularizer_calls_each_tasks_head_through_save_and_load(tmp_path):
 @pytest.mark.parametrize("moments", ["paper", "exact"])
 def test_combine_batches_summaries_per_call(moments):
     model = _model()
-    moved = _moved(model)
+    moved = perturbed(model)
     summaries = [fsd.BGLN(deterministic=True, moments=moments, covariance="full").fit(
         model, _data(seed=20 + i), forward_kwargs={"task": t})
         for i, t in enumerate([0, 1, 0, 2, 1])]
@@ -427,7 +419,7 @@ def test_combine_batches_summaries_per_call(moments):
 
 def test_calibrate_measures_the_summarys_own_head():
     model, x = _model("dict"), _data()
-    moved = _moved(model)
+    moved = perturbed(model)
     summary = fsd.LAFTR(coreset_size=None).fit(model, x, output="logits",
                                                forward_kwargs={"task": 2})
     result = fsd.calibrate(summary, model, x, moved=[moved])
