@@ -40,7 +40,7 @@ from __future__ import annotations
 from ..benchmarks import Task, make_tasks
 from ..presets import default_hyperparameters
 from .cli import add_cli
-from .reporting import PAPER, gap_markdown, merge_runs, penalty_gap, report
+from .reporting import PAPER, gap_markdown, merge_runs, penalty_gap, report, row_tables
 from .results import (
     RunResults,
     SeedResult,
@@ -76,6 +76,7 @@ __all__ = [
     "RunSettings", "SeedResult", "Task", "UnreadableCheckpointError", "accuracy_summary",
     "add_cli", "average_accuracy",
     "backward_transfer", "default_hyperparameters", "gap_markdown", "make_tasks", "merge_runs",
-    "penalty_gap", "penalty_weights", "report", "results_markdown", "run", "run_continual",
+    "penalty_gap", "penalty_weights", "report", "results_markdown", "row_tables", "run",
+    "run_continual",
     "run_seed", "summary_outputs", "write_results",
 ]

@@ -28,6 +28,7 @@ from .reporting import (
     merge_runs,
     penalty_gap,
     report,
+    row_tables,
 )
 from .results import results_markdown
 from .runner import BENCHMARKS, METHODS, CheckpointMismatchError, run
@@ -81,7 +82,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    table = report(args.dirs)
+    table = row_tables(args.dirs) if args.rows else report(args.dirs)
     print(table)
     if args.out:
         out = Path(args.out)
@@ -197,6 +198,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                      help="run directories (or parents of them)")
     rep.add_argument("--out", type=argtypes.output_file, default=None,
                      help="write the table here (e.g. docs/results.md)")
+    rep.add_argument("--rows", action="store_true",
+                     help="the docs' tables: one per benchmark, a line per row folder "
+                          "(named ROW-NAME, e.g. results/cl/split-mnist/S1-bgln-s), per-seed "
+                          "values, the settings that differ from the defaults")
     rep.add_argument("--plot", type=argtypes.figure_file, default=None, metavar="FILE",
                      help="also draw the runs' accuracy after each task on one set of axes "
                           "(per benchmark) into FILE (.png, .pdf, .svg)")

@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -227,6 +228,79 @@ def report(paths: Sequence[str]) -> str:
         "Paper numbers: tables `avg_mnist` and `bwt_mnist` of the paper (– = not reported "
         "there)."]
     return "\n".join(lines + notes) + "\n"
+
+
+#: a row folder's name: its row id (letters, number, optional lower-case suffix), a dash, a name
+_ROW_FOLDER = re.compile(r"^([A-Z]+)(\d+)([a-z]*)-")
+
+#: the settings a row's "differs from the defaults" cell names, in this order
+_ROW_SETTINGS = ("fsd_scale", "lr", "epochs", "first_epochs", "batch_size", "model", "width",
+                 "penalty_outputs", "metric", "rank", "optimizer", "penalty", "coreset_size",
+                 "num_samples", "momentum", "train_subset", "test_subset", "tasks")
+
+
+def _row_key(path: Path) -> tuple[str, int, str]:
+    found = _ROW_FOLDER.match(path.parent.name)
+    if not found:
+        raise ValueError(f"{path.parent} is not a row folder: --rows takes folders named "
+                         f"ROW-NAME, e.g. S1-bgln-s (letters and a number, a dash, a name)")
+    return found[1], int(found[2]), found[3]
+
+
+def _row_changes(hp: Hyperparameters, benchmark: str, method: str) -> str:
+    defaults = default_hyperparameters(benchmark, method)
+    settings = hp.to_dict()
+    names = {"fsd_scale": "λ", "penalty_outputs": "penalty outputs"}
+    changed = [f"{names.get(k, k.replace('_', ' '))} {settings[k]}"
+               for k in _ROW_SETTINGS if settings[k] != defaults[k]]
+    return ", ".join(changed) or "–"
+
+
+def _per_seed(summary: dict[str, Any]) -> str:
+    values = summary["per_seed"]
+    if len(values) < 2:
+        return _pm(summary)
+    return f"{_pm(summary)} ({', '.join(f'{v:.2f}' for v in values)})"
+
+
+def row_tables(paths: Sequence[str]) -> str:
+    """The results tables of the docs: one per benchmark, a line per row folder.
+
+    A row folder (``results/cl/<benchmark>/<ROW>-<name>/``, e.g. ``S1-bgln-s``) holds one
+    finished or merged ``fsd cl`` run; its ``ROW`` prefix orders the table. The columns are
+    what the docs' continual-learning tables show: the method and λ, the settings that differ
+    from ``fsd cl``'s defaults for the (benchmark, method), the seeds, the average accuracy
+    and backward transfer (mean ± std over seeds, per-seed values in brackets) beside the
+    paper's, the summary size, the wall time and the machine the run recorded. Raises
+    ``ValueError`` for a folder whose name carries no row id.
+    """
+    rows = sorted(_read_runs(paths), key=lambda r: _row_key(r[2]))
+    tables: list[tuple[str, str]] = []
+    for bench in dict.fromkeys(r[0] for r in rows):
+        lines = [
+            "| row | method | λ | differs from the defaults | seeds | avg acc (%) | paper | "
+            "BWT | paper BWT | bytes/task | min/seed | machine |",
+            "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+        for _, method, path, res in (r for r in rows if r[0] == bench):
+            row = "".join(map(str, _row_key(path)))
+            seeds = " ".join(map(str, res.seeds))
+            if not res.complete:
+                seeds += f" (of {len(res.seeds_requested)})"
+            walls = res.wall_seconds["per_seed"]
+            minutes = f"{np.mean(walls) / 60:.1f}" if walls else "–"
+            threads = res.torch_threads
+            machine = res.device + (f", {threads} thread{'s' if threads != 1 else ''}"
+                                    if threads else "")
+            lines.append(
+                f"| {row} | {method} | {res.hyperparameters.fsd_scale:g} | "
+                f"{_row_changes(res.hyperparameters, bench, method)} | {seeds} | "
+                f"{_per_seed(res.avg_accuracy)} | {PAPER['avg'].get(bench, {}).get(method, '–')} | "
+                f"{_pm(res.backward_transfer)} | {PAPER['bwt'].get(bench, {}).get(method, '–')} | "
+                f"{res.summary_bytes_per_task:,.0f} | {minutes} | {machine} |")
+        tables.append((bench, "\n".join(lines) + "\n"))
+    if len(tables) == 1:
+        return tables[0][1]
+    return "\n".join(f"{bench}:\n\n{table}" for bench, table in tables)
 
 
 def comparison_plot(paths: Sequence[str], out: str | os.PathLike) -> Path:

@@ -1,0 +1,69 @@
+"""The docs' continual-learning tables, regenerated from the result files in ``results/cl``.
+
+A table in a docs page sits between two markers that name the command producing it::
+
+    <!-- fsd cl report results/cl/split-mnist --rows: begin -->
+    | row | method | ...
+    <!-- fsd cl report: end -->
+
+``python -m fsd_experiments.continual.doc_tables docs/*.md`` rewrites every such block from
+the files (run from the repository root); ``stale_tables`` lists the blocks that differ, which
+the test suite checks, so no number in those tables can drift from the committed results.
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+import shlex
+import sys
+from pathlib import Path
+
+from ..io import atomic_write_text
+from .reporting import row_tables
+
+#: a generated block: the report's arguments in the opening marker, the table, the end marker
+BLOCK = re.compile(r"(<!-- fsd cl report (?P<args>[^>]*?) --rows: begin -->\n)(?P<table>.*?)"
+                   r"(<!-- fsd cl report: end -->)", re.S)
+
+
+def render(args: str, root: Path) -> str:
+    """The table that ``fsd cl report ARGS --rows`` prints, run from ``root``."""
+    paths: list[str] = []
+    for word in shlex.split(args):
+        found = sorted(glob.glob(word, root_dir=root))
+        if not found:
+            raise ValueError(f"{word} matches nothing under {root}")
+        paths += [str(root / f) for f in found]
+    return row_tables(paths)
+
+
+def refreshed(text: str, root: Path) -> str:
+    """``text`` with every generated block's table regenerated."""
+    return BLOCK.sub(lambda m: m[1] + "\n" + render(m["args"], root) + "\n" + m[4], text)
+
+
+def stale_tables(doc: Path, root: Path) -> list[str]:
+    """The arguments of every block of ``doc`` whose table differs from the result files."""
+    text = doc.read_text(encoding="utf-8")
+    return [m["args"] for m in BLOCK.finditer(text)
+            if m["table"] != "\n" + render(m["args"], root) + "\n"]
+
+
+def main(argv: list[str]) -> int:
+    """Rewrite the generated blocks of the docs pages given (paths from the repo root)."""
+    if not argv:
+        print("usage: python -m fsd_experiments.continual.doc_tables DOC.md...", file=sys.stderr)
+        return 2
+    for name in argv:
+        doc = Path(name)
+        text = doc.read_text(encoding="utf-8")
+        new = refreshed(text, Path("."))
+        if new != text:
+            atomic_write_text(doc, new)
+            print(f"updated {doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
