@@ -6,6 +6,8 @@ output units it uses). :func:`make_tasks` builds the continual-learning streams 
 :func:`load_benchmark` the first two MNIST tasks of a benchmark, with
 flattened inputs, that ``fsd fidelity`` compares estimators on (:data:`FIDELITY_BENCHMARKS`).
 Both keep random subsets with :func:`subset`; their seeding is each command's own.
+:func:`split_validation` holds out part of each task's training set in place of its test set
+(``fsd cl --validation``, the grid of ``fsd cl tune``).
 """
 
 from __future__ import annotations
@@ -72,6 +74,64 @@ def subset(x: Tensor, y: Tensor, limit: int | None, generator: torch.Generator
     return x[index], y[index]
 
 
+#: added to the run's seed for the generator of the validation split: above every seed
+#: (< 2³²) and every subset generator's ``10_000 + seed``, so it is none of the others'
+VALIDATION_SEED_OFFSET = 2**33
+
+
+def check_validation(fraction: float | None) -> None:
+    """Raise ``ValueError`` unless ``fraction`` is ``None`` or a number strictly in (0, 1)."""
+    if fraction is None:
+        return
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+            or not 0 < fraction < 1:  # NaN fails the comparison too
+        raise ValueError(f"validation must be a fraction strictly between 0 and 1 of each "
+                         f"task's training examples, got {fraction!r}")
+
+
+def split_validation(x: Tensor, y: Tensor, fraction: float, generator: torch.Generator
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Hold out ``fraction`` of the rows of ``(x, y)``: ``(x_train, y_train, x_held, y_held)``.
+
+    The held-out rows are a random ``round(fraction · n)`` of the n rows (at least one, and
+    at least one row is left to train on), drawn from ``generator``; both parts keep the rows
+    in their order. Together they are every row once. Raises ``ValueError`` for a
+    ``fraction`` outside (0, 1) or fewer than 2 rows.
+    """
+    kept, held = _holdout(int(x.shape[0]), fraction, generator)
+    return x[kept], y[kept], x[held], y[held]
+
+
+def _holdout(n: int, fraction: float, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """The sorted row indices (kept, held out) of :func:`split_validation` for ``n`` rows."""
+    check_validation(fraction)
+    if n < 2:
+        raise ValueError(f"a validation split needs at least 2 training examples per task, "
+                         f"got {n}")
+    held = min(n - 1, max(1, round(fraction * n)))
+    order = torch.randperm(n, generator=generator)
+    return order[held:].sort().values, order[:held].sort().values
+
+
+def _with_validation(tasks: list[Task], fraction: float, seed: int,
+                     shared: bool) -> list[Task]:
+    """The tasks with part of each training set held out in place of its test set.
+
+    ``shared``: every task holds the same images (Permuted MNIST), so one split serves all
+    of them and no held-out image is trained on under another permutation.
+    """
+    generator = torch.Generator().manual_seed(VALIDATION_SEED_OFFSET + seed)
+    out: list[Task] = []
+    index: tuple[Tensor, Tensor] | None = None
+    for task in tasks:
+        if index is None or not shared:
+            index = _holdout(int(task.x_train.shape[0]), fraction, generator)
+        kept, held = index
+        out.append(Task(task.x_train[kept], task.y_train[kept], task.x_train[held],
+                        task.y_train[held], task.name, task.outputs))
+    return out
+
+
 _LOADED: dict[tuple, tuple[Tensor, Tensor]] = {}
 
 
@@ -115,7 +175,8 @@ def _cifar_tasks(benchmark: str, data_dir: str | None, generator: torch.Generato
 
 def make_tasks(benchmark: str, data_dir: str | None, seed: int, *,
                train_subset: int | None = None, test_subset: int | None = None,
-               num_tasks: int | None = None) -> tuple[list[Task], int]:
+               num_tasks: int | None = None, validation: float | None = None
+               ) -> tuple[list[Task], int]:
     """Build the task stream of ``benchmark``; returns (tasks, number of model outputs).
 
     Args:
@@ -125,9 +186,26 @@ def make_tasks(benchmark: str, data_dir: str | None, seed: int, *,
         train_subset: keep a random N training examples per task (tiny runs).
         test_subset: keep a random M test examples per task.
         num_tasks: keep only the first tasks.
+        validation: hold out this fraction (in (0, 1)) of each task's training examples,
+            after ``train_subset``, in place of its test set: the task trains on the rest
+            and its ``x_test``/``y_test`` are the held-out examples (``test_subset`` then
+            applies to nothing). The split is drawn once per seed from a generator of its
+            own (:data:`VALIDATION_SEED_OFFSET` + ``seed``), so the other draws, and every
+            stream built without it, stay as they were; on Permuted MNIST every task holds
+            out the same images. ``None``: the test sets.
     """
     if benchmark not in CL_BENCHMARKS:
         raise ValueError(f"unknown benchmark {benchmark!r}; expected one of {CL_BENCHMARKS}")
+    check_validation(validation)
+    tasks, outputs = _tasks(benchmark, data_dir, seed, train_subset, test_subset, num_tasks)
+    if validation is not None:
+        tasks = _with_validation(tasks, validation, seed, benchmark == "permuted-mnist")
+    return tasks, outputs
+
+
+def _tasks(benchmark: str, data_dir: str | None, seed: int, train_subset: int | None,
+           test_subset: int | None, num_tasks: int | None) -> tuple[list[Task], int]:
+    """The task streams of :func:`make_tasks`, each with its test sets."""
     # separate generators so subsets do not depend on how many permutations were drawn
     sub_gen = torch.Generator().manual_seed(10_000 + seed)
     if benchmark in CIFAR_BENCHMARKS:

@@ -9,7 +9,8 @@ here, with what the older version meant.
     a fresh Adam per task), ``penalty`` (the plain sum), ``penalty_outputs`` (each summary
     covered its task's head, which on a single-head benchmark is every logit), ``model``
     (the MLP) and other settings whose default is ``None`` (``first_epochs``: every task
-    trained ``epochs``). Checkpoints from before these settings resume under the same rules.
+    trained ``epochs``; ``validation``: accuracies on the test sets). Checkpoints from before
+    these settings resume under the same rules.
 
 ``fsd influence``:
     mislabeled results written before the pool's corrupted mask was saved rebuild it from
@@ -48,17 +49,19 @@ def cl_checkpoint_settings(saved: str, benchmark: str, method: str) -> dict[str,
     """The settings stored in an ``fsd cl`` checkpoint (JSON text), in today's terms.
 
     A checkpoint written before ``penalty_outputs`` covered each task's head; one written
-    before ``model`` and ``first_epochs`` trained the MLP, every task for ``epochs``.
+    before ``model`` and ``first_epochs`` trained the MLP, every task for ``epochs``; one
+    written before ``validation`` scored the test sets.
     """
     return {"penalty_outputs": legacy_penalty_outputs(benchmark, method), "model": "mlp",
-            "first_epochs": None, **json.loads(saved)}
+            "first_epochs": None, "validation": None, **json.loads(saved)}
 
 
 def cl_hyperparameters(raw: Mapping[str, Any], benchmark: str, method: str) -> dict[str, Any]:
     """A results file's ``hyperparameters`` with every current setting present.
 
     Settings the file lacks take what the run that wrote it did: a fresh Adam per task, the
-    plain sum of the distances, each summary on its task's head, ``None`` for the others.
+    plain sum of the distances, each summary on its task's head, ``None`` for the others
+    (``validation``: the test sets).
     The keys come in today's order; none but today's are kept.
     """
     current = default_hyperparameters(benchmark, method)

@@ -305,6 +305,9 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
         # (``determ_fsd``) is never given the task's label set, so it covers all of them;
         # their sampled and coreset penalties are restricted to the task's head
         "penalty_outputs": "all" if family in ALL_LOGIT_FAMILIES else "head",
+        # None: accuracies on the test sets; a fraction in (0, 1): that much of each task's
+        # training set held out and scored instead (``fsd cl tune``'s grid; not the paper's)
+        "validation": None,
     } | (_EXACT_MOMENTS if method.startswith("bgln-d-exact")
          or PRESETS[method].estimator is BGLNVariant else {})
 

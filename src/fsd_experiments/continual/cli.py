@@ -58,6 +58,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if args.fsd_scale is not None:
         print("error: fsd cl tune chooses λ from --grid; leave out --fsd-scale", file=sys.stderr)
         return 2
+    args.validation = args.validation or None  # --validation 0: the grid on the test sets
     settings = RunSettings.from_args(args)
     apply_threads(settings.threads)
     try:
@@ -107,6 +108,16 @@ def _cmd_gap(args: argparse.Namespace) -> int:
     if args.by_layer:
         print(gap_layers_markdown(rows))
     return 0
+
+
+def _tune_validation(text: str) -> float:
+    """``fsd cl tune --validation``: 0 (the grid on the test sets) or a fraction in (0, 1)."""
+    try:
+        if float(text) == 0:
+            return 0.0
+    except ValueError:
+        pass  # refused below, in argtypes.probability's words
+    return argtypes.probability(text)
 
 
 def _add_run_options(parser: argparse.ArgumentParser, *, enforce_required: bool) -> None:
@@ -190,6 +201,13 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         description="Run a continual-learning benchmark, or `fsd cl report DIR...`. "
                     "Hyper-parameters default to the paper's for the (benchmark, method).")
     _add_run_options(cl, enforce_required=False)
+    cl.add_argument("--validation", type=argtypes.probability, default=None,
+                    metavar="FRACTION",
+                    help="hold out FRACTION (strictly between 0 and 1, e.g. 0.1) of each "
+                         "task's training examples, after --train-subset, train on the rest "
+                         "and report accuracies on the held-out ones instead of the test set "
+                         "(one grid point of fsd cl tune by hand; not the paper's protocol; "
+                         "default: the test sets)")
     cl.set_defaults(func=_cmd_run)
     # prog given: the default derives it from the usage line above, which names options
     cl_sub = cl.add_subparsers(dest="cl_command", metavar="{report,gap,merge,tune}", prog="fsd cl")
@@ -234,8 +252,22 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     merge.set_defaults(func=_cmd_merge)
     tune_parser = cl_sub.add_parser(
         "tune", help="the paper's tuning protocol: a grid of λ on one seed, then the best λ "
-                     "on the reported seeds (--seeds)")
+                     "on the reported seeds (--seeds)",
+        description="Run each λ of --grid on --tuning-seed with part of every task's "
+                    "training set held out as a validation split (--validation, 0.1 by "
+                    "default), choose the λ with the best final average accuracy on the "
+                    "held-out examples, then run the reported --seeds at that λ on the full "
+                    "training sets, reporting the test sets. Each grid point "
+                    "(OUT/grid/lambda-<λ>) and the final run (OUT/final) is an ordinary fsd "
+                    "cl run, so a stopped tuning resumes; OUT/tune.json and tune.md hold "
+                    "the grid and the choice.")
     _add_run_options(tune_parser, enforce_required=True)
+    tune_parser.add_argument(
+        "--validation", type=_tune_validation, default=0.1, metavar="FRACTION",
+        help="the fraction of each task's training examples (after --train-subset) the grid's "
+             "runs hold out and choose λ on, drawn once from the tuning seed; the final "
+             "run trains on all of them and reports the test sets (default 0.1; 0: the "
+             "grid on the test sets, as tunings before this option did)")
     tune_parser.add_argument("--grid", type=argtypes.weight, nargs="+", required=True,
                              action=Distinct, metavar="LAMBDA",
                              help="the values of the penalty weight λ to try")

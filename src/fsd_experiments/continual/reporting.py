@@ -161,7 +161,7 @@ def _protocol(hp: Hyperparameters, benchmark: str, method: str, device: str = "c
     settings = hp.to_dict()
     changed = [k for k in ("epochs", "first_epochs", "batch_size", "fsd_scale", "lr", "model",
                            "width", "train_subset", "test_subset", "tasks", "optimizer",
-                           "penalty", "rank", "metric", "penalty_outputs")
+                           "penalty", "rank", "metric", "penalty_outputs", "validation")
                if settings[k] != paper[k]]
     if hp.optimizer != paper["optimizer"]:
         parts.append(f"{hp.optimizer} Adam")
@@ -236,7 +236,8 @@ _ROW_FOLDER = re.compile(r"^([A-Z]+)(\d+)([a-z]*)-")
 #: the settings a row's "differs from the defaults" cell names, in this order
 _ROW_SETTINGS = ("fsd_scale", "lr", "epochs", "first_epochs", "batch_size", "model", "width",
                  "penalty_outputs", "metric", "rank", "optimizer", "penalty", "coreset_size",
-                 "num_samples", "momentum", "train_subset", "test_subset", "tasks")
+                 "num_samples", "momentum", "train_subset", "test_subset", "tasks",
+                 "validation")
 
 
 def _row_key(path: Path) -> tuple[str, int, str]:

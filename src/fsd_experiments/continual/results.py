@@ -209,6 +209,9 @@ def _results_problem(raw: Any) -> str | None:
         value = hp.get(key)
         if not (_number(value) and value >= 0):
             return f"hyperparameters: {key} must be a finite number ≥ 0, got {value!r}"
+    value = hp.get("validation")  # absent in older files: the test sets
+    if value is not None and not (_number(value) and 0 < value < 1):
+        return f"hyperparameters: validation must be null or a fraction in (0, 1), got {value!r}"
     matrices = raw["accuracy_matrix"]
     if not isinstance(matrices, Mapping) or set(matrices) != {str(s) for s in seeds}:
         keys = sorted(matrices) if isinstance(matrices, Mapping) else matrices

@@ -149,7 +149,8 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
     spec = METHODS[method]
     dev = resolve_device(device)
     tasks, n_out = make_tasks(benchmark, data_dir, seed, train_subset=hp.train_subset,
-                              test_subset=hp.test_subset, num_tasks=hp.tasks)
+                              test_subset=hp.test_subset, num_tasks=hp.tasks,
+                              validation=hp.validation)
     data_sha256 = _fingerprint(tasks)
     ckpt_dir = out / "checkpoints" / f"seed{seed}"
     ckpt_dir.mkdir(parents=True, exist_ok=True)

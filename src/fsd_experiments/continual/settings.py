@@ -11,7 +11,7 @@ from typing import Any
 
 from fsd.metrics import check_metric
 
-from ..benchmarks import MODELS
+from ..benchmarks import MODELS, check_validation
 from ..presets import CL_METHODS, CNN_METHODS, PRESETS, default_hyperparameters
 
 OPTIMIZER_MODES: tuple[str, ...] = ("shared", "per-task")
@@ -25,7 +25,10 @@ class Hyperparameters:
 
     The fields, in this order, are the ``hyperparameters`` of results.json and of the
     checkpoints; see :func:`fsd_experiments.presets.default_hyperparameters` for their
-    meaning and the paper's values.
+    meaning and the paper's values. ``validation`` (``None`` or a fraction in (0, 1)) holds
+    out that fraction of each task's training examples and reports accuracies on them in
+    place of the test set (:func:`fsd_experiments.benchmarks.make_tasks`): the split the
+    grid of ``fsd cl tune`` chooses λ on.
     """
 
     epochs: int
@@ -48,6 +51,7 @@ class Hyperparameters:
     rank: int | None
     metric: str | None
     penalty_outputs: str
+    validation: float | None
 
     @classmethod
     def paper(cls, benchmark: str, method: str) -> Hyperparameters:
@@ -81,6 +85,7 @@ class Hyperparameters:
 
     def check(self, benchmark: str, method: str) -> None:
         """Raise ``ValueError`` for settings that do not apply to (benchmark, method)."""
+        check_validation(self.validation)
         if self.optimizer not in OPTIMIZER_MODES:
             raise ValueError(f"optimizer must be one of {OPTIMIZER_MODES}, "
                              f"got {self.optimizer!r}")
@@ -116,7 +121,7 @@ class Hyperparameters:
 OVERRIDABLE: tuple[str, ...] = (
     "epochs", "first_epochs", "model", "lr", "batch_size", "fsd_scale", "width", "momentum",
     "coreset_size", "num_samples", "train_subset", "test_subset", "tasks", "optimizer",
-    "penalty", "rank", "metric", "penalty_outputs")
+    "penalty", "rank", "metric", "penalty_outputs", "validation")
 
 
 @dataclass(frozen=True)
