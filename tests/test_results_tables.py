@@ -45,7 +45,8 @@ def _results(method: str, per_seed: list[float], **settings) -> dict:
     seeds = list(range(1, len(per_seed) + 1))
     return {"benchmark": "split-mnist", "method": method, "seeds": seeds,
             "seeds_requested": seeds, "complete": True,
-            "accuracy_matrix": {str(s): [[a, 50.0], [a, a]] for s, a in zip(seeds, per_seed)},
+            "accuracy_matrix": {str(s): [[a, 50.0], [a, a]]
+                                for s, a in zip(seeds, per_seed, strict=True)},
             "avg_accuracy": continual.accuracy_summary(per_seed),
             "backward_transfer": continual.accuracy_summary([0.0] * len(per_seed)),
             "wall_seconds": {"per_seed": [90.0] * len(seeds), "total": 90.0 * len(seeds)},
@@ -90,7 +91,8 @@ def test_refreshing_a_page_rewrites_only_its_blocks(tmp_path):
     doc.write_text(page)
     assert stale_tables(doc, tmp_path) == ["results/*"]
     new = refreshed(page, tmp_path)
-    assert new.startswith("# Title\n\nprose 1\n\n<!-- fsd cl report results/* --rows: begin -->\n\n| row |")
+    assert new.startswith("# Title\n\nprose 1\n\n"
+                          "<!-- fsd cl report results/* --rows: begin -->\n\n| row |")
     assert "99.60 ± 0.10 (99.50, 99.70)" in new and "an old table" not in new
     assert new.endswith("|\n\n<!-- fsd cl report: end -->\n\nprose 2\n")
     doc.write_text(new)
