@@ -196,6 +196,30 @@ def test_a_run_scores_the_held_out_training_examples(tmp_path, capsys):
 
 
 @needs_mnist
+def test_gap_of_a_validation_run_compares_on_the_inputs_it_trained_on(tmp_path):
+    out = tmp_path / "val"
+    assert _cl(out, "--validation", "0.5", "--width", "16", "--metric", "euclidean",
+               method="laftr-coreset") == 0
+    rows = continual.penalty_gap(out, str(REAL_DATA_DIR), examples=1000)
+    tasks, _ = make_tasks("split-mnist", str(REAL_DATA_DIR), 3, train_subset=200,
+                          test_subset=100, num_tasks=2, validation=0.5)
+    res = json.loads((out / "results.json").read_text())
+    hp = continual.Hyperparameters.from_dict(res["hyperparameters"])
+    final = build_model(hp, tasks[0].x_train.shape[1:], 10)
+    final.load_state_dict(torch.load(out / "checkpoints" / "seed3" / "state.pt",
+                                     weights_only=True)["model"])
+    from fsd.estimator import load as fsd_load
+    reference = build_model(hp, tasks[0].x_train.shape[1:], 10)
+    reference.load_state_dict(fsd_load(out / "checkpoints" / "seed3" / "task0.fsd")
+                              .reference_state_dict())
+    with torch.no_grad():  # the true FSD over task 1's 100 training inputs, not all 200
+        x, head = tasks[0].x_train, tasks[0].outputs
+        by_hand = 0.5 * ((final(x)[:, head] - reference(x)[:, head]) ** 2).sum(1).mean()
+    assert len(x) == 100
+    assert rows[0]["true_fsd"] == pytest.approx(float(by_hand), rel=1e-5)
+
+
+@needs_mnist
 def test_runs_without_validation_record_none_and_old_files_read_as_none(tmp_path, capsys):
     out = tmp_path / "plain"
     assert _cl(out) == 0

@@ -413,8 +413,10 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
     rows: list[dict[str, Any]] = []
     for seed in seeds:
         ckpt = run / "checkpoints" / f"seed{seed}"
+        # the tasks the run trained on: with a validation split, its training part only
         tasks, n_out = make_tasks(benchmark, data_dir, int(seed), train_subset=hp.train_subset,
-                                  test_subset=hp.test_subset, num_tasks=hp.tasks)
+                                  test_subset=hp.test_subset, num_tasks=hp.tasks,
+                                  validation=hp.validation)
         shape = tasks[0].x_train.shape[1:]
         final = build_model(hp, shape, n_out)
         state = states[seed]
