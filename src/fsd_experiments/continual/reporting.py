@@ -530,7 +530,8 @@ def gap_markdown(rows: Sequence[dict[str, Any]]) -> str:
     if linearized:
         columns.append(("linearized FSD", lambda r: f"{r['linearized']:.3g}"))
     columns += [("summary's estimate", lambda r: f"{r['estimate']:.3g}"),
-                ("estimate / true", lambda r: f"{r['ratio']:.3f}")]
+                # significant digits: a collapsed estimate is 1e-5 of the truth, not "0.000"
+                ("estimate / true", lambda r: f"{r['ratio']:.3g}")]
     if linearized:
         columns += [("linearized / true", lambda r: _share(r["linearized"], r["true_fsd"])),
                     ("estimate / linearized", lambda r: _share(r["estimate"],
@@ -551,4 +552,4 @@ def gap_layers_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def _share(numerator: float, denominator: float) -> str:
-    return f"{numerator / denominator:.3f}" if denominator > 0 else "–"
+    return f"{numerator / denominator:.3g}" if denominator > 0 else "–"
