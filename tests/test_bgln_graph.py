@@ -321,8 +321,8 @@ def test_bgln_d_on_a_residual_network_says_in_one_line_what_takes_the_graph():
     model = Residual().to(DTYPE)
     with pytest.raises(fsd.UnsupportedModuleError,
                        match=r"not a chain of layers at graph node 'add'.*moments='paper' "
-                             r"\(Algorithm 2\) walks chains.*moments='exact' takes.*"
-                             r"BGLN-S and LAFTR any graph") as info:
+                             r"\(Algorithm 2\) takes chains.*use BGLN-D with moments='exact'.*"
+                             r"BGLN-S or LAFTR on any graph") as info:
         fsd.BGLN(deterministic=True).fit(model, _data(50))
     assert "\n" not in str(info.value)
 

@@ -242,8 +242,8 @@ class DataDependent(nn.Module):
 
 
 @pytest.mark.parametrize("model,message", [
-    (Residual(), r"not a chain of layers at graph node 'add'.*ExactFSD, NTK, EWC and KFAC any "
-                r"model$"),
+    (Residual(), r"not a chain of layers at graph node 'add'.*ExactFSD, NTK, EWC or KFAC on "
+                r"any model$"),
     (SoftmaxMLP(), r"operation softmax \(call_function\) at graph node 'softmax'.*register_rule"),
     (DataDependent(), r"cannot trace DataDependent\.forward"),
 ])

@@ -475,12 +475,12 @@ def test_continual_regularizer_penalty_on_the_resnet_backpropagates_like_its_twi
 def test_bgln_d_refuses_the_resnet_at_fit_in_one_line_naming_what_takes_it():
     model, x = _resnet(), _images()
     with pytest.raises(fsd.UnsupportedModuleError,
-                       match=r"not a chain.*BGLN-S and LAFTR any graph") as info:
+                       match=r"not a chain.*BGLN-S or LAFTR on any graph") as info:
         fsd.BGLN(deterministic=True).fit(model, x)
     assert "\n" not in str(info.value)
     # exact moments: the reused ReLU is no longer the reason (it was, before)
     with pytest.raises(NotImplementedError,
-                       match=r"needs flat inputs.*deterministic=False\) \(BGLN-S\)") as info:
+                       match=r"needs flat inputs.*use BGLN-S or LAFTR on any graph") as info:
         fsd.BGLN(deterministic=True, moments="exact").fit(model, x)
     assert "\n" not in str(info.value)
 

@@ -183,7 +183,8 @@ def test_exact_moments_on_a_branching_graph_equal_the_mean_of_bgln_s():
     assert abs(mean - expected) < 5 * standard_error
     assert standard_error < 0.02 * expected  # the test has power
     # Algorithm 2 is not defined on this graph: it refuses and names what takes it
-    with pytest.raises(fsd.UnsupportedModuleError, match=r"moments='exact' takes graphs"):
+    with pytest.raises(fsd.UnsupportedModuleError, match=r"use BGLN-D with moments='exact' on MLP "
+                                                           r"chains and graphs"):
         fsd.BGLN(deterministic=True).fit(model, x)
 
 
@@ -267,7 +268,7 @@ def test_what_exact_moments_cannot_propagate_is_refused_in_one_line(model, shape
 
 
 def test_layerwise_reference_moments_are_refused_on_a_graph():
-    with pytest.raises(fsd.UnsupportedModuleError, match=r"reference='layerwise' walks chains"):
+    with pytest.raises(fsd.UnsupportedModuleError, match=r"reference='layerwise' takes MLP chains"):
         fsd.BGLN(deterministic=True, moments="exact", reference="layerwise").fit(
             Residual().to(DTYPE), _data(50))
 

@@ -281,8 +281,8 @@ def test_laftr_with_gaussian_inputs_on_a_residual_network():
 def test_bgln_d_refuses_a_graph_it_cannot_walk_and_says_what_works():
     model, x = _build("residual-mlp")
     with pytest.raises(fsd.UnsupportedModuleError,
-                       match=r"not a chain.*'add'.*Algorithm 2\) walks chains.*BGLN-S and LAFTR "
-                             r"any graph.*ExactFSD"):
+                       match=r"not a chain.*'add'.*Algorithm 2\) takes chains.*BGLN-S or LAFTR "
+                             r"on any graph.*ExactFSD"):
         fsd.BGLN(deterministic=True).fit(model, x)
 
 

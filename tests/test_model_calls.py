@@ -364,7 +364,7 @@ def test_kfac_takes_token_ids_or_refuses_in_one_line():
 ])
 def test_gaussian_input_estimators_refuse_token_ids_at_fit(make):
     model, ids = _tokens()
-    with pytest.raises(ValueError, match=r"discrete \(torch.int64.*LAFTR\(inputs='coreset'\)"
+    with pytest.raises(ValueError, match=r"discrete \(torch.int64.*LAFTR with inputs='coreset'"
                                          r".*ExactFSD, NTK, EWC or KFAC") as info:
         make().fit(model, ids)
     assert "\n" not in str(info.value)

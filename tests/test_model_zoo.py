@@ -57,47 +57,44 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "user-guide.md"
 # the table: model -> estimator -> "✓" or "refused: <message>"
 # ----------------------------------------------------------------------------------------
 _ALL = "✓"
+# the advice of fsd.support's table, as the refusals end
+_GRAPH = "BGLN-S or LAFTR on any graph torch.fx traces, or ExactFSD, NTK, EWC or KFAC on any model"
 _TOKENS = ("refused: BGLN with inputs='gaussian' fits a Gaussian to the inputs, and these are "
-           "discrete (torch.int64, e.g. token ids): use LAFTR(inputs='coreset'), "
-           "BGLN(inputs='coreset') (BGLN-S), ExactFSD, NTK, EWC or KFAC, which store the "
-           "inputs themselves")
+           "discrete (torch.int64, e.g. token ids): use BGLN-S with inputs='coreset' or LAFTR "
+           "with inputs='coreset' on any graph torch.fx traces, or ExactFSD, NTK, EWC or KFAC "
+           "on any model")
 _EXACT_CNN = ("refused: BGLN-D with moments='exact' is implemented for MLPs only: on "
-              "convolutional layers it would carry (C·H·W)² second moments. Use moments='paper' "
-              "with reference='propagated' (Algorithm 2 without them) or "
-              "fsd.BGLN(deterministic=False) (BGLN-S).")
+              "convolutional layers it would carry (C·H·W)² second moments; use BGLN-D with "
+              "moments='paper' (Algorithm 2) on chains of layers with rules (CNNs too), " + _GRAPH)
 
 
 def _flat(shape: str) -> str:
     return (f"refused: BGLN-D on a graph that is not a chain needs flat inputs (got examples of "
-            f"shape {shape}); use fsd.BGLN(deterministic=False) (BGLN-S)")
+            f"shape {shape}); use {_GRAPH}")
 
 
 def _not_chain(model: str, reads: str, previous: str) -> str:
     return (f"refused: {model}.forward is not a chain of layers at graph node 'add' (add): it "
             f"reads {reads} instead of the previous step '{previous}'. BGLN-D with "
-            f"moments='paper' (Algorithm 2) walks chains; BGLN-D with moments='exact' takes "
-            f"graphs of flat layers (residual additions, concatenations), BGLN-S and LAFTR any "
-            f"graph, ExactFSD, NTK, EWC and KFAC any model")
+            f"moments='paper' (Algorithm 2) takes chains of layers with rules (CNNs too); use "
+            f"BGLN-D with moments='exact' on MLP chains and graphs of flat layers, {_GRAPH}")
 
 
 def _no_rule(operation: str, kind: str, model: str) -> str:
     return (f"refused: operation {operation} ({kind}) at graph node '{operation}' of "
             f"{model}.forward has no rule; BGLN-D supports the modules of fsd.rules.RULES, "
             f"their functional forms (F.relu, F.leaky_relu, F.gelu, torch.tanh, …) and "
-            f"flattening. Use the module form (e.g. nn.ReLU()) or register a rule for a module "
-            f"that does it (fsd.register_rule); BGLN-S and LAFTR linearize it on the graph, "
-            f"ExactFSD, NTK, EWC and KFAC take any model")
+            f"flattening. Use the module form (e.g. nn.ReLU()), register a rule for a module "
+            f"that does it (fsd.register_rule), or use {_GRAPH}")
 
 
 _PARAMETRIZED = ("refused: module ParametrizedLinear at '0' has no rule, so BGLN-D cannot walk "
                  "it (rules: AvgPool2d, BatchNorm1d, BatchNorm2d, Conv2d, Dropout, ELU, Flatten, "
                  "GELU, Identity, LeakyReLU, Linear, MaxPool2d, ReLU, SiLU, Sigmoid, Softplus, "
-                 "Tanh, Sequential); LAFTR and BGLN-S linearize it on the graph path, ExactFSD, "
-                 "NTK and EWC run the model's forward, or add a rule with fsd.register_rule")
+                 "Tanh, Sequential); add a rule with fsd.register_rule, or use " + _GRAPH)
 _PARAMETRIZED_EXACT = ("refused: BGLN-D with exact moments on a graph: ParametrizedLinear has "
                        "parameters or buffers but no affine rule at graph node '_0' "
-                       "(call_module 0); use fsd.BGLN(deterministic=False) (BGLN-S) or "
-                       "fsd.LAFTR, which linearize any traceable operation")
+                       "(call_module 0); use " + _GRAPH)
 
 
 def _row(**refused: str) -> dict[str, str]:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from . import distributed
+from . import distributed, support
 from .calls import (
     Output,
     bind,
@@ -620,12 +620,12 @@ class Estimator:
                         self._run_once(model, x[:1], kwargs)
                     except errors:
                         raise self._cannot_run(x, kwargs, error) from None
+                    use = support.advice(support.walker_of(type(self), self.config),
+                                         support.Feature.DISCRETE_INPUTS)
                     raise ValueError(
                         f"{type(self).__name__} with inputs='gaussian' fits a Gaussian to "
                         f"the inputs, and these are discrete ({x.dtype}, e.g. token ids): "
-                        f"use LAFTR(inputs='coreset'), BGLN(inputs='coreset') (BGLN-S), "
-                        f"ExactFSD, NTK, EWC or KFAC, which store the inputs themselves"
-                    ) from None
+                        f"{use}") from None
                 raise self._cannot_run(x, kwargs, first) from None
             data = _MappedBatches(data, _FloatInputs(dtype))
         z = select_output(result, self._meta.get("output"),

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from . import autodiff, distributed
+from . import autodiff, distributed, support
 from .estimator import Data, Estimator, iter_batches
 from .hooks import forward_hooks
 from .metrics import check_metric, output_hessian_factors
@@ -100,8 +100,9 @@ class EWC(Estimator):
                 out, looped = autodiff.squared_gradients(forward, params, x, hs,
                                                          self.config["chunk_size"], loop=looped)
             except Exception as error:  # the per-example loop failed too: the model's forward
+                use = support.advice(support.EWC, support.Feature.NO_PER_EXAMPLE_GRADIENTS)
                 raise ValueError(f"EWC cannot take per-example gradients of this model "
-                                 f"({autodiff.one_line(error)}); use NTK or ExactFSD") from None
+                                 f"({autodiff.one_line(error)}); {use}") from None
             return out
 
         linear_layers = _linear_layers(model)
@@ -139,7 +140,9 @@ class EWC(Estimator):
         if moved:
             warnings.warn(f"EWC measures parameter movement only; the buffers {moved[:3]} "
                           f"(e.g. BatchNorm running statistics) moved too and are not "
-                          f"counted: use ExactFSD, NTK or LAFTR to include them", stacklevel=3)
+                          f"counted; to include them, "
+                          f"{support.advice(support.EWC, support.Feature.MOVED_BUFFERS)}",
+                          stacklevel=3)
         return torch.stack(list(self._layer_terms(model).values())).sum()
 
     def _layer_terms(self, model: nn.Module) -> dict[str, Tensor]:

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from . import rules
+from . import rules, support
 from .rules import UnsupportedModuleError
 
 _RELU_FUNCTIONS = (F.relu, torch.relu)
@@ -144,6 +144,10 @@ class _RuleTracer(fx.Tracer):
         return type(m) in rules.RULES or super().is_leaf_module(m, module_qualified_name)
 
 
+def _untraceable() -> str:
+    return support.advice(support.LAFTR, support.Feature.UNTRACEABLE)
+
+
 def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
     """A fresh GraphModule of ``model`` (the rule tracer), with a one-line error if fx fails."""
     try:
@@ -153,8 +157,7 @@ def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
         raise UnsupportedModuleError(
             f"cannot trace {type(model).__name__}.forward with torch.fx "
             f"({type(error).__name__}: {first}); LAFTR and BGLN need a forward without "
-            f"data-dependent control flow — or use ExactFSD, NTK, EWC or KFAC, which run the "
-            f"model as it is") from None
+            f"data-dependent control flow — or {_untraceable()}") from None
     _functionalize(graph, dict(model.named_modules()))
     return fx.GraphModule(model, graph, type(model).__name__)
 
@@ -326,7 +329,8 @@ def _functionalize(graph: fx.Graph, modules: dict[str, nn.Module]) -> None:
                     f"the in-place operation {what} at graph node '{node.name}' writes to "
                     f"'{written.name}', which graph node '{late[0].name}' reads through "
                     f"'{other.name}', a view taken before the write; LAFTR and BGLN need "
-                    f"that operation written out of place (e.g. x = x.relu())")
+                    f"that operation written out of place (e.g. x = x.relu()), or "
+                    f"{_untraceable()}")
         for user in list(written.users):
             if position[user] > here:
                 user.replace_input_with(written, node)
@@ -568,18 +572,16 @@ def _step(name: str, node: fx.Node, modules: dict[str, nn.Module],
         f"operation {what} ({node.op}) at graph node '{node.name}' of {name}.forward has no "
         f"rule; BGLN-D supports the modules of fsd.rules.RULES, their functional "
         f"forms (F.relu, F.leaky_relu, F.gelu, torch.tanh, …) and flattening. "
-        f"Use the module form (e.g. nn.ReLU()) or register a rule for a module that does it "
-        f"(fsd.register_rule); BGLN-S and LAFTR linearize it on the graph, ExactFSD, NTK, EWC "
-        f"and KFAC take any model")
+        f"Use the module form (e.g. nn.ReLU()), register a rule for a module that does it "
+        f"(fsd.register_rule), or {support.advice(support.BGLN_D, support.Feature.NO_RULE)}")
 
 
 def _branch_error(name: str, node: fx.Node, why: str) -> UnsupportedModuleError:
     what = getattr(node.target, "__name__", str(node.target))
     return UnsupportedModuleError(
         f"{name}.forward is not a chain of layers at graph node '{node.name}' ({what}): {why}. "
-        f"BGLN-D with moments='paper' (Algorithm 2) walks chains; BGLN-D with "
-        f"moments='exact' takes graphs of flat layers (residual additions, concatenations), "
-        f"BGLN-S and LAFTR any graph, ExactFSD, NTK, EWC and KFAC any model")
+        f"{support.describe(support.BGLN_D)}; "
+        f"{support.advice(support.BGLN_D, support.Feature.BRANCH)}")
 
 
 def _inplace(node: fx.Node) -> bool:

@@ -46,7 +46,7 @@ from torch import Tensor, fx, nn
 from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten
 
-from . import rules
+from . import rules, support
 from .covariance import Covariance
 from .graph import gate_nodes, out_of_place, traced_graph, unwrap
 from .rules import AffineRule, GateRule
@@ -98,8 +98,8 @@ class GraphPlan:
 def _refuse(node: fx.Node, why: str) -> NotImplementedError:
     return NotImplementedError(
         f"BGLN-D with exact moments on a graph: {why} at graph node '{node.name}' "
-        f"({node.op} {_target_name(node)}); use fsd.BGLN(deterministic=False) (BGLN-S) or "
-        f"fsd.LAFTR, which linearize any traceable operation")
+        f"({node.op} {_target_name(node)}); "
+        f"{support.advice(support.BGLN_D_EXACT, support.Feature.NON_AFFINE)}")
 
 
 def _target_name(node: fx.Node) -> str:

@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from . import rules
+from . import rules, support
 from .covariance import Covariance, quadratic_trace, sandwich
 from .graph import chain, unwrap
 from .hooks import forward_hooks
@@ -91,9 +91,8 @@ def trace(model: nn.Module) -> list[TracedLayer]:
     return layers
 
 
-_SHARED_WEIGHTS = ("give each position its own module, or use LAFTR, BGLN-S or BGLN-D with "
-                   "moments='exact' (flat graphs), which take shared weights on the graph "
-                   "path, or ExactFSD, NTK or EWC")
+_SHARED_WEIGHTS = (f"give each position its own module, or "
+                   f"{support.advice(support.BGLN_D, support.Feature.SHARED_WEIGHTS)}")
 
 
 def _stateless(module: nn.Module) -> bool:
@@ -113,8 +112,8 @@ def _check_hooks(model: nn.Module) -> None:
     if hooks:
         raise UnsupportedModuleError(
             f"the model has a {hooks[0]}: LAFTR and BGLN evaluate the layers from their rules "
-            f"and would ignore what the hook changes; remove it (handle.remove()) or use "
-            f"ExactFSD, NTK, EWC or KFAC, which run the model's forward")
+            f"and would ignore what the hook changes; remove it (handle.remove()) or "
+            f"{support.advice(support.LAFTR, support.Feature.HOOK)}")
 
 
 def model_state(model: nn.Module) -> dict[str, Tensor]:
@@ -209,16 +208,17 @@ def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]
     if not supported:
         what = "moments='exact'" if exact else "reference='layerwise'" if layerwise else None
         if what is not None:
+            failing = support.BGLN_D_EXACT if exact else support.BGLN_D_LAYERWISE
             raise NotImplementedError(
                 f"BGLN-D with {what} is implemented for MLPs only: on convolutional layers it "
-                f"would carry (C·H·W)² second moments. Use moments='paper' with "
-                f"reference='propagated' (Algorithm 2 without them) or "
-                f"fsd.BGLN(deterministic=False) (BGLN-S).")
+                f"would carry (C·H·W)² second moments; "
+                f"{support.advice(failing, support.Feature.UNFLAT)}")
         for layer in layers:
             if isinstance(layer.module, nn.MaxPool2d) and layer.module.ceil_mode:
                 raise NotImplementedError(
                     f"BGLN-D does not support MaxPool2d with ceil_mode=True (at "
-                    f"'{layer.path}'); use ceil_mode=False or BGLN-S")
+                    f"'{layer.path}'); set ceil_mode=False, or "
+                    f"{support.advice(support.BGLN_D, support.Feature.CEIL_POOL)}")
         return False
     if exact:
         previous: TracedLayer | None = None  # the last layer that is not parameter-free
@@ -228,10 +228,11 @@ def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]
                 name = f"{type(layer.module).__name__} at '{layer.path}'"
                 after = "the input" if previous is None else \
                     f"{type(previous.module).__name__} at '{previous.path}'"
+                use = support.advice(support.BGLN_D_EXACT,
+                                     support.Feature.GATE_AFTER_NON_AFFINE)
                 raise NotImplementedError(
                     f"BGLN-D with exact moments needs an affine layer (Linear, BatchNorm1d) "
-                    f"before every activation; {name} follows {after}. Use moments='paper' "
-                    f"or fsd.BGLN(deterministic=False) (BGLN-S).")
+                    f"before every activation; {name} follows {after}; {use}")
             if not isinstance(layer.rule, FixedRule):
                 previous = layer
     return True

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from . import autodiff, distributed
+from . import autodiff, distributed, support
 from .estimator import Data, Estimator, iter_batches
 from .metrics import check_metric, output_hessian_factors
 from .validation import (
@@ -189,9 +189,10 @@ class KFAC(Estimator):
             return autodiff.squared_gradients(forward, {k: fixed[k] for k in names}, x, hs,
                                               16, loop=looped)
         except Exception as error:  # the per-example loop failed too: the model's forward
+            use = support.advice(support.KFAC, support.Feature.NO_PER_EXAMPLE_GRADIENTS)
             raise ValueError(f"KFAC cannot take per-example gradients of this model's "
                              f"parameters {names[:3]} for their diagonal blocks "
-                             f"({autodiff.one_line(error)}); use NTK or ExactFSD") from None
+                             f"({autodiff.one_line(error)}); {use}") from None
 
     def _check_summary(self) -> None:
         layers = self._meta.get("layers")

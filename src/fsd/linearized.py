@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from . import conv_moments
+from . import conv_moments, support
 from .autodiff import one_line
 from .coreset import Reservoir
 from .covariance import Covariance, low_rank_plus_diagonal, sample, sampling_factor
@@ -113,14 +113,14 @@ class _LinearizedEstimator(Estimator):
                 raise
             if self._deterministic and self.config.get("reference") == "layerwise":
                 raise UnsupportedModuleError(
-                    f"{error}. BGLN-D with reference='layerwise' walks chains of layers; "
-                    f"use reference='propagated' on this graph") from None
+                    f"{error}. {support.describe(support.BGLN_D_LAYERWISE)}; use "
+                    f"reference='propagated' on this graph") from None
             hooks = forward_hooks(model)
             if hooks:
                 raise UnsupportedModuleError(
                     f"the model has a {hooks[0]}: {self._name} evaluates the traced graph and "
-                    f"would ignore what the hook changes; remove it or use ExactFSD, NTK, EWC "
-                    f"or KFAC") from None
+                    f"would ignore what the hook changes; remove it or "
+                    f"{support.advice(self._walker, support.Feature.HOOK)}") from None
             if self.bernoulli:
                 graph_gates(model)  # refuses a forward fx cannot trace
             return None
@@ -130,6 +130,11 @@ class _LinearizedEstimator(Estimator):
         if not self.bernoulli:
             return "LAFTR"
         return "BGLN-D" if self._deterministic else "BGLN-S"
+
+    @property
+    def _walker(self) -> support.Walker:
+        """This estimator's row of the support table (:mod:`fsd.support`)."""
+        return support.walker_of(type(self), self.config)
 
     @property
     def _classwise(self) -> bool | int:
@@ -225,10 +230,11 @@ class _LinearizedEstimator(Estimator):
             self._meta["input_shape"] = list(xs.shape[1:])
         if self._deterministic and layers is None:  # exact moments on a graph
             if len(self._meta["input_shape"]) != 1:
+                use = support.advice(support.BGLN_D_EXACT, support.Feature.BRANCH,
+                                     support.Feature.UNFLAT)
                 raise NotImplementedError(
                     f"BGLN-D on a graph that is not a chain needs flat inputs (got examples "
-                    f"of shape {tuple(self._meta['input_shape'])}); use "
-                    f"fsd.BGLN(deterministic=False) (BGLN-S)")
+                    f"of shape {tuple(self._meta['input_shape'])}); {use}")
             self._meta["graph"] = True
             self._graph_plan(model)  # refuses what it cannot propagate, now
         elif self._deterministic:
@@ -263,7 +269,9 @@ class _LinearizedEstimator(Estimator):
                                    true_gates if self.bernoulli else None)
         except Exception as error:  # of any kind: distance() would raise it on every call
             raise ValueError(f"{self._name} cannot linearize this model's graph "
-                             f"({one_line(error)}); use ExactFSD, NTK or EWC") from None
+                             f"({one_line(error)}); "
+                             f"{support.advice(self._walker, support.Feature.NOT_DIFFERENTIABLE)}"
+                             ) from None
 
     def _store_statistics(self, collector: StatisticsCollector, gaussian: bool,
                           dtype: torch.dtype, device: torch.device) -> list[list[int]]:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from . import autodiff
+from . import autodiff, support
 from .coreset import Reservoir
 from .estimator import Data, Estimator, iter_batches
 from .metrics import check_metric, pointwise_distance
@@ -61,7 +61,9 @@ class NTK(Estimator):
         except Exception as error:  # of any kind: distance() would raise it on every call
             raise ValueError(f"NTK cannot take Jacobian-vector products through this model "
                              f"({autodiff.one_line(error)}), by forward mode or by two "
-                             f"reverse-mode products; use ExactFSD, EWC or LAFTR") from None
+                             f"reverse-mode products; "
+                             f"{support.advice(support.NTK, support.Feature.NOT_DIFFERENTIABLE)}"
+                             ) from None
 
     def _check_summary(self) -> None:
         x = require(self._stored, "coreset.x")

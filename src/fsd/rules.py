@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.func import jvp
 from torch.nn.modules.utils import _pair
 
+from . import support
 from .covariance import gate as gate_covariance
 
 if TYPE_CHECKING:
@@ -596,10 +597,8 @@ def rule_for(module: nn.Module, path: str) -> Rule:
         supported = ", ".join(sorted(t.__name__ for t in RULES)) + ", Sequential"
         raise UnsupportedModuleError(
             f"module {type(module).__name__} at '{where}' has no rule, so BGLN-D cannot walk "
-            f"it (rules: {supported}); LAFTR and BGLN-S linearize it on the graph path, "
-            f"ExactFSD, NTK and EWC run the model's forward, or add a rule with "
-            f"fsd.register_rule"
-        )
+            f"it (rules: {supported}); add a rule with fsd.register_rule, or "
+            f"{support.advice(support.BGLN_D, support.Feature.NO_RULE)}")
     return rule
 
 
