@@ -283,7 +283,8 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
         "fsd_scale": scale, "batch_size": batch, "lr": lr,
         # the network: the MLP (width and depth apply to it) or the CNN of models.conv_net
         "model": default_model(benchmark),
-        # permuted: the authors' example settings (512); split: FROMP's 256 (docs/results.md)
+        # permuted: the authors' example settings (512); split: FROMP's 256
+        # (docs/continual-learning.md, protocol audit)
         "width": 512 if column == "permuted" else 256, "depth": 2,
         # Monte Carlo samples per BGLN-S/LAFTR distance call: the paper does not say
         # (its Algorithm 1 draws one); 32 keeps the penalty's cost near BGLN-D's while its
