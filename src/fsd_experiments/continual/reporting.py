@@ -252,7 +252,8 @@ def _row_changes(hp: Hyperparameters, benchmark: str, method: str) -> str:
     defaults = default_hyperparameters(benchmark, method)
     settings = hp.to_dict()
     names = {"fsd_scale": "λ", "penalty_outputs": "penalty outputs"}
-    changed = [f"{names.get(k, k.replace('_', ' '))} {settings[k]}"
+    changed = [f"{names.get(k, k.replace('_', ' '))} "
+               + (f"{settings[k]:g}" if isinstance(settings[k], float) else f"{settings[k]}")
                for k in _ROW_SETTINGS if settings[k] != defaults[k]]
     return ", ".join(changed) or "–"
 
