@@ -59,7 +59,7 @@ def _write(folder: Path, raw: dict) -> None:
     (folder / "results.json").write_text(json.dumps(raw))
 
 
-def test_row_tables_order_rows_and_name_what_differs(tmp_path):
+def test_row_tables_order_rows_and_name_what_differs(tmp_path, capsys):
     _write(tmp_path / "S10-osla", _results("osla", [99.0, 98.0]))
     _write(tmp_path / "S2-bgln-d-head", _results("bgln-d", [97.0, 99.0, 98.0],
                                                   penalty_outputs="head", fsd_scale=3.2))
@@ -72,7 +72,13 @@ def test_row_tables_order_rows_and_name_what_differs(tmp_path):
                         "-0.09 ± 0.04 | 1,234 | 1.5 | cpu, 1 thread |")
     assert "| S2b | bgln-s | 5 | – | 1 | 99.50 | 99.64 ± 0.04 |" in lines[3]
     # the command prints the same
+    capsys.readouterr()
     assert main(["cl", "report", str(tmp_path), "--rows"]) == 0
+    assert capsys.readouterr().out == continual.row_tables([str(tmp_path)]) + "\n"
+    # two folders with one row id are refused
+    _write(tmp_path / "S10-again", _results("osla", [99.0]))
+    with pytest.raises(ValueError, match="S10"):
+        continual.row_tables([str(tmp_path)])
 
 
 def test_row_tables_refuse_a_folder_without_a_row_id(tmp_path, capsys):

@@ -277,6 +277,10 @@ def row_tables(paths: Sequence[str]) -> str:
     ``ValueError`` for a folder whose name carries no row id.
     """
     rows = sorted(_read_runs(paths), key=lambda r: _row_key(r[2]))
+    ids = [_ROW_FOLDER.match(r[2].parent.name)[0][:-1] for r in rows]  # type: ignore[index]
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise ValueError(f"row ids used by more than one folder: {', '.join(repeated)}")
     tables: list[tuple[str, str]] = []
     for bench in dict.fromkeys(r[0] for r in rows):
         lines = [
@@ -284,7 +288,7 @@ def row_tables(paths: Sequence[str]) -> str:
             "BWT | paper BWT | bytes/task | min/seed | machine |",
             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
         for _, method, path, res in (r for r in rows if r[0] == bench):
-            row = "".join(map(str, _row_key(path)))
+            row = _ROW_FOLDER.match(path.parent.name)[0][:-1]  # type: ignore[index]
             seeds = " ".join(map(str, res.seeds))
             if not res.complete:
                 seeds += f" (of {len(res.seeds_requested)})"
