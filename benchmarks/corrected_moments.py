@@ -21,7 +21,7 @@ import statistics
 import torch
 
 import fsd
-from fsd.corrected_moments import BGLNVariant
+from fsd.moment_variants import BGLNVariant
 from fsd_experiments.compare import mlp
 from fsd_experiments.data import TensorBatches
 from penalty import load_inputs, median_ms, perturbed

@@ -96,7 +96,7 @@ def test_bgln_d_on_cnns_equals_the_dense_transcription(variant, covariance):
     moved = _moved(model)
     shape = SHAPES[variant]
     est = fsd.BGLN(deterministic=True, covariance=covariance, rank=6).fit(model, _data(shape))
-    assert est._meta["convolutional"]
+    assert est._meta["evaluator"] == "algorithm2-conv"
     got = est.distance(moved)
     expected = _dense(est, model, moved, shape)
     torch.testing.assert_close(got, expected, rtol=1e-8, atol=0)
@@ -124,7 +124,7 @@ def test_the_convolutional_path_on_an_mlp_is_the_mlp_path():
     moved = _moved(model)
     est = fsd.BGLN(deterministic=True, covariance="lowrank", rank=3, classwise=True).fit(
         model, _data((5,)))
-    assert not est._meta.get("convolutional")
+    assert est._meta["evaluator"] == "algorithm2"
     layers = fsd.trace(model)
     steps = conv_moments.moment_steps(layers)
     params0, params1 = est.reference_state(), dict(moved.named_parameters())

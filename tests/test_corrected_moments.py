@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import fsd
-from fsd.corrected_moments import BGLNVariant, ablated_second_moment, corrected_second_moment
+from fsd.corrected_moments import ablated_second_moment, corrected_second_moment
+from fsd.moment_variants import BGLNVariant
 from fsd.interpreter import model_state
 
 

@@ -298,7 +298,7 @@ def test_public_summary_accessors():
     est.place(DTYPE, torch.device("cpu"))  # back to the stored float64, nothing was lost
     assert all(torch.equal(est.reference_parameters()[n], p) for n, p in model.named_parameters())
     parts = est.moment_parts(fsd.trace(model), est.reference_parameters())
-    assert set(parts) == {"reference", "gate_means", "output_rows", "weights"}
+    assert set(parts) == {"reference", "gate_means", "output_rows", "weights", "params0"}
     assert float(parts["weights"].sum()) == pytest.approx(1.0)
 
 

@@ -73,7 +73,7 @@ def test_exact_moments_on_a_residual_network_equal_the_enumerated_closed_form(sm
     data = _data(1000)
     est = fsd.BGLN(deterministic=True, moments="exact", covariance="full",
                    classwise=classwise).fit(model, data)
-    assert est._meta.get("graph") is True
+    assert est._meta["evaluator"] == "exact-graph"
     with torch.no_grad():
         expected = _expected(model, moved, est, data, classwise, smooth)
     got = est.distance(moved)
@@ -126,7 +126,7 @@ def test_on_a_chain_the_graph_walk_equals_the_chain_recursion(name, covariance):
     y = torch.randint(3, (300,), generator=g)
     est = fsd.BGLN(deterministic=True, moments="exact", covariance=covariance, rank=3,
                    classwise=True).fit(model, [(x, y)])
-    assert not est._meta.get("graph")  # the chain path
+    assert est._meta["evaluator"] == "exact"  # the chain path
     moved = perturbed(model, 0.2, seed=3)
     if name.startswith("batchnorm"):
         with torch.no_grad():

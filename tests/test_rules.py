@@ -433,7 +433,7 @@ def test_a_registered_affine_rule_is_exact_for_laftr_and_walked_by_bgln_d(monkey
     # without flat moments BGLN-D takes the convolutional path, applying the rule's own map
     fsd.register_rule(Diagonal, _diagonal_rule(flat=False))
     general = fsd.BGLN(deterministic=True, covariance="full").fit(model, data)
-    assert general._meta.get("convolutional")
+    assert general._meta["evaluator"] == "algorithm2-conv"
     torch.testing.assert_close(general.distance(other).detach(), values["paper"], rtol=1e-10,
                                atol=0)
 

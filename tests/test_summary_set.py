@@ -82,16 +82,16 @@ def test_summary_set_checks_architecture():
 
 
 def _record_stacked_params(monkeypatch, name):
-    """Patch fsd.summary_set's ``name`` to record the stacked params0 of every call."""
-    import fsd.summary_set as summary_set
+    """Patch fsd.evaluators' ``name`` to record the stacked params0 of every call."""
+    import fsd.evaluators as evaluators
     calls = []
-    real = getattr(summary_set, name)
+    real = getattr(evaluators, name)
 
     def counting(*args, **kwargs):
         calls.append(args[1])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(summary_set, name, counting)
+    monkeypatch.setattr(evaluators, name, counting)
     return calls
 
 

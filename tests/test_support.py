@@ -289,5 +289,5 @@ def test_walker_of_finds_an_estimators_row():
     assert support.walker_of(fsd.BGLN, fsd.BGLN(deterministic=True,
                                                  moments="exact").config) is support.BGLN_D_EXACT
     assert support.walker_of(fsd.LAFTR, fsd.LAFTR().config) is support.LAFTR
-    from fsd.corrected_moments import BGLNVariant  # a subclass: its base class's row
+    from fsd.moment_variants import BGLNVariant  # a subclass: its base class's row
     assert support.walker_of(BGLNVariant, BGLNVariant().config) is support.BGLN_D

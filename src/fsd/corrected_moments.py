@@ -50,7 +50,7 @@ is exact moments without the gate variance (the mean-gate network).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 from torch import Tensor
@@ -58,10 +58,9 @@ from torch import Tensor
 from .covariance import Covariance
 from .exact_moments import _homogeneous_delta, _homogeneous_layer, input_factor, input_offsets
 from .interpreter import TracedLayer
-from .linearized import BGLN
 from .rules import AffineRule, GateMoments, GateRule, UnsupportedModuleError
 
-#: the variants :class:`BGLNVariant` computes (``moments=``)
+#: the variants :class:`fsd.moment_variants.BGLNVariant` computes (``moments=``)
 VARIANTS: tuple[str, ...] = ("corrected", "no-gate-variance", "no-cross-covariance")
 
 
@@ -347,60 +346,3 @@ def corrected_second_moment(
         return signal, correction
     return signal + correction
 
-
-class BGLNVariant(BGLN):
-    """BGLN-D with a moment recursion between Algorithm 2 and exact moments (prototype).
-
-    Not part of the public API: the ablations and the corrected estimator of this module, for
-    the fidelity study and continual-learning experiments (``fsd_experiments.presets``).
-    MLP chains only (no convolutional path, no graphs); summaries are evaluated one by one.
-
-    Args:
-        moments: ``"corrected"`` (:func:`corrected_second_moment`); ``"no-gate-variance"``
-            (the same without its correction: the mean-gate network, equal to
-            :func:`ablated_second_moment` with ``gate_variance=False``, at Algorithm 2's
-            cost) or ``"no-cross-covariance"`` (:func:`ablated_second_moment`, dense).
-        **options: as :class:`fsd.BGLN`; ``deterministic`` must be ``True``.
-    """
-
-    def __init__(self, moments: str = "corrected", **options: Any) -> None:
-        if moments not in VARIANTS:
-            raise ValueError(f"moments must be one of {', '.join(VARIANTS)}, got {moments!r}")
-        if not options.pop("deterministic", True):
-            raise ValueError("BGLNVariant is deterministic (a BGLN-D)")
-        super().__init__(deterministic=True, **options)
-        self.config["moments"] = moments
-
-    def moment_parts(self, layers: list[TracedLayer], params0: dict[str, Tensor]
-                     ) -> dict[str, Any]:
-        """The fixed parts: gate statistics, output rows, mixture weights, reference blocks."""
-        if "moment_parts" not in self._cache:
-            mean = self._state["input.mean"]
-            eye = torch.eye(self._output_size(layers, params0), dtype=mean.dtype,
-                            device=mean.device)
-            gate_means = self._gate_means()
-            parts: dict[str, Any] = {"gate_means": gate_means,
-                                     "output_rows": self._select(eye).T.contiguous(),
-                                     "weights": self._state["weights"]}
-            if self.config["moments"] != "no-cross-covariance":
-                with torch.no_grad():
-                    parts["reference"] = corrected_reference(
-                        layers, params0, mean, self.input_covariance(), gate_means)
-            self._cache["moment_parts"] = parts
-        return self._cache["moment_parts"]
-
-    def _moment_distance(self, layers, params0, params1) -> Tensor:
-        if self._meta.get("convolutional"):
-            raise NotImplementedError("BGLNVariant walks MLP chains only")
-        parts = self.moment_parts(layers, params0)
-        moments = self.config["moments"]
-        if moments == "no-cross-covariance":
-            value = ablated_second_moment(
-                layers, params0, params1, self._state["input.mean"], self.input_covariance(),
-                parts["gate_means"], parts["output_rows"], cross_covariance=False)
-        else:  # without the gate variance: the mean-gate network, by the rows alone
-            value = corrected_second_moment(layers, params0, params1, parts["reference"],
-                                            parts["gate_means"], parts["output_rows"],
-                                            gate_variance=moments == "corrected")
-        assert isinstance(value, Tensor)
-        return (parts["weights"] * 0.5 * value.clamp_min(0)).sum()

@@ -26,31 +26,25 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from . import conv_moments, support
+from . import evaluators, support
 from .autodiff import one_line
 from .coreset import Reservoir
 from .covariance import Covariance, low_rank_plus_diagonal, sample, sampling_factor
 from .estimator import Data, Estimator, iter_batches
-from .exact_moments import delta_second_moment_adjoint, reference_blocks
 from .graph import runnable
-from .graph_moments import GraphPlan, graph_plan, graph_second_moment
 from .hooks import forward_hooks
 from .interpreter import (
     GateFn,
     TracedLayer,
-    affine_rule,
-    check_moment_support,
-    delta_moments,
     layer_signature,
     model_state,
     propagate_linearized,
-    reference_moments,
     trace,
     true_gates,
 )
 from .linearize import graph_gates, linearized_outputs
 from .metrics import check_metric, pointwise_distance
-from .rules import SMOOTH_MOMENTS, AffineRule, GateRule, UnsupportedModuleError
+from .rules import SMOOTH_MOMENTS, GateRule, UnsupportedModuleError
 from .signature import parameter_signature
 from .statistics import StatisticsCollector
 from .validation import (
@@ -228,27 +222,11 @@ class _LinearizedEstimator(Estimator):
                 self._state["coreset.group"] = torch.tensor(
                     [lookup[c] for c in ys.tolist()], dtype=torch.long, device=device)
             self._meta["input_shape"] = list(xs.shape[1:])
-        if self._deterministic and layers is None:  # exact moments on a graph
-            if len(self._meta["input_shape"]) != 1:
-                use = support.advice(support.BGLN_D_EXACT, support.Feature.BRANCH,
-                                     support.Feature.UNFLAT)
-                raise NotImplementedError(
-                    f"BGLN-D on a graph that is not a chain needs flat inputs (got examples "
-                    f"of shape {tuple(self._meta['input_shape'])}); {use}")
-            self._meta["graph"] = True
-            self._graph_plan(model)  # refuses what it cannot propagate, now
-        elif self._deterministic:
-            assert layers is not None
-            flat = check_moment_support(layers, tuple(self._meta["input_shape"]),
-                                        exact=self.config.get("moments") == "exact",
-                                        layerwise=self.config.get("reference") == "layerwise")
-            if not flat:  # fsd.conv_moments: max-pools need their routing frequencies
-                self._meta["convolutional"] = True
-                pools = [layer.path for layer in layers if layer.rule.collects == "routing"]
-                missing = [p for p in pools if f"routing.{p}" not in self._state]
-                if missing:
-                    raise ValueError(f"the statistics hold no max-pool routing for {missing} "
-                                     f"(a collector made with gates=False?)")
+        if self._deterministic:  # BGLN-D: the evaluator is chosen once, here
+            evaluator = evaluators.choose(layers, self.config, tuple(self._meta["input_shape"]))
+            self._meta["evaluator"] = evaluator.name
+            evaluator.check(evaluators.as_walk(evaluator, layers, model),
+                            self._moment_summary(self.reference_state()))
         elif layers is None:  # LAFTR or BGLN-S on a graph: a walk that fails fails here
             self._check_walk(model)
 
@@ -349,6 +327,8 @@ class _LinearizedEstimator(Estimator):
             else:
                 require_shape(stored, "input.cov", [groups, d, d])
                 require_psd(stored, "input.cov")
+        if self._deterministic:
+            evaluators.recorded(self._meta, self.config)  # raises for an unknown or wrong one
         for key in [k for k in stored if k.startswith("layer.") and k.endswith(".mean")]:
             h = require_shape(stored, key, [groups, None]).shape[1]
             cov = key[:-len(".mean")] + ".cov"
@@ -499,8 +479,11 @@ class _LinearizedEstimator(Estimator):
     def _distance(self, model: nn.Module) -> Tensor:
         layers = self._chain(model)
         self._check_units(model, layers)
-        if layers is None and self._deterministic:  # exact moments on a graph
-            return self._graph_moment_distance(model)
+        if self._deterministic:
+            evaluator = self._evaluator
+            walk = evaluators.as_walk(evaluator, layers, model)
+            return evaluator.distance(walk, self.moment_parts(walk, self.reference_state()),
+                                      model_state(model))
         if layers is None:  # LAFTR or BGLN-S on a graph that is not a chain
             x, group, sample_weights = self._inputs()
             gate = self._sampled_gates(group) if self.bernoulli else None
@@ -510,8 +493,6 @@ class _LinearizedEstimator(Estimator):
             return (sample_weights * rho).sum()
         params0 = self.reference_state()
         params1 = model_state(model)
-        if self._deterministic:
-            return self._moment_distance(layers, params0, params1)
         x, group, sample_weights = self._inputs()
         gate = self._sampled_gates(group) if self.bernoulli else true_gates
         z0, dz = propagate_linearized(layers, params0, params1, x, gate)
@@ -527,91 +508,39 @@ class _LinearizedEstimator(Estimator):
                  if k.startswith("layer.") and k.endswith(".mean")]
         return {p: (self._state[f"layer.{p}.mean"], self._state[f"layer.{p}.cov"]) for p in paths}
 
-    def moment_parts(self, layers: list[TracedLayer], params0: dict[str, Tensor]
+    @property
+    def _evaluator(self) -> evaluators.Evaluator:
+        """BGLN-D's evaluator, as the summary records it (:mod:`fsd.evaluators`)."""
+        return evaluators.recorded(self._meta, self.config)
+
+    def _moment_summary(self, params0: dict[str, Tensor]) -> evaluators.MomentSummary:
+        return evaluators.MomentSummary(
+            params0=params0, mean=self._state["input.mean"],
+            covariance=self.input_covariance(), gate_means=self._gate_means(),
+            routing=self._routing(), layer_moments=self._layer_moments(),
+            weights=self._state["weights"], input_shape=tuple(self._meta["input_shape"]),
+            select=self._select)
+
+    def moment_parts(self, walk: list[TracedLayer] | nn.Module, params0: dict[str, Tensor]
                      ) -> dict[str, Any]:
         """What BGLN-D needs besides θ: fixed after fit, so computed once and cached.
 
         Args:
-            layers: the traced model (:func:`fsd.trace`).
+            walk: the traced model (:func:`fsd.trace`), or the model itself where the
+                summary's evaluator walks graphs (``"exact-graph"``).
             params0: θ0 with its buffers, :meth:`reference_state`.
 
         Returns:
-            ``{"reference", "gate_means", "output_rows", "weights"}``: the reference-side
-            moments (:func:`fsd.interpreter.reference_moments`, or
-            :func:`fsd.exact_moments.reference_blocks` for ``moments="exact"``), the Bernoulli
-            means per ReLU path, the rows selecting the fitted outputs and the mixture
-            weights. :class:`fsd.SummarySet` stacks these to batch several summaries.
+            The evaluator's prepared parts (:meth:`fsd.evaluators.Evaluator.prepare`): for
+            the chain evaluators ``{"reference", "gate_means", "output_rows", "weights",
+            "params0"}`` — the reference-side moments, the gate statistics by path, the rows
+            selecting the fitted outputs, the mixture weights and θ0.
+            :class:`fsd.SummarySet` stacks these to batch several summaries.
         """
         if "moment_parts" not in self._cache:
-            gate_means = self._gate_means()
-            mean = self._state["input.mean"]
-            eye = torch.eye(self._output_size(layers, params0), dtype=mean.dtype,
-                            device=mean.device)
-            parts: dict[str, Any] = {"gate_means": gate_means,
-                                     "output_rows": self._select(eye).T.contiguous(),
-                                     "weights": self._state["weights"]}
-            with torch.no_grad():
-                if self._meta.get("convolutional"):
-                    steps = conv_moments.moment_steps(layers)
-                    statistics = {**gate_means, **self._routing()}
-                    parts.update(steps=steps, statistics=statistics,
-                                 reference=conv_moments.reference_side(
-                                     steps, params0, mean, self.input_covariance(),
-                                     statistics, tuple(self._meta["input_shape"])))
-                else:
-                    propagate = reference_blocks if self.config.get("moments") == "exact" \
-                        else reference_moments
-                    parts["reference"] = propagate(layers, params0, mean,
-                                                   self.input_covariance(), gate_means,
-                                                   self._layer_moments())
-            self._cache["moment_parts"] = parts
+            self._cache["moment_parts"] = self._evaluator.prepare(
+                walk, self._moment_summary(params0))
         return self._cache["moment_parts"]
-
-    def _moment_distance(self, layers, params0, params1) -> Tensor:
-        parts = self.moment_parts(layers, params0)
-        if "steps" in parts:  # a convolutional network (fsd.conv_moments)
-            mean_d, trace = conv_moments.delta_side(
-                parts["steps"], params0, params1, parts["reference"], parts["statistics"],
-                parts["output_rows"], tuple(self._meta["input_shape"]))
-            per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace.clamp_min(0)
-        elif self.config.get("moments") == "exact":
-            per_group = 0.5 * delta_second_moment_adjoint(
-                layers, params0, params1, parts["reference"], parts["gate_means"],
-                parts["output_rows"]).clamp_min(0)
-        else:
-            mean_d, trace = delta_moments(layers, params0, params1, parts["reference"],
-                                          parts["gate_means"], parts["output_rows"])
-            # a variance (a second moment above) is ≥ 0 for PSD covariances; fsd.load admits
-            # eigenvalues down to −(round-off), which can leave a tiny negative one: clamp it
-            per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace.clamp_min(0)
-        return (parts["weights"] * per_group).sum()
-
-    def _graph_plan(self, model: nn.Module) -> GraphPlan:
-        """The graph as BGLN-D's exact moments walk it (cached; :mod:`fsd.graph_moments`)."""
-        if "graph_plan" not in self._cache:
-            dtype = self._state["input.mean"].dtype
-            self._cache["graph_plan"] = graph_plan(
-                model, self.reference_state(), int(self._meta["input_shape"][0]), dtype)
-        return self._cache["graph_plan"]
-
-    def _graph_moment_distance(self, model: nn.Module) -> Tensor:
-        plan = self._graph_plan(model)
-        mean = self._state["input.mean"]
-        eye = torch.eye(plan.output_size, dtype=mean.dtype, device=mean.device)
-        per_group = 0.5 * graph_second_moment(
-            plan, model, self.reference_state(), model_state(model), mean,
-            self.input_covariance(), self._gate_means(), self._select(eye).T).clamp_min(0)
-        return (self._state["weights"] * per_group).sum()
-
-    def _output_size(self, layers, params0) -> int:
-        if self._meta.get("convolutional"):  # the output's size, from a probe
-            probe = torch.zeros((1, *self._meta["input_shape"]),
-                                dtype=self._state["input.mean"].dtype,
-                                device=self._state["input.mean"].device)
-            z0, _ = propagate_linearized(layers, params0, None, probe)
-            return z0[0].numel()
-        last = [layer for layer in layers if isinstance(layer.rule, AffineRule)][-1]
-        return affine_rule(last).affine_matrix(last.module, params0, last.path)[0].shape[-2]
 
 
 class LAFTR(_LinearizedEstimator):

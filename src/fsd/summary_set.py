@@ -1,13 +1,11 @@
 """Several fitted summaries (e.g. one per previous task) evaluated as one penalty.
 
 Continual learning sums D(θ, θ_i, p_i) over all previous tasks i at every step.
-:class:`SummarySet` returns that (weighted) sum; BGLN-D summaries of the same architecture
-and covariance form are evaluated in one batched pass — their mixture components are stacked
-along the component dimension of :func:`fsd.interpreter.delta_moments` (``moments="paper"``)
-or :func:`fsd.exact_moments.delta_second_moment_adjoint` (``moments="exact"``), and (for
-Algorithm 2) their reference networks once per summary where all have as many components
-(else once per component) — so the number of operations per call does not grow with the
-number of tasks. Other estimators are evaluated one by one.
+:class:`SummarySet` returns that (weighted) sum. BGLN-D summaries whose evaluator stacks them
+(:meth:`fsd.evaluators.Evaluator.stack`: Algorithm 2 and exact moments on chains) and that
+share a call, an evaluator and a covariance form are evaluated in one batched pass — their
+mixture components stacked along the component dimension — so the number of operations per
+call does not grow with the number of tasks. Other estimators are evaluated one by one.
 """
 
 from __future__ import annotations
@@ -19,48 +17,23 @@ from torch import Tensor, nn
 
 from .calls import call_key
 from .estimator import Estimator, evaluation_mode, model_dtype_device
-from .exact_moments import delta_second_moment_adjoint
 from .graph import unwrap
-from .interpreter import delta_moments, model_state, trace
+from .interpreter import model_state, trace
 from .linearized import BGLN
 from .precision import float32_view
 
 
-def _form(estimator: BGLN) -> tuple:
-    """Estimators whose stored input covariances can be concatenated share this key."""
-    cov = estimator.input_covariance()
-    if isinstance(cov, tuple):
-        return ("lowrank", cov[0].shape[-1])
-    return ("full" if cov.dim() == 3 else "diag",)
-
-
 def _batch_key(estimator: Estimator) -> tuple | None:
     """Summaries with equal keys are evaluated in one pass; ``None``: one by one."""
-    # convolutional BGLN-D (fsd.conv_moments), BGLN-D on graphs (fsd.graph_moments) and the
-    # prototype moment variants (fsd.corrected_moments) are evaluated summary by summary
-    if isinstance(estimator, BGLN) and estimator.config["deterministic"] \
-            and estimator.config["moments"] in ("paper", "exact") \
-            and not estimator._meta.get("convolutional") and not estimator._meta.get("graph"):
-        # summaries that call the model differently (another task's head through
-        # forward_kwargs) walk different graphs: one batch per call
-        call = call_key(estimator._meta.get("output"), estimator._meta.get("forward_kwargs", {}))
-        return (call, estimator.config["moments"], *_form(estimator))
-    return None
-
-
-def _cat_padded(tensors: list[Tensor]) -> Tensor:
-    """Concatenate along dim 0, zero-padding the last dim to the widest.
-
-    Extra zero columns of a factor Φ leave ΦΦᵀ unchanged.
-    """
-    width = max(t.shape[-1] for t in tensors)
-    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tensors])
-
-
-def _cat_covariance(covs: list[Any]) -> Any:
-    if isinstance(covs[0], tuple):
-        return tuple(torch.cat(parts) for parts in zip(*covs, strict=True))
-    return torch.cat(covs)
+    if not (isinstance(estimator, BGLN) and estimator.config["deterministic"]):
+        return None
+    key = estimator._evaluator.stack_key(estimator._moment_summary({}))
+    if key is None:
+        return None
+    # summaries that call the model differently (another task's head through
+    # forward_kwargs) walk different graphs: one batch per call
+    return (call_key(estimator._meta.get("output"), estimator._meta.get("forward_kwargs", {})),
+            *key)
 
 
 class SummarySet:
@@ -125,77 +98,29 @@ class SummarySet:
 
     def _batched_moment_distance(self, model: nn.Module, members: list[int],
                                  dtype: torch.dtype, device: torch.device) -> Tensor:
-        # the members share their call (_batch_key): the model as the first calls it
-        layers = trace(self.estimators[members[0]].bind(model))
+        # the members share their call and evaluator (_batch_key): the model as the first
+        # calls it
+        first = self.estimators[members[0]]
+        assert isinstance(first, BGLN)  # _batch_key batches BGLN-D summaries only
+        evaluator = first._evaluator
+        layers = trace(first.bind(model))
         for i in members:
             estimator = self.estimators[i]
             estimator.check_architecture(model)
             estimator.place(dtype, device)
         key = (tuple(members), str(dtype), str(device))
         if key not in self._cache:
-            self._cache[key] = self._stack(layers, members)
-        stacked = self._cache[key]
+            parts, params0 = [], []
+            for i in members:
+                estimator = self.estimators[i]
+                assert isinstance(estimator, BGLN)
+                theta0 = estimator.reference_state()
+                parts.append(estimator.moment_parts(layers, theta0))
+                params0.append(theta0)
+            self._cache[key] = evaluator.stack(parts, params0,
+                                               [self.weights[i] for i in members])
         with evaluation_mode(model):
-            params1 = model_state(model)
-            if stacked["exact"]:
-                per_group = 0.5 * delta_second_moment_adjoint(
-                    layers, stacked["params0"], params1, stacked["reference"],
-                    stacked["gate_means"], stacked["output_rows"]).clamp_min(0)
-            else:
-                mean_d, trace_d = delta_moments(layers, stacked["params0"], params1,
-                                                stacked["reference"], stacked["gate_means"],
-                                                stacked["output_rows"])
-                # clamped as each summary's own distance is (fsd.BGLN)
-                per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace_d.clamp_min(0)
-        return (stacked["weights"] * per_group).sum()
-
-    def _stack(self, layers, members: list[int]) -> dict[str, Any]:
-        """Concatenate the members' fixed parts along the component dimension."""
-        parts, params0, counts = [], [], []
-        for i in members:
-            estimator = self.estimators[i]
-            assert isinstance(estimator, BGLN)  # _batch_key batches BGLN-D summaries only
-            theta0 = estimator.reference_state()
-            part = estimator.moment_parts(layers, theta0)
-            parts.append(part)
-            params0.append(theta0)
-            counts.append(part["weights"].shape[0])
-        exact = self.estimators[members[0]].config["moments"] == "exact"
-        if not exact and len(set(counts)) == 1:
-            # one reference network per summary, shared by its components (the classes of a
-            # class-wise summary): ΔW is formed once per summary, not once per class
-            stacked_params = {name: torch.stack([p[name] for p in params0])
-                              for name in params0[0]}
-        else:
-            stacked_params = {
-                name: torch.cat([p[name].expand(c, *p[name].shape)
-                                 for p, c in zip(params0, counts, strict=True)])
-                for name in params0[0]}
-        if exact:  # per affine layer a dict of blocks (fsd.exact_moments.reference_blocks)
-            reference = [
-                {name: (_cat_padded if name in ("factor", "p0") else torch.cat)(
-                    [p["reference"][j][name] for p in parts])
-                 for name in parts[0]["reference"][j]}
-                for j in range(len(parts[0]["reference"]))]
-        else:
-            reference = [
-                (torch.cat([p["reference"][j][0] for p in parts]),
-                 _cat_covariance([p["reference"][j][1] for p in parts]),
-                 torch.cat([p["reference"][j][2] for p in parts]))
-                for j in range(len(parts[0]["reference"]))]
-        gate_means = {path: torch.cat([p["gate_means"][path] for p in parts])
-                      for path in parts[0]["gate_means"]}
-        widest = max(p["output_rows"].shape[0] for p in parts)
-        rows = []
-        for p, c in zip(parts, counts, strict=True):
-            r = p["output_rows"]
-            padded = r.new_zeros(widest, r.shape[1])
-            padded[: r.shape[0]] = r  # zero rows select nothing
-            rows.append(padded.expand(c, *padded.shape))
-        weights = torch.cat([self.weights[i] * p["weights"]
-                             for i, p in zip(members, parts, strict=True)])
-        return {"params0": stacked_params, "reference": reference, "gate_means": gate_means,
-                "output_rows": torch.cat(rows), "weights": weights, "exact": exact}
+            return evaluator.distance(layers, self._cache[key], model_state(model))
 
 
 def combine(estimators: Sequence[Estimator], weights: Sequence[float] | None = None

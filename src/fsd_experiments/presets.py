@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsd.corrected_moments import BGLNVariant
+from fsd.moment_variants import BGLNVariant
 from fsd.estimator import Estimator
 from fsd.ewc import EWC
 from fsd.exact import ExactFSD

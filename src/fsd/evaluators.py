@@ -1,0 +1,472 @@
+"""BGLN-D's evaluators: one interface over the ways a summary's moments give its distance.
+
+A BGLN-D summary stores θ0, the input moments and the gate statistics. Turning them into
+E‖Δz‖² takes one of several walks of the model, each an :class:`Evaluator`:
+
+- ``"algorithm2"``: paper Algorithm 2 on a chain of flat layers (:mod:`fsd.interpreter`);
+- ``"algorithm2-conv"``: Algorithm 2 on a chain with convolutions and pools
+  (:mod:`fsd.conv_moments`);
+- ``"exact"``: exact moments on a chain of flat layers (:mod:`fsd.exact_moments`);
+- ``"exact-graph"``: exact moments on a graph of flat layers (:mod:`fsd.graph_moments`);
+- ``"corrected"``, ``"no-gate-variance"``, ``"no-cross-covariance"``: the corrected recursion
+  and two ablations on chains of flat layers (:mod:`fsd.corrected_moments`, prototypes).
+
+``fit`` picks one (:func:`choose`) and the summary records its name (``meta["evaluator"]``);
+the estimator's distance and :class:`fsd.SummarySet`'s batching talk to the interface only.
+An evaluator *prepares* what is fixed after fit once (:meth:`Evaluator.prepare`, cached by
+the estimator), *evaluates* the distance from it and θ, and — where summaries can share one
+pass — *stacks* several prepared summaries along the mixture-component dimension
+(:meth:`Evaluator.stack`). A new evaluator is one subclass registered with
+:func:`register`; ``docs/architecture.md`` has a worked example.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from . import conv_moments, corrected_moments, support
+from .covariance import Covariance
+from .exact_moments import delta_second_moment_adjoint, reference_blocks
+from .graph_moments import graph_plan, graph_second_moment
+from .interpreter import (
+    TracedLayer,
+    affine_rule,
+    check_moment_support,
+    delta_moments,
+    propagate_linearized,
+    reference_moments,
+)
+from .rules import AffineRule
+
+Walk = Any  # a chain of traced layers (``list[TracedLayer]``), or the model for a graph
+
+
+@dataclass(frozen=True)
+class MomentSummary:
+    """What a fitted BGLN-D summary hands its evaluator, in the current placement.
+
+    Attributes:
+        params0: θ0's parameters and buffers by name.
+        mean: the input means, one row per mixture component (G, d).
+        covariance: the input covariances (:mod:`fsd.covariance`'s forms).
+        gate_means: gate statistics by call-site path.
+        routing: max-pool routing frequencies by path (convolutional chains).
+        layer_moments: ``{path: (mean, cov)}`` of every affine layer's input for
+            ``reference="layerwise"``, else ``None``.
+        weights: the mixture weights (G,).
+        input_shape: one example's shape.
+        select: restricts outputs (…, k) to the units the summary was fitted on.
+    """
+
+    params0: dict[str, Tensor]
+    mean: Tensor
+    covariance: Covariance
+    gate_means: dict[str, Tensor]
+    routing: dict[str, Tensor]
+    layer_moments: dict[str, tuple[Tensor, Tensor]] | None
+    weights: Tensor
+    input_shape: tuple[int, ...]
+    select: Callable[[Tensor], Tensor]
+
+    def output_rows(self, size: int, contiguous: bool = True) -> Tensor:
+        """The rows selecting the fitted outputs among ``size`` (k', size)."""
+        eye = torch.eye(size, dtype=self.mean.dtype, device=self.mean.device)
+        rows = self.select(eye).T
+        return rows.contiguous() if contiguous else rows
+
+
+class Evaluator(ABC):
+    """One way to turn a BGLN-D summary into its distance.
+
+    Attributes:
+        name: recorded in the summary; :func:`get` finds the evaluator by it.
+        walks: ``"chain"`` — :meth:`prepare` and :meth:`distance` take the model's traced
+            layers (:func:`fsd.trace`); ``"graph"`` — they take the model itself.
+        statistics: what the summary must hold besides gate frequencies (``"routing"``:
+            max-pool routing frequencies).
+    """
+
+    name: ClassVar[str]
+    walks: ClassVar[str] = "chain"
+    statistics: ClassVar[frozenset[str]] = frozenset()
+
+    def check(self, walk: Walk, summary: MomentSummary) -> None:
+        """Refuse at ``fit`` what :meth:`distance` could not evaluate (raise)."""
+        if "routing" in self.statistics:
+            pools = [layer.path for layer in walk if layer.rule.collects == "routing"]
+            missing = [p for p in pools if p not in summary.routing]
+            if missing:
+                raise ValueError(f"the statistics hold no max-pool routing for {missing} "
+                                 f"(a collector made with gates=False?)")
+
+    @abstractmethod
+    def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
+        """What is fixed after fit, computed once: at least ``"weights"`` (G,)."""
+
+    @abstractmethod
+    def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
+                 ) -> Tensor:
+        """The summary's distance at θ = ``params1`` (a 0-dim tensor, differentiable)."""
+
+    def stack_key(self, summary: MomentSummary) -> tuple | None:
+        """Summaries of equal keys are evaluated in one pass by :meth:`stack`.
+
+        ``None``: this evaluator evaluates summaries one by one.
+        """
+        return None
+
+    def stack(self, parts: Sequence[dict[str, Any]], params0: Sequence[dict[str, Tensor]],
+              weights: Sequence[float]) -> dict[str, Any]:
+        """Several summaries' prepared parts as one, weights folded into the mixture weights.
+
+        :meth:`distance` of the result is Σ weight_i · distance_i.
+        """
+        raise NotImplementedError(f"the {self.name!r} evaluator does not stack summaries")
+
+
+_EVALUATORS: dict[str, Evaluator] = {}
+
+
+def register(evaluator: Evaluator) -> Evaluator:
+    """Make ``evaluator`` known by its name (summaries record it; :func:`get` returns it)."""
+    if not isinstance(evaluator, Evaluator):
+        raise TypeError(f"an evaluator is an instance of a subclass of fsd.evaluators."
+                        f"Evaluator, got {type(evaluator).__name__}")
+    _EVALUATORS[evaluator.name] = evaluator
+    return evaluator
+
+
+def get(name: str) -> Evaluator:
+    """The evaluator registered under ``name`` (``ValueError`` naming the known ones)."""
+    if name not in _EVALUATORS:
+        raise ValueError(f"unknown evaluator {name!r}; known: {', '.join(sorted(_EVALUATORS))}")
+    return _EVALUATORS[name]
+
+
+def names() -> list[str]:
+    """The registered evaluators' names."""
+    return sorted(_EVALUATORS)
+
+
+# ----- the choice at fit -------------------------------------------------------------------
+_CHAIN_NAMES = {"paper": "algorithm2", "exact": "exact"}
+
+
+def choose(layers: list[TracedLayer] | None, config: Mapping[str, Any],
+           input_shape: tuple[int, ...]) -> Evaluator:
+    """The evaluator for a BGLN-D ``config`` on a model, or refuse in one line.
+
+    Args:
+        layers: the model's chain (:func:`fsd.trace`), or ``None`` for a graph that is not
+            one (:meth:`fsd.BGLN.fit` has let only ``moments="exact"`` through then).
+        config: the estimator's configuration (``moments``, ``reference``).
+        input_shape: one example's shape.
+    """
+    moments = config["moments"]
+    if layers is None:
+        if len(input_shape) != 1:
+            use = support.advice(support.BGLN_D_EXACT, support.Feature.BRANCH,
+                                 support.Feature.UNFLAT)
+            raise NotImplementedError(
+                f"BGLN-D on a graph that is not a chain needs flat inputs (got examples of "
+                f"shape {input_shape}); {use}")
+        return get("exact-graph")
+    flat = check_moment_support(layers, input_shape, exact=moments == "exact",
+                                layerwise=config.get("reference") == "layerwise")
+    if not flat:
+        if moments != "paper":
+            use = support.advice(support.BGLN_D, support.Feature.UNFLAT)
+            raise NotImplementedError(f"BGLN-D with moments={moments!r} walks MLP chains "
+                                      f"only; {use}")
+        return get("algorithm2-conv")
+    return get(_CHAIN_NAMES.get(moments, moments))
+
+
+def recorded(meta: Mapping[str, Any], config: Mapping[str, Any]) -> Evaluator:
+    """The evaluator a fitted summary records, checked against its configuration.
+
+    Summaries written before evaluators had names record the walk in two flags
+    (``"graph"``, ``"convolutional"``); they are read here, and only here.
+    """
+    name = meta.get("evaluator")
+    if name is None:
+        name = "exact-graph" if meta.get("graph") else \
+            "algorithm2-conv" if meta.get("convolutional") else \
+            _CHAIN_NAMES.get(config["moments"], config["moments"])
+    if not isinstance(name, str) or name not in _EVALUATORS:
+        raise ValueError(f"meta 'evaluator': unknown evaluator {name!r}")
+    allowed = {"paper": ("algorithm2", "algorithm2-conv"), "exact": ("exact", "exact-graph")
+               }.get(config["moments"], (config["moments"],))
+    if name not in allowed:
+        raise ValueError(f"meta 'evaluator': {name!r} does not evaluate moments="
+                         f"{config['moments']!r}")
+    return _EVALUATORS[name]
+
+
+# ----- the evaluators ----------------------------------------------------------------------
+def _form(covariance: Covariance) -> tuple:
+    """Summaries whose input covariances can be concatenated share this key."""
+    if isinstance(covariance, tuple):
+        return ("lowrank", covariance[0].shape[-1])
+    return ("full" if covariance.dim() == 3 else "diag",)
+
+
+def _cat_padded(tensors: list[Tensor]) -> Tensor:
+    """Concatenate along dim 0, zero-padding the last dim to the widest.
+
+    Extra zero columns of a factor Φ leave ΦΦᵀ unchanged.
+    """
+    width = max(t.shape[-1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tensors])
+
+
+def _cat_covariance(covs: list[Any]) -> Any:
+    if isinstance(covs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*covs, strict=True))
+    return torch.cat(covs)
+
+
+def _chain_output_size(layers: list[TracedLayer], params0: Mapping[str, Tensor]) -> int:
+    last = [layer for layer in layers if isinstance(layer.rule, AffineRule)][-1]
+    return affine_rule(last).affine_matrix(last.module, params0, last.path)[0].shape[-2]
+
+
+class _ChainEvaluator(Evaluator):
+    """Shared parts of the flat-chain evaluators, and their stacking."""
+
+    def _common(self, layers: list[TracedLayer], summary: MomentSummary) -> dict[str, Any]:
+        return {"gate_means": summary.gate_means,
+                "output_rows": summary.output_rows(_chain_output_size(layers, summary.params0)),
+                "weights": summary.weights}
+
+    def stack_key(self, summary: MomentSummary) -> tuple | None:
+        """One pass for summaries of this evaluator and covariance form."""
+        return (self.name, *_form(summary.covariance))
+
+    def _stack_common(self, parts: Sequence[dict[str, Any]],
+                      params0: Sequence[dict[str, Tensor]], weights: Sequence[float],
+                      per_summary: bool) -> dict[str, Any]:
+        counts = [p["weights"].shape[0] for p in parts]
+        if per_summary:
+            # one reference network per summary, shared by its components (the classes of a
+            # class-wise summary): ΔW is formed once per summary, not once per class
+            stacked_params = {name: torch.stack([p[name] for p in params0])
+                              for name in params0[0]}
+        else:
+            stacked_params = {
+                name: torch.cat([p[name].expand(c, *p[name].shape)
+                                 for p, c in zip(params0, counts, strict=True)])
+                for name in params0[0]}
+        gate_means = {path: torch.cat([p["gate_means"][path] for p in parts])
+                      for path in parts[0]["gate_means"]}
+        widest = max(p["output_rows"].shape[0] for p in parts)
+        rows = []
+        for p, c in zip(parts, counts, strict=True):
+            r = p["output_rows"]
+            padded = r.new_zeros(widest, r.shape[1])
+            padded[: r.shape[0]] = r  # zero rows select nothing
+            rows.append(padded.expand(c, *padded.shape))
+        stacked_weights = torch.cat([w * p["weights"]
+                                     for w, p in zip(weights, parts, strict=True)])
+        return {"params0": stacked_params, "gate_means": gate_means,
+                "output_rows": torch.cat(rows), "weights": stacked_weights}
+
+
+class Algorithm2(_ChainEvaluator):
+    """Paper Algorithm 2 on a chain of flat layers (:func:`fsd.interpreter.delta_moments`)."""
+
+    name = "algorithm2"
+
+    def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
+        """Reference-side moments at every layer (:func:`fsd.interpreter.reference_moments`)."""
+        parts = self._common(walk, summary)
+        with torch.no_grad():
+            parts["reference"] = reference_moments(walk, summary.params0, summary.mean,
+                                                   summary.covariance, summary.gate_means,
+                                                   summary.layer_moments)
+        parts["params0"] = summary.params0
+        return parts
+
+    def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
+                 ) -> Tensor:
+        """½‖E[Δz]‖² + ½ tr Cov(Δz), mixed over components."""
+        mean_d, trace = delta_moments(walk, parts["params0"], params1, parts["reference"],
+                                      parts["gate_means"], parts["output_rows"])
+        # a variance (a second moment above) is ≥ 0 for PSD covariances; fsd.load admits
+        # eigenvalues down to −(round-off), which can leave a tiny negative one: clamp it
+        per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace.clamp_min(0)
+        return (parts["weights"] * per_group).sum()
+
+    def stack(self, parts: Sequence[dict[str, Any]], params0: Sequence[dict[str, Tensor]],
+              weights: Sequence[float]) -> dict[str, Any]:
+        """Components concatenated; θ0 once per summary where all have as many components."""
+        counts = {p["weights"].shape[0] for p in parts}
+        stacked = self._stack_common(parts, params0, weights, per_summary=len(counts) == 1)
+        stacked["reference"] = [
+            (torch.cat([p["reference"][j][0] for p in parts]),
+             _cat_covariance([p["reference"][j][1] for p in parts]),
+             torch.cat([p["reference"][j][2] for p in parts]))
+            for j in range(len(parts[0]["reference"]))]
+        return stacked
+
+
+class ExactMoments(_ChainEvaluator):
+    """Exact moments on a chain of flat layers (:mod:`fsd.exact_moments`, the adjoint)."""
+
+    name = "exact"
+
+    def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
+        """Reference blocks of every affine layer (:func:`fsd.exact_moments.reference_blocks`)."""
+        parts = self._common(walk, summary)
+        with torch.no_grad():
+            parts["reference"] = reference_blocks(walk, summary.params0, summary.mean,
+                                                  summary.covariance, summary.gate_means,
+                                                  summary.layer_moments)
+        parts["params0"] = summary.params0
+        return parts
+
+    def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
+                 ) -> Tensor:
+        """½ E‖Δz‖² by the adjoint recursion, mixed over components."""
+        per_group = 0.5 * delta_second_moment_adjoint(
+            walk, parts["params0"], params1, parts["reference"], parts["gate_means"],
+            parts["output_rows"]).clamp_min(0)
+        return (parts["weights"] * per_group).sum()
+
+    def stack(self, parts: Sequence[dict[str, Any]], params0: Sequence[dict[str, Tensor]],
+              weights: Sequence[float]) -> dict[str, Any]:
+        """Components concatenated, θ0 repeated per component, factors zero-padded."""
+        stacked = self._stack_common(parts, params0, weights, per_summary=False)
+        # per affine layer a dict of blocks (fsd.exact_moments.reference_blocks)
+        stacked["reference"] = [
+            {name: (_cat_padded if name in ("factor", "p0") else torch.cat)(
+                [p["reference"][j][name] for p in parts])
+             for name in parts[0]["reference"][j]}
+            for j in range(len(parts[0]["reference"]))]
+        return stacked
+
+
+class ConvAlgorithm2(Evaluator):
+    """Algorithm 2 on a chain of convolutions, pools and flat layers (:mod:`fsd.conv_moments`)."""
+
+    name = "algorithm2-conv"
+    statistics = frozenset({"routing"})
+
+    def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
+        """The steps, the reference side and the output rows (from a probe's output size)."""
+        probe = torch.zeros((1, *summary.input_shape), dtype=summary.mean.dtype,
+                            device=summary.mean.device)
+        with torch.no_grad():
+            z0, _ = propagate_linearized(walk, summary.params0, None, probe)
+            steps = conv_moments.moment_steps(walk)
+            statistics = {**summary.gate_means, **summary.routing}
+            reference = conv_moments.reference_side(steps, summary.params0, summary.mean,
+                                                    summary.covariance, statistics,
+                                                    summary.input_shape)
+        return {"output_rows": summary.output_rows(z0[0].numel()), "weights": summary.weights,
+                "steps": steps, "statistics": statistics, "reference": reference,
+                "params0": summary.params0, "input_shape": summary.input_shape}
+
+    def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
+                 ) -> Tensor:
+        """½‖E[Δz]‖² + ½ tr Cov(Δz) through the convolutional steps."""
+        mean_d, trace = conv_moments.delta_side(
+            parts["steps"], parts["params0"], params1, parts["reference"], parts["statistics"],
+            parts["output_rows"], parts["input_shape"])
+        per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace.clamp_min(0)
+        return (parts["weights"] * per_group).sum()
+
+
+class GraphExactMoments(Evaluator):
+    """Exact moments on any traced graph of flat layers (:mod:`fsd.graph_moments`)."""
+
+    name = "exact-graph"
+    walks = "graph"
+
+    def check(self, walk: Walk, summary: MomentSummary) -> None:
+        """Build the plan once: it refuses what it cannot propagate."""
+        self.prepare(walk, summary)  # the plan refuses what it cannot propagate
+
+    def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
+        """The graph's plan (:func:`fsd.graph_moments.graph_plan`) and the input moments."""
+        plan = graph_plan(walk, summary.params0, int(summary.input_shape[0]),
+                          summary.mean.dtype)
+        return {"plan": plan, "params0": summary.params0, "mean": summary.mean,
+                "covariance": summary.covariance, "gate_means": summary.gate_means,
+                "output_rows": summary.output_rows(plan.output_size, contiguous=False),
+                "weights": summary.weights}
+
+    def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
+                 ) -> Tensor:
+        """½ E‖Δz‖² over the graph, mixed over components."""
+        per_group = 0.5 * graph_second_moment(
+            parts["plan"], walk, parts["params0"], params1, parts["mean"], parts["covariance"],
+            parts["gate_means"], parts["output_rows"]).clamp_min(0)
+        return (parts["weights"] * per_group).sum()
+
+
+class _Variant(_ChainEvaluator):
+    """The moment variants of :mod:`fsd.corrected_moments` (prototypes, MLP chains)."""
+
+    def stack_key(self, summary: MomentSummary) -> tuple | None:
+        """Prototypes: evaluated one by one."""
+        return None
+
+    def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
+        """The corrected reference side (none for the dense ablation)."""
+        parts = self._common(walk, summary)
+        if self.name != "no-cross-covariance":
+            with torch.no_grad():
+                parts["reference"] = corrected_moments.corrected_reference(
+                    walk, summary.params0, summary.mean, summary.covariance,
+                    summary.gate_means)
+        parts.update(params0=summary.params0, mean=summary.mean,
+                     covariance=summary.covariance)
+        return parts
+
+    def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
+                 ) -> Tensor:
+        """½ of the variant's second moment, mixed over components."""
+        if self.name == "no-cross-covariance":
+            value = corrected_moments.ablated_second_moment(
+                walk, parts["params0"], params1, parts["mean"], parts["covariance"],
+                parts["gate_means"], parts["output_rows"], cross_covariance=False)
+        else:  # without the gate variance: the mean-gate network, by the rows alone
+            value = corrected_moments.corrected_second_moment(
+                walk, parts["params0"], params1, parts["reference"], parts["gate_means"],
+                parts["output_rows"], gate_variance=self.name == "corrected")
+        assert isinstance(value, Tensor)
+        return (parts["weights"] * 0.5 * value.clamp_min(0)).sum()
+
+
+class Corrected(_Variant):
+    """Algorithm 2 with the gates' variance carried to the outputs (the corrected recursion)."""
+
+    name = "corrected"
+
+
+class NoGateVariance(_Variant):
+    """The mean-gate network alone: the corrected recursion without its correction."""
+
+    name = "no-gate-variance"
+
+
+class NoCrossCovariance(_Variant):
+    """Exact moments without Cov(a0, Δa) (dense; an ablation)."""
+
+    name = "no-cross-covariance"
+
+
+for _evaluator in (Algorithm2(), ExactMoments(), ConvAlgorithm2(), GraphExactMoments(),
+                   Corrected(), NoGateVariance(), NoCrossCovariance()):
+    register(_evaluator)
+
+
+def as_walk(evaluator: Evaluator, layers: list[TracedLayer] | None, model: nn.Module) -> Walk:
+    """What ``evaluator`` walks: the chain, or the model for a graph evaluator."""
+    return model if evaluator.walks == "graph" else layers
