@@ -1,0 +1,107 @@
+"""fsd.evaluators: the choice at fit, the name a summary records, and files written before.
+
+The evaluators' maths is checked against dense references in the tests of their modules
+(test_exact_moments*, test_conv_moments, test_graph_moments, test_corrected_moments); here,
+that ``fit`` picks the right one for each model, that a summary records it and is evaluated
+by it after ``load``, and that summaries written before evaluators had names (two flags in
+the metadata) give the same distance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fsd
+from conftest import DTYPE, cnn, labelled_batches, mlp, perturbed
+from fsd import evaluators
+from fsd.moment_variants import BGLNVariant
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.hidden, self.out = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        return self.out(h + torch.relu(self.hidden(h)))
+
+
+def _residual() -> nn.Module:
+    torch.manual_seed(0)
+    return Residual().to(DTYPE)
+
+
+CASES = [  # (model, input shape, estimator, the evaluator fit must pick)
+    (lambda: mlp([4, 6, 5, 3]), (4,), lambda: fsd.BGLN(deterministic=True), "algorithm2"),
+    (lambda: mlp([4, 6, 5, 3]), (4,),
+     lambda: fsd.BGLN(deterministic=True, reference="layerwise"), "algorithm2"),
+    (lambda: mlp([4, 6, 5, 3]), (4,), lambda: fsd.BGLN(deterministic=True, moments="exact"),
+     "exact"),
+    (cnn, (1, 8, 8), lambda: fsd.BGLN(deterministic=True), "algorithm2-conv"),
+    (_residual, (4,), lambda: fsd.BGLN(deterministic=True, moments="exact"), "exact-graph"),
+    (lambda: mlp([4, 6, 5, 3]), (4,), lambda: BGLNVariant(moments="corrected"), "corrected"),
+    (lambda: mlp([4, 6, 5, 3]), (4,), lambda: BGLNVariant(moments="no-gate-variance"),
+     "no-gate-variance"),
+    (lambda: mlp([4, 6, 5, 3]), (4,), lambda: BGLNVariant(moments="no-cross-covariance"),
+     "no-cross-covariance"),
+]
+
+
+@pytest.mark.parametrize("build,shape,make,name", CASES, ids=[c[3] for c in CASES])
+def test_fit_records_the_evaluator_it_chose_and_load_uses_it(build, shape, make, name,
+                                                             tmp_path):
+    model = build()
+    data = labelled_batches(48, shape, seed=3)
+    estimator = make().fit(model, data)
+    assert estimator._meta["evaluator"] == name
+    assert estimator._evaluator is evaluators.get(name)
+    other = perturbed(model, 0.1, seed=4)
+    value = estimator.distance(other)
+    assert float(value.detach()) > 0
+    estimator.save(tmp_path / "s.pt")
+    loaded = fsd.load(tmp_path / "s.pt")
+    assert loaded._evaluator is evaluators.get(name)
+    assert torch.equal(loaded.distance(other), value)
+
+
+@pytest.mark.parametrize("build,shape,make,name", [c for c in CASES if c[3] in (
+    "algorithm2", "algorithm2-conv", "exact", "exact-graph")], ids=lambda c: str(c))
+def test_a_summary_written_before_evaluator_names_reads_its_flags(build, shape, make, name):
+    model = build()
+    estimator = make().fit(model, labelled_batches(48, shape, seed=3))
+    other = perturbed(model, 0.1, seed=4)
+    # what earlier versions wrote: no name, a flag for the convolutional and graph walks
+    del estimator._meta["evaluator"]
+    if name == "algorithm2-conv":
+        estimator._meta["convolutional"] = True
+    if name == "exact-graph":
+        estimator._meta["graph"] = True
+    old = fsd.from_payload(estimator.to_payload())
+    assert old._evaluator is evaluators.get(name)
+    assert torch.equal(old.distance(other), make().fit(model, labelled_batches(
+        48, shape, seed=3)).distance(other))
+
+
+@pytest.mark.parametrize("recorded", ["exact", "algorithm3", 7])
+def test_load_refuses_an_evaluator_that_is_unknown_or_not_the_configurations(recorded):
+    estimator = fsd.BGLN(deterministic=True).fit(mlp([4, 5, 3]), labelled_batches(32, (4,)))
+    estimator._meta["evaluator"] = recorded  # moments="paper": not exact moments
+    with pytest.raises(fsd.SummaryFormatError, match="evaluator"):
+        fsd.from_payload(estimator.to_payload())
+
+
+def test_prototype_variants_refuse_a_cnn_at_fit():
+    with pytest.raises(NotImplementedError, match="walks MLP chains only") as info:
+        BGLNVariant(moments="corrected").fit(cnn(), labelled_batches(32, (1, 8, 8)))
+    assert "\n" not in str(info.value)
+
+
+def test_the_registry_refuses_what_is_not_an_evaluator_and_names_the_known_ones():
+    with pytest.raises(TypeError, match="Evaluator"):
+        evaluators.register(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="algorithm2-conv"):
+        evaluators.get("nope")
+    assert {"algorithm2", "algorithm2-conv", "exact", "exact-graph"} <= set(evaluators.names())
