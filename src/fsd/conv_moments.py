@@ -42,7 +42,7 @@ from torch.func import vjp
 
 from .covariance import Covariance, sampling_factor
 from .interpreter import TracedLayer
-from .rules import AffineRule, FixedRule
+from .rules import is_affine, is_fixed
 
 Step = tuple[TracedLayer, ...]
 """One step of the walk: a run of affine and parameter-free layers holding an affine one
@@ -51,7 +51,7 @@ Step = tuple[TracedLayer, ...]
 
 def is_run(step: Step) -> bool:
     """Whether ``step`` is a run of layers holding an affine one (else a single layer)."""
-    return any(isinstance(layer.rule, AffineRule) for layer in step)
+    return any(is_affine(layer.rule) for layer in step)
 
 
 def moment_steps(layers: list[TracedLayer]) -> list[Step]:
@@ -60,14 +60,14 @@ def moment_steps(layers: list[TracedLayer]) -> list[Step]:
     segment: list[TracedLayer] = []
 
     def close() -> None:
-        if any(isinstance(layer.rule, AffineRule) for layer in segment):
+        if any(is_affine(layer.rule) for layer in segment):
             steps.append(tuple(segment))
         else:
             steps.extend((layer,) for layer in segment)
         segment.clear()
 
     for layer in layers:
-        if isinstance(layer.rule, (AffineRule, FixedRule)):
+        if is_affine(layer.rule) or is_fixed(layer.rule):
             segment.append(layer)
         else:
             close()
@@ -102,7 +102,7 @@ def _run_reference(run: tuple[TracedLayer, ...], params0: Mapping[str, Tensor], 
     """The run at θ0: affine (with biases) or linear (without)."""
     for layer in run:
         rule = layer.rule
-        if isinstance(rule, AffineRule):
+        if is_affine(rule):
             weight, b = rule.affine_parameters(layer.module, params0, layer.path)
             x = _affine(layer, x, weight, b if bias else None)
         else:
@@ -120,7 +120,7 @@ def _run_delta(run: tuple[TracedLayer, ...], params0: Mapping[str, Tensor],
     s0, ds = a0, da
     for layer in run:
         rule, module = layer.rule, layer.module
-        if isinstance(rule, AffineRule):
+        if is_affine(rule):
             w0, b0 = rule.affine_parameters(module, params0, layer.path)
             w1 = rule.affine_parameters(module, params1, layer.path)[0]
             dw, db = rule.affine_delta(module, params0, params1, layer.path)

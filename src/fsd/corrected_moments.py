@@ -58,7 +58,7 @@ from torch import Tensor
 from .covariance import Covariance
 from .exact_moments import _homogeneous_delta, _homogeneous_layer, input_factor, input_offsets
 from .interpreter import TracedLayer
-from .rules import AffineRule, GateMoments, GateRule, UnsupportedModuleError
+from .rules import GateMoments, UnsupportedModuleError, is_affine, is_gate
 
 #: the variants :class:`fsd.moment_variants.BGLNVariant` computes (``moments=``)
 VARIANTS: tuple[str, ...] = ("corrected", "no-gate-variance", "no-cross-covariance")
@@ -79,10 +79,10 @@ def _affine_steps(layers: list[TracedLayer], gate_means: Mapping[str, Tensor]) -
     trailing = False
     for layer, offset in zip(layers, input_offsets(layers), strict=True):
         rule = layer.rule
-        if isinstance(rule, AffineRule):
+        if is_affine(rule):
             steps.append(_Step(layer, offset, gate))
             gate, trailing = None, False
-        elif isinstance(rule, GateRule):
+        elif is_gate(rule):
             if not steps:
                 raise UnsupportedModuleError(
                     f"moment variants need an affine layer before the gate at '{layer.path}'")

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .covariance import Covariance, sampling_factor
 from .interpreter import TracedLayer, affine_rule
-from .rules import AffineRule, GateMoments, GateRule, UnsupportedModuleError
+from .rules import GateMoments, GateRule, UnsupportedModuleError, is_affine, is_gate
 
 
 def _homogeneous(weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -55,10 +55,10 @@ def input_offsets(layers: list[TracedLayer]) -> list[float]:
     offsets, pending = [], 0.0
     for layer in layers:
         rule = layer.rule
-        offsets.append(pending if isinstance(rule, AffineRule) else 0.0)
-        if isinstance(rule, GateRule):
+        offsets.append(pending if is_affine(rule) else 0.0)
+        if is_gate(rule):
             pending = rule.gate_offset(layer.module)
-        elif isinstance(rule, AffineRule):
+        elif is_affine(rule):
             pending = 0.0
     return offsets
 
@@ -160,7 +160,7 @@ def reference_blocks(
     pending: tuple[Tensor, Tensor] | None = None  # (E[s0 s0ᵀ], E[s0]) not yet gated
     for layer, offset in zip(layers, input_offsets(layers), strict=True):
         rule = layer.rule
-        if isinstance(rule, AffineRule):
+        if is_affine(rule):
             if pending is not None:  # affine after affine: no gate in between
                 r00, pending = _gated_homogeneous(*pending, None), None
             if out and layer_moments is not None:
@@ -188,7 +188,7 @@ def reference_blocks(
                 w0r00 = w0 @ r00
                 out.append({"r00": r00, "w0r00": w0r00, "mean": r00[..., -1, :]})
                 pending = (w0r00 @ w0.T, w0r00[..., -1])
-        elif isinstance(rule, GateRule):
+        elif is_gate(rule):
             if pending is None:
                 raise UnsupportedModuleError(
                     f"exact moments need an affine layer right before the gate at '{layer.path}'")
@@ -228,7 +228,7 @@ def delta_second_moment(
     index = 0
     for layer, offset in zip(layers, input_offsets(layers), strict=True):
         rule = layer.rule
-        if isinstance(rule, AffineRule):
+        if is_affine(rule):
             if pending is not None:  # affine after affine: no gate in between
                 r0d, rdd, mean_d = gated(None)
             block = reference[index]
@@ -254,7 +254,7 @@ def delta_second_moment(
                 sdd = sdd + cross + cross.transpose(-1, -2) + w1 @ rdd @ w1.T
                 ed = ed + mean_d @ w1.T
             pending, r0d, rdd, mean_d = (s0d, sdd, ed), None, None, None
-        elif isinstance(rule, GateRule) and pending is not None:
+        elif is_gate(rule) and pending is not None:
             r0d, rdd, mean_d = gated(_gate(layer, rule, gate_means))
             pending = None
     final = pending[1] if pending is not None else rdd
@@ -555,7 +555,7 @@ def delta_second_moment_adjoint(
     for the first layer, products of ΔW̃ with the cached input factor — instead of dense
     (o + 1)² moments pushed forward through every layer.
     """
-    affine = [i for i, layer in enumerate(layers) if isinstance(layer.rule, AffineRule)]
+    affine = [i for i, layer in enumerate(layers) if is_affine(layer.rule)]
     if not affine:
         raise UnsupportedModuleError("the model has no parameterized layer")
     mean = reference[0]["mean"]
@@ -568,9 +568,9 @@ def delta_second_moment_adjoint(
     for position in range(len(layers) - 1, affine[0] - 1, -1):
         layer = layers[position]
         rule = layer.rule
-        if isinstance(rule, GateRule):
+        if is_gate(rule):
             adjoint = adjoint.gated(_gate(layer, rule, gate_means))
-        elif isinstance(rule, AffineRule):
+        elif is_affine(rule):
             index -= 1
             w1 = rule.affine_matrix(layer.module, params1, layer.path)[0]
             dwh = _homogeneous_delta(layer, params0, params1, offsets[position])

@@ -444,7 +444,7 @@ def _find_gates(graph: fx.Graph, modules: dict[str, nn.Module], sites: dict[fx.N
             module = modules[str(node.target)]
             path = sites[node]
             rule = rules.RULES.get(type(module))
-            if not isinstance(rule, rules.GateRule):
+            if not rules.is_gate(rule):
                 continue
         elif node.op in ("call_function", "call_method"):
             replacement = _gate_call(node)

@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten
 from . import rules, support
 from .covariance import Covariance
 from .graph import gate_nodes, out_of_place, traced_graph, unwrap
-from .rules import AffineRule, GateRule
+from .rules import AffineRule, GateRule, is_affine, is_gate
 
 
 @dataclass(frozen=True)
@@ -219,19 +219,19 @@ def _affine_value(node: fx.Node, module: nn.Module, reference: Mapping[str, Tens
 
 def _affine_rule(module: nn.Module) -> AffineRule:
     rule = rules.RULES[type(module)]
-    assert isinstance(rule, AffineRule), type(module).__name__  # checked by _affine
+    assert is_affine(rule), type(module).__name__  # checked by _affine
     return rule
 
 
 def _gate_rule(module: nn.Module) -> GateRule:
     rule = rules.RULES[type(module)]
-    assert isinstance(rule, GateRule), type(module).__name__  # a gate node's module
+    assert is_gate(rule), type(module).__name__  # a gate node's module
     return rule
 
 
 def _affine(module: nn.Module) -> bool:
     rule = rules.RULES.get(type(module))
-    return isinstance(rule, AffineRule)
+    return is_affine(rule)
 
 
 def _widths(nodes: list[fx.Node], gates: Mapping[fx.Node, Any],

@@ -13,8 +13,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -23,16 +22,16 @@ from . import rules, support
 from .covariance import Covariance, quadratic_trace, sandwich
 from .graph import chain, unwrap
 from .hooks import forward_hooks
-from .rules import AffineRule, FixedRule, GateRule, Rule, UnsupportedModuleError, rule_for
-
-
-@dataclass(frozen=True)
-class TracedLayer:
-    """A leaf module of the model with its dotted path and its rule."""
-
-    path: str
-    module: nn.Module
-    rule: Rule
+from .rules import (  # GateFn, TracedLayer: defined in rules, whose methods take them; re-exported
+    AffineRule,
+    GateFn,
+    TracedLayer,
+    UnsupportedModuleError,
+    is_affine,
+    is_fixed,
+    is_gate,
+    rule_for,
+)
 
 
 def trace(model: nn.Module) -> list[TracedLayer]:
@@ -139,17 +138,10 @@ def layer_signature(layers: list[TracedLayer]) -> list[dict]:
     ]
 
 
-GateFn = Callable[[TracedLayer, Tensor], tuple[Tensor, Tensor]]
-"""``gate(layer, s0) -> (a0, g)``: at the gate layer ``layer``, given the reference
-pre-activation ``s0``, the reference activation a0 and the gate g that multiplies the
-differences (Δa = g·Δs), both broadcastable to ``s0``.
-"""
-
-
 def true_gates(layer: TracedLayer, s0: Tensor) -> tuple[Tensor, Tensor]:
     """LAFTR's gates: (φ(s0), φ'(s0)) of the reference network itself."""
     rule = layer.rule
-    assert isinstance(rule, GateRule)  # called at gate layers only
+    assert is_gate(rule)  # called at gate layers only
     return rule.reference_gates(layer.module, s0)
 
 
@@ -197,13 +189,13 @@ def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]
     supported = True
     for layer in layers:
         if not (layer.rule.flat_moments(layer.module)
-                and isinstance(layer.rule, (AffineRule, FixedRule, GateRule))):
+                and (is_affine(layer.rule) or is_fixed(layer.rule) or is_gate(layer.rule))):
             supported = False
-        elif isinstance(layer.rule, FixedRule):
+        elif is_fixed(layer.rule):
             _check_identity(layer)
         if isinstance(layer.module, nn.Flatten):
             flat = True
-        elif isinstance(layer.rule, AffineRule) and not flat:
+        elif is_affine(layer.rule) and not flat:
             supported = False
     if not supported:
         what = "moments='exact'" if exact else "reference='layerwise'" if layerwise else None
@@ -223,8 +215,7 @@ def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]
     if exact:
         previous: TracedLayer | None = None  # the last layer that is not parameter-free
         for layer in layers:
-            if isinstance(layer.rule, GateRule) and (
-                    previous is None or not isinstance(previous.rule, AffineRule)):
+            if is_gate(layer.rule) and (previous is None or not is_affine(previous.rule)):
                 name = f"{type(layer.module).__name__} at '{layer.path}'"
                 after = "the input" if previous is None else \
                     f"{type(previous.module).__name__} at '{previous.path}'"
@@ -233,7 +224,7 @@ def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]
                 raise NotImplementedError(
                     f"BGLN-D with exact moments needs an affine layer (Linear, BatchNorm1d) "
                     f"before every activation; {name} follows {after}; {use}")
-            if not isinstance(layer.rule, FixedRule):
+            if not is_fixed(layer.rule):
                 previous = layer
     return True
 
@@ -266,9 +257,9 @@ def _moment_steps(layers: list[TracedLayer]) -> list[TracedLayer | tuple[TracedL
     steps: list[TracedLayer | tuple[TracedLayer, ...]] = []
     run: list[TracedLayer] = []
     for layer in layers:
-        if isinstance(layer.rule, AffineRule):
+        if is_affine(layer.rule):
             run.append(layer)
-        elif isinstance(layer.rule, GateRule):
+        elif is_gate(layer.rule):
             if run:
                 steps.append(tuple(run))
                 run = []
@@ -281,7 +272,7 @@ def _moment_steps(layers: list[TracedLayer]) -> list[TracedLayer | tuple[TracedL
 def affine_rule(layer: TracedLayer) -> AffineRule:
     """The rule of a layer that a walker has grouped with the affine layers (a run)."""
     rule = layer.rule
-    assert isinstance(rule, AffineRule), layer.path
+    assert is_affine(rule), layer.path
     return rule
 
 
@@ -364,7 +355,7 @@ def reference_moments(
             mean, cov = s0_mean, sandwich(w0, cov)
         else:
             rule = step.rule
-            assert isinstance(rule, GateRule)  # _moment_steps gives runs and gates
+            assert is_gate(rule)  # _moment_steps gives runs and gates
             # Algorithm 2 gates means by E[r] (μ for a ReLU) and covariances by E[r]E[r]ᵀ; a
             # gate follows an affine layer, whose sandwich() made the covariance full
             mean, cov = rule.reference_moments(step.module, gate_means[step.path], mean,
@@ -432,7 +423,7 @@ def delta_moments(
     Returns:
         ``(mean (G, k'), trace (G,))``.
     """
-    if not any(isinstance(layer.rule, AffineRule) for layer in layers):
+    if not any(is_affine(layer.rule) for layer in layers):
         raise UnsupportedModuleError("the model has no parameterized layer")
     # ΔW = W1 − W0 is formed first and multiplied by the reference quantities: subtracting
     # two products instead, (m W1ᵀ + b1) − m W0ᵀ, loses the digits the products share (in
@@ -442,7 +433,7 @@ def delta_moments(
     deltas: dict[int, tuple[Tensor, Tensor]] = {}
     gate_mean = {layer.path: layer.rule.gate_moments(layer.module,
                                                      gate_means[layer.path]).delta_mean
-                 for layer in layers if isinstance(layer.rule, GateRule)}
+                 for layer in layers if is_gate(layer.rule)}
     mean_d: Tensor | None = None
     index = 0
     for position, step in enumerate(steps):

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import autodiff, rules
 from .graph import GateNode, gate_nodes, out_of_place, traced_graph, unwrap
 from .interpreter import GateFn, TracedLayer, true_gates
-from .rules import AffineRule, UnsupportedModuleError
+from .rules import UnsupportedModuleError, is_affine
 
 
 def graph_gates(model: nn.Module) -> list[TracedLayer]:
@@ -193,7 +193,7 @@ def _module(node: fx.Node, module: nn.Module, reference: Mapping[str, Tensor],
     state0 = {n: reference[prefix + n] for n in names}
     state1 = {n: current[prefix + n] for n in names}
     rule = rules.RULES.get(type(module))
-    if isinstance(rule, AffineRule):  # the chain's step: ΔW first, no cancellation as θ → θ0
+    if is_affine(rule):  # the chain's step: ΔW first, no cancellation as θ → θ0
         (a0,) = _arguments(node, value, {})[0]
         return rule.linearized(TracedLayer("", module, rule), a0, delta[node.all_input_nodes[0]],
                                state0, state1, true_gates)

@@ -17,14 +17,20 @@ estimator family needs from that operation:
   (:meth:`AffineRule.affine_matrix`), which the walkers compose.
 
 The walkers (:mod:`fsd.interpreter`, :mod:`fsd.exact_moments`, :mod:`fsd.conv_moments`) are
-generic; adding a layer type means registering a rule (:func:`register_rule`).
+generic; adding a layer type means registering a rule (:func:`register_rule`). Where a walk's
+structure depends on the operation type, a walker reads the rule's :attr:`Rule.kind`
+(:func:`is_affine`, :func:`is_fixed`, :func:`is_gate`, :func:`is_pool`), never its class.
+
+The traced layer (:class:`TracedLayer`) and the gate callback (:data:`GateFn`) that rules
+receive are defined here, in the module the walkers import, and re-exported by
+:mod:`fsd.interpreter`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +40,6 @@ from torch.nn.modules.utils import _pair
 
 from . import support
 from .covariance import gate as gate_covariance
-
-if TYPE_CHECKING:
-    from .interpreter import GateFn, TracedLayer
 
 SMOOTH_MOMENTS = 5
 """Moments a smooth gate stores per unit: E[r], E[g], E[r²], E[rg], E[g²] (last dimension)."""
@@ -78,6 +81,22 @@ class GateMoments:
 
 
 @dataclass(frozen=True)
+class TracedLayer:
+    """A leaf module of the model with its dotted path and its rule."""
+
+    path: str
+    module: nn.Module
+    rule: Rule
+
+
+GateFn = Callable[[TracedLayer, Tensor], tuple[Tensor, Tensor]]
+"""``gate(layer, s0) -> (a0, g)``: at the gate layer ``layer``, given the reference
+pre-activation ``s0``, the reference activation a0 and the gate g that multiplies the
+differences (Δa = g·Δs), both broadcastable to ``s0``.
+"""
+
+
+@dataclass(frozen=True)
 class Rule(ABC):
     """How the estimators treat one module type: the operation it is and how to apply it.
 
@@ -86,7 +105,7 @@ class Rule(ABC):
     :class:`MaxPoolRule`), registered for a module type with :func:`register_rule`. The
     walkers call its methods without asking which operation it is; only where the structure
     of a walk depends on the operation type (runs of affine layers composed into one map,
-    affine layers before gates) do they test the class.
+    affine layers before gates) do they read its :attr:`kind`, which a subclass inherits.
 
     The callables receive a module of exactly the registered type, so they may use its own
     attributes (annotated ``Any``: the type checker cannot tie a rule to its type).
@@ -107,6 +126,29 @@ class Rule(ABC):
     apply: Callable[..., Any]
     hyper: Callable[[Any], dict] = field(default=lambda m: {})
     flat_moments: Callable[[Any], bool] = field(default=lambda m: False)
+
+    kind: ClassVar[str] = "other"
+    """The operation type, which says what the rule promises the walkers that dispatch on it
+    (:func:`is_affine`, :func:`is_fixed`, :func:`is_gate`, :func:`is_pool`):
+
+    - ``"affine"`` (:class:`AffineRule`): ``apply(module, x, weight, bias)`` and
+      :meth:`~AffineRule.affine_parameters`, :meth:`~AffineRule.affine_delta`,
+      :meth:`~AffineRule.affine_matrix`, :meth:`~AffineRule.affine_delta_matrix`; the moment
+      walkers compose consecutive affine layers into one map.
+    - ``"fixed"`` (:class:`FixedRule`): ``apply(module, x)``, a parameter-free linear map
+      applied to activations, differences, means and covariance factors alike; it may join a
+      run of affine layers.
+    - ``"gate"`` (:class:`GateRule`, :class:`SmoothGateRule`): an elementwise activation with
+      the gate methods :meth:`~GateRule.reference_gates`, :meth:`~GateRule.gate_pair`,
+      :meth:`~GateRule.gate_statistics`, :meth:`~GateRule.gate_moments`,
+      :meth:`~GateRule.reference_moments`, :meth:`~GateRule.sample_gates` (and
+      :attr:`~GateRule.smooth`: whether its statistics are a smooth gate's moments).
+    - ``"pool"`` (:class:`MaxPoolRule`): ``apply(module, x) -> (y, indices)``, the routing of
+      a max-pool (:attr:`collects` ``"routing"``).
+    - ``"other"``: an operation of a user's own :class:`Rule` subclass, which promises only
+      the methods of :class:`Rule`; the walkers that need a known kind refuse it or take
+      their general path.
+    """
 
     collects: ClassVar[str | None] = None
     """What a fit records at the layer's input, for BGLN: ``"gates"`` (the per-unit average of
@@ -135,7 +177,7 @@ class Rule(ABC):
             params1: parameters θ (and buffers) of the other network by name, or ``None`` to
                 run the reference only.
             gate: the reference activation and the gate at a gate layer
-                (:data:`fsd.interpreter.GateFn`); only gate rules call it.
+                (:data:`GateFn`); only gate rules call it.
 
         Returns:
             ``(a0, da)`` leaving the layer, ``da`` ``None`` as long as it is zero.
@@ -208,6 +250,7 @@ class AffineRule(Rule):
     delta: Callable[[Any, Mapping[str, Tensor], Mapping[str, Tensor], str],
                     tuple[Tensor, Tensor | None]] | None = None
 
+    kind: ClassVar[str] = "affine"
     collects: ClassVar[str | None] = "layer_moments"
 
     def linearized(self, layer: TracedLayer, a0: Tensor, da: Tensor | None,
@@ -272,6 +315,8 @@ class FixedRule(Rule):
     ``fit`` refuses a rule that claims it for a map that is not the identity on a probe.
     """
 
+    kind: ClassVar[str] = "fixed"
+
     def linearized(self, layer: TracedLayer, a0: Tensor, da: Tensor | None,
                    params0: Mapping[str, Tensor], params1: Mapping[str, Tensor] | None,
                    gate: GateFn) -> tuple[Tensor, Tensor | None]:
@@ -307,7 +352,11 @@ class GateRule(Rule):
 
     negative_slope: Callable[[Any], float] = field(default=lambda m: 0.0)
 
+    kind: ClassVar[str] = "gate"
     collects: ClassVar[str | None] = "gates"
+    smooth: ClassVar[bool] = False
+    """Whether the gate is a smooth one (:class:`SmoothGateRule`): its stored statistics are
+    the :data:`SMOOTH_MOMENTS` moments of (r, g) per unit, not firing frequencies."""
 
     def linearized(self, layer: TracedLayer, a0: Tensor, da: Tensor | None,
                    params0: Mapping[str, Tensor], params1: Mapping[str, Tensor] | None,
@@ -419,8 +468,11 @@ class SmoothGateRule(GateRule):
     stores their first and second moments E[r], E[g], E[r²], E[rg], E[g²] per unit; BGLN-D
     with exact moments needs nothing else, and BGLN-S draws (r, g) from the normal
     distribution with those moments. For a ReLU the pair is r = g = u ~ Bernoulli(μ), so the
-    two forms agree (:class:`GateMoments`). ``negative_slope`` is not used.
+    two forms agree (:class:`GateMoments`). ``negative_slope`` is not used. Its
+    :attr:`~Rule.kind` is ``"gate"``, with :attr:`~GateRule.smooth` true.
     """
+
+    smooth: ClassVar[bool] = True
 
     def gate_offset(self, module: nn.Module) -> float:
         """φ(0)."""
@@ -487,6 +539,7 @@ class MaxPoolRule(Rule):
     was the window's argmax on the data (:func:`routing_statistics`, stored at fit).
     """
 
+    kind: ClassVar[str] = "pool"
     collects: ClassVar[str | None] = "routing"
 
     def linearized(self, layer: TracedLayer, a0: Tensor, da: Tensor | None,
@@ -511,6 +564,26 @@ class MaxPoolRule(Rule):
                        statistics: Mapping[str, Tensor]) -> Tensor:
         """:func:`expected_routing` with the stored routing frequencies."""
         return expected_routing(layer.module, x, statistics[layer.path].to(x.dtype))  # type: ignore[arg-type]
+
+
+def is_affine(rule: Rule | None) -> TypeGuard[AffineRule]:
+    """Whether ``rule`` is of kind ``"affine"`` (``None``, a module without a rule: no)."""
+    return rule is not None and rule.kind == "affine"
+
+
+def is_fixed(rule: Rule | None) -> TypeGuard[FixedRule]:
+    """Whether ``rule`` is of kind ``"fixed"``: a parameter-free linear map."""
+    return rule is not None and rule.kind == "fixed"
+
+
+def is_gate(rule: Rule | None) -> TypeGuard[GateRule]:
+    """Whether ``rule`` is of kind ``"gate"``, smooth or not (:attr:`GateRule.smooth`)."""
+    return rule is not None and rule.kind == "gate"
+
+
+def is_pool(rule: Rule | None) -> TypeGuard[MaxPoolRule]:
+    """Whether ``rule`` is of kind ``"pool"``: a max-pool's routing."""
+    return rule is not None and rule.kind == "pool"
 
 
 def _batched(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:

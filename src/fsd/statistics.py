@@ -26,7 +26,7 @@ from .graph import unwrap
 from .hooks import recording_hook
 from .interpreter import TracedLayer, trace
 from .linearize import graph_gates
-from .rules import SmoothGateRule, UnsupportedModuleError
+from .rules import UnsupportedModuleError, is_gate
 
 
 class MomentAccumulator:
@@ -253,7 +253,7 @@ class StatisticsCollector:
                        if gates else [])
         self.gate_paths = [layer.path for layer in gate_layers]
         self.smooth_gates = [layer.path for layer in gate_layers
-                             if isinstance(layer.rule, SmoothGateRule)]
+                             if is_gate(layer.rule) and layer.rule.smooth]
         # max-pools are BGLN-D's other gate: how each window routes, on the data
         pool_layers = ([layer for layer in layers if layer.rule.collects == "routing"]
                        if gates else [])
