@@ -8,8 +8,8 @@ from torch import nn
 
 import fsd
 from fsd.corrected_moments import ablated_second_moment, corrected_second_moment
-from fsd.moment_variants import BGLNVariant
 from fsd.interpreter import model_state
+from fsd.moment_variants import BGLNVariant
 
 
 def _mlp(hidden=2, seed=0, d=5, width=6, outputs=3):

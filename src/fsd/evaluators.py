@@ -41,7 +41,7 @@ from .interpreter import (
     propagate_linearized,
     reference_moments,
 )
-from .rules import AffineRule
+from .rules import is_affine
 
 Walk = Any  # a chain of traced layers (``list[TracedLayer]``), or the model for a graph
 
@@ -154,7 +154,7 @@ def names() -> list[str]:
 
 
 # ----- the choice at fit -------------------------------------------------------------------
-_CHAIN_NAMES = {"paper": "algorithm2", "exact": "exact"}
+_CHAIN_NAMES: dict[str, str] = {"paper": "algorithm2", "exact": "exact"}
 
 
 def choose(layers: list[TracedLayer] | None, config: Mapping[str, Any],
@@ -167,7 +167,7 @@ def choose(layers: list[TracedLayer] | None, config: Mapping[str, Any],
         config: the estimator's configuration (``moments``, ``reference``).
         input_shape: one example's shape.
     """
-    moments = config["moments"]
+    moments: str = config["moments"]
     if layers is None:
         if len(input_shape) != 1:
             use = support.advice(support.BGLN_D_EXACT, support.Feature.BRANCH,
@@ -232,7 +232,7 @@ def _cat_covariance(covs: list[Any]) -> Any:
 
 
 def _chain_output_size(layers: list[TracedLayer], params0: Mapping[str, Tensor]) -> int:
-    last = [layer for layer in layers if isinstance(layer.rule, AffineRule)][-1]
+    last = [layer for layer in layers if is_affine(layer.rule)][-1]
     return affine_rule(last).affine_matrix(last.module, params0, last.path)[0].shape[-2]
 
 

@@ -44,7 +44,7 @@ from .interpreter import (
 )
 from .linearize import graph_gates, linearized_outputs
 from .metrics import check_metric, pointwise_distance
-from .rules import SMOOTH_MOMENTS, GateRule, UnsupportedModuleError
+from .rules import SMOOTH_MOMENTS, UnsupportedModuleError, is_gate
 from .signature import parameter_signature
 from .statistics import StatisticsCollector
 from .validation import (
@@ -431,7 +431,7 @@ class _LinearizedEstimator(Estimator):
         def gate(layer: TracedLayer, s0: Tensor) -> tuple[Tensor, Tensor]:
             # one independent draw per sample and unit, from that sample's component
             rule, module = layer.rule, layer.module
-            assert isinstance(rule, GateRule)  # called at gate layers only
+            assert is_gate(rule)  # called at gate layers only
             r, g = rule.sample_gates(module, gate_means[layer.path][group], generator)
             return r * s0 + rule.gate_offset(module), g
         return gate
