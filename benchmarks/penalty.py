@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 import fsd
+from fsd import evaluators
 from fsd.testing import dense_algorithm2
 from fsd_experiments.compare import mlp, train
 from fsd_experiments.data import DataNotFoundError, TensorBatches, load_mnist, split_by_classes
@@ -445,8 +446,10 @@ def section_h(args, x, y, fit_data) -> None:
         return float(value.detach())
 
     for k in (1, 3, 9):
-        summary_set = fsd.combine(summaries[:k])
-        per_summary = summary_set._stack(layers, list(range(k)))
+        members = summaries[:k]
+        per_summary = evaluators.get("algorithm2").stack(
+            [e.moment_parts(layers, e.reference_state()) for e in members],
+            [e.reference_state() for e in members], [1.0] * k)
         classes = per_summary["weights"].shape[0] // k
         per_class = dict(per_summary, params0={
             name: p.repeat_interleave(classes, dim=0) for name, p in
