@@ -234,6 +234,7 @@ class StatisticsCollector:
         self._moment_acc: dict[int, MomentAccumulator] = {}
         self._gate_acc: dict[int, dict[str, GateAccumulator]] = {}
         self._layer_acc: dict[int, dict[str, MomentAccumulator]] = {}
+        self._counts: dict[int, int] = {}  # examples per key, where nothing else counts them
         self._labels: Tensor | None = None
         self._active = False
         self._handles = []
@@ -292,6 +293,12 @@ class StatisticsCollector:
         if any(len(paths) > 1 for _, paths in sites.values()):
             self._handles.append(model.register_forward_pre_hook(
                 recording_hook(self._new_forward_fn())))
+        if moments is None and not sites:
+            # nothing above records an example (BGLN-S with coreset inputs on a model without
+            # activations — an LSTM classifier, a linear model): the examples and their
+            # classes are still counted, for the mixture weights and the class groups
+            self._handles.append(model.register_forward_pre_hook(
+                recording_hook(self._count_hook_fn()), with_kwargs=True))
 
     @contextlib.contextmanager
     def record(self, labels: Tensor | None = None) -> Iterator[None]:
@@ -355,6 +362,20 @@ class StatisticsCollector:
             acc = self._moment_acc.setdefault(key, MomentAccumulator(self.moments == "diag"))
             acc.update(part)
 
+    def _count_hook_fn(self):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self._active:
+                return
+            # the batch: the first tensor argument (a model called with keywords only too)
+            x = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+            if x is None or x.dim() == 0 or x.shape[0] == 0:
+                return
+            if self.input_shape is None:
+                self.input_shape = tuple(x.shape[1:])
+            for key, part in self._split(x):
+                self._counts[key] = self._counts.get(key, 0) + part.shape[0]
+        return hook
+
     def _new_forward_fn(self):
         # a forward of the model starts: reused modules count their calls from the first
         def hook(module: nn.Module, args: tuple) -> None:
@@ -401,19 +422,26 @@ class StatisticsCollector:
         """Number of examples recorded."""
         if self._moment_acc:
             return sum(a.count for a in self._moment_acc.values())
+        if self._counts:
+            return sum(self._counts.values())
         return sum(next(iter(g.values())).count for g in self._gate_acc.values() if g)
 
-    def _merged_over_ranks(self) -> tuple[dict, dict, dict, tuple[int, ...] | None]:
-        """The accumulators, merged in rank order over all ranks when distributed."""
+    def _merged_over_ranks(self) -> tuple[dict, dict, dict, dict, tuple[int, ...] | None]:
+        """The accumulators and counts, merged in rank order over all ranks when distributed."""
         if distributed.world_size() == 1:
-            return self._moment_acc, self._gate_acc, self._layer_acc, self.input_shape
+            return (self._moment_acc, self._gate_acc, self._layer_acc, self._counts,
+                    self.input_shape)
         moment_acc: dict[int, MomentAccumulator] = {}
         gate_acc: dict[int, dict[str, GateAccumulator]] = {}
         layer_acc: dict[int, dict[str, MomentAccumulator]] = {}
+        counts: dict[int, int] = {}
         input_shape = None
-        local = (self._moment_acc, self._gate_acc, self._layer_acc, self.input_shape)
-        for moments, gates, layers, shape in distributed.gather_objects(local):
+        local = (self._moment_acc, self._gate_acc, self._layer_acc, self._counts,
+                 self.input_shape)
+        for moments, gates, layers, rank_counts, shape in distributed.gather_objects(local):
             input_shape = input_shape or shape
+            for key, n in rank_counts.items():
+                counts[key] = counts.get(key, 0) + n
             for key, acc in moments.items():
                 moment_acc.setdefault(key, MomentAccumulator(acc.diagonal)).merge(acc)
             for key, per_path in gates.items():
@@ -423,7 +451,7 @@ class StatisticsCollector:
             for key, per_path in layers.items():
                 for path, acc in per_path.items():
                     layer_acc.setdefault(key, {}).setdefault(path, MomentAccumulator()).merge(acc)
-        return moment_acc, gate_acc, layer_acc, input_shape
+        return moment_acc, gate_acc, layer_acc, counts, input_shape
 
     def finalize(self, classwise: bool | int = False) -> Statistics:
         """Merge what was recorded into the mixture components asked for.
@@ -432,8 +460,8 @@ class StatisticsCollector:
         records are merged first, so each rank gets the statistics of the union of the
         shards (:mod:`fsd.distributed`); call it on every rank.
         """
-        moment_acc, gate_acc, layer_acc, input_shape = self._merged_over_ranks()
-        keys = sorted(set(moment_acc) | set(gate_acc))
+        moment_acc, gate_acc, layer_acc, counted, input_shape = self._merged_over_ranks()
+        keys = sorted(set(moment_acc) | set(gate_acc) | set(counted))
         if not keys:
             raise ValueError("no examples were recorded: the data was empty or record() "
                              "was never entered")
@@ -458,8 +486,10 @@ class StatisticsCollector:
                 counts.append(moment.count)
                 means.append(moment.mean)
                 covs.append(moment.covariance())
-            else:
-                counts.append(next(iter(gate.values())).count if gate else 0)
+            elif gate:
+                counts.append(next(iter(gate.values())).count)
+            else:  # no moments, no gates: the examples counted (a model without activations)
+                counts.append(sum(counted.get(key, 0) for key in group))
             for p in gates:
                 gates[p].append(gate[p].value)
             for p in self.layer_paths:
