@@ -291,3 +291,42 @@ def test_walker_of_finds_an_estimators_row():
     assert support.walker_of(fsd.LAFTR, fsd.LAFTR().config) is support.LAFTR
     from fsd.moment_variants import BGLNVariant  # a subclass: its base class's row
     assert support.walker_of(BGLNVariant, BGLNVariant().config) is support.BGLN_D
+
+
+def test_advice_says_so_when_no_other_walker_takes_the_features():
+    # before: IndexError from an empty list of takers (ExactFSD, which takes any model, is the
+    # one refusing here, and nothing else takes both features)
+    features = (Feature.NOT_DIFFERENTIABLE, Feature.NO_PER_EXAMPLE_GRADIENTS)
+    assert support.takers(*features, failing=support.EXACT_FSD) == []
+    assert support.advice(support.EXACT_FSD, *features) == (
+        "no other estimator takes a model with an operation neither forward mode nor two "
+        "reverse-mode products take and parameters without per-example gradients (no "
+        "backward); change that part of the model")
+
+
+def test_advice_is_one_line_for_every_walker_and_pair_of_features():
+    # every refusing walker × every feature or pair of features: the walkers the advice
+    # names are exactly the takers, or it says that none is
+    pairs = [(f,) for f in Feature] + [(f, g) for f in Feature for g in Feature if f != g]
+    for failing in support.WALKERS:
+        for features in pairs:
+            text = support.advice(failing, *features)
+            named = support.takers(*features, failing=failing)
+            assert text and "\n" not in text, (failing.name, features)
+            if not named:
+                assert text.startswith("no other estimator takes a model with "), text
+                assert all(f.value in text for f in features), text
+                continue
+            assert text.startswith("use "), text
+            for walker in support.WALKERS:
+                spelled = walker.spelled(features)[0]
+                assert (f"{spelled} on " in text or f"{spelled}, " in text
+                        or f"{spelled} or " in text) == (walker in named), (text, walker.name)
+
+
+def test_advice_with_a_table_where_nothing_else_takes_a_model(monkeypatch):
+    monkeypatch.setattr(support, "WALKERS", (support.LAFTR,))
+    assert support.advice(support.LAFTR, Feature.HOOK) == (
+        "no other estimator takes a model with a forward hook that changes a layer's output; "
+        "change that part of the model")
+    assert support.advice(support.LAFTR) == "no other estimator takes this model"

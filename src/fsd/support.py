@@ -135,12 +135,23 @@ def _either(names: list[str]) -> str:
 def advice(failing: Walker, *features: Feature) -> str:
     """What to use instead, in one clause: ``"use A or B on <scope>, or C, D on any model"``.
 
+    Where no walker takes them all (ExactFSD refusing, or features no row takes together),
+    the clause says so: ``"no other estimator takes a model with <features>; change that
+    part of the model"``.
+
     Args:
         failing: the walker that refuses (never named).
         features: what it refused; the walkers named take all of them.
     """
+    named = takers(*features, failing=failing)
+    if not named:
+        wanted = list(dict.fromkeys(features))  # in the order given, once each
+        if not wanted:
+            return "no other estimator takes this model"
+        return (f"no other estimator takes a model with "
+                f"{' and '.join(f.value for f in wanted)}; change that part of the model")
     groups: list[tuple[str, list[str]]] = []
-    for walker in takers(*features, failing=failing):
+    for walker in named:
         name = walker.spelled(features)[0]
         if groups and groups[-1][0] == walker.scope:
             groups[-1][1].append(name)
