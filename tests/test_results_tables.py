@@ -106,3 +106,20 @@ def test_refreshing_a_page_rewrites_only_its_blocks(tmp_path):
     # a number changed by hand is caught
     doc.write_text(new.replace("99.60 ± 0.10", "99.61 ± 0.10"))
     assert stale_tables(doc, tmp_path) == ["results/*"]
+
+
+def test_a_block_glob_takes_row_folders_not_the_files_beside_them(tmp_path):
+    _write(tmp_path / "results" / "T1-bgln-s", _results("bgln-s", [99.5]))
+    (tmp_path / "results" / "T-notes.md").write_text("notes, not a run\n")
+    page = "<!-- fsd cl report results/T* --rows: begin -->\n<!-- fsd cl report: end -->\n"
+    table = refreshed(page, tmp_path)
+    assert "| T1 | bgln-s |" in table and "notes" not in table
+    with pytest.raises(ValueError, match="matches no folder"):
+        refreshed(page.replace("results/T*", "results/*.md"), tmp_path)
+
+
+def test_the_protocol_column_and_the_row_tables_compare_the_same_settings(tmp_path):
+    # a coreset size off the defaults is named by both (the report once left it out)
+    _write(tmp_path / "R1-ntk", _results("ntk", [99.5], coreset_size=256))
+    assert "coreset size 256" in continual.row_tables([str(tmp_path)])
+    assert "**not paper protocol**: coreset_size" in continual.report([str(tmp_path)])

@@ -13,12 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsd.moment_variants import BGLNVariant
 from fsd.estimator import Estimator
 from fsd.ewc import EWC
 from fsd.exact import ExactFSD
 from fsd.kfac import KFAC
 from fsd.linearized import BGLN, LAFTR
+from fsd.moment_variants import BGLNVariant
 from fsd.ntk import NTK
 
 from .benchmarks import CIFAR_BENCHMARKS, CL_BENCHMARKS, default_model

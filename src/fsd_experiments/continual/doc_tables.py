@@ -31,9 +31,10 @@ def render(args: str, root: Path) -> str:
     """The table that ``fsd cl report ARGS --rows`` prints, run from ``root``."""
     paths: list[str] = []
     for word in shlex.split(args):
-        found = sorted(glob.glob(word, root_dir=root))
+        # row folders only: a file beside them (a README, notes) matches a glob as well
+        found = [f for f in sorted(glob.glob(word, root_dir=root)) if (root / f).is_dir()]
         if not found:
-            raise ValueError(f"{word} matches nothing under {root}")
+            raise ValueError(f"{word} matches no folder under {root}")
         paths += [str(root / f) for f in found]
     return row_tables(paths)
 

@@ -152,6 +152,13 @@ def _find_results(paths: Sequence[str]) -> list[Path]:
     return found
 
 
+#: the settings compared with the defaults — by ``report``'s protocol column ("not paper
+#: protocol: …") and the row tables' "differs from the defaults" cell — in this order
+SETTINGS = ("fsd_scale", "lr", "epochs", "first_epochs", "batch_size", "model", "width",
+            "penalty_outputs", "metric", "rank", "optimizer", "penalty", "coreset_size",
+            "num_samples", "momentum", "train_subset", "test_subset", "tasks", "validation")
+
+
 def _protocol(hp: Hyperparameters, benchmark: str, method: str, device: str = "cpu") -> str:
     paper = default_hyperparameters(benchmark, method)
     epochs = f"{hp.epochs} ep" if hp.first_epochs is None else \
@@ -159,10 +166,7 @@ def _protocol(hp: Hyperparameters, benchmark: str, method: str, device: str = "c
     network = f"w {hp.width}" if hp.model == "mlp" else "CNN"
     parts = [epochs, f"bs {hp.batch_size}", f"λ {hp.fsd_scale:g}", f"lr {hp.lr:g}", network]
     settings = hp.to_dict()
-    changed = [k for k in ("epochs", "first_epochs", "batch_size", "fsd_scale", "lr", "model",
-                           "width", "train_subset", "test_subset", "tasks", "optimizer",
-                           "penalty", "rank", "metric", "penalty_outputs", "validation")
-               if settings[k] != paper[k]]
+    changed = [k for k in SETTINGS if settings[k] != paper[k]]
     if hp.optimizer != paper["optimizer"]:
         parts.append(f"{hp.optimizer} Adam")
     if hp.penalty != paper["penalty"]:
@@ -233,11 +237,6 @@ def report(paths: Sequence[str]) -> str:
 #: a row folder's name: its row id (letters, number, optional lower-case suffix), a dash, a name
 _ROW_FOLDER = re.compile(r"^([A-Z]+)(\d+)([a-z]*)-")
 
-#: the settings a row's "differs from the defaults" cell names, in this order
-_ROW_SETTINGS = ("fsd_scale", "lr", "epochs", "first_epochs", "batch_size", "model", "width",
-                 "penalty_outputs", "metric", "rank", "optimizer", "penalty", "coreset_size",
-                 "num_samples", "momentum", "train_subset", "test_subset", "tasks",
-                 "validation")
 
 
 def _row_key(path: Path) -> tuple[str, int, str]:
@@ -254,7 +253,7 @@ def _row_changes(hp: Hyperparameters, benchmark: str, method: str) -> str:
     names = {"fsd_scale": "λ", "penalty_outputs": "penalty outputs"}
     changed = [f"{names.get(k, k.replace('_', ' '))} "
                + (f"{settings[k]:g}" if isinstance(settings[k], float) else f"{settings[k]}")
-               for k in _ROW_SETTINGS if settings[k] != defaults[k]]
+               for k in SETTINGS if settings[k] != defaults[k]]
     return ", ".join(changed) or "–"
 
 
