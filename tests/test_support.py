@@ -9,6 +9,7 @@ holding) the table's advice for the refusing walker and the feature.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from typing import Callable
 
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsd
-from fsd import support
+from fsd import rules, support
 from fsd.support import Feature
 
 DTYPE = torch.float64
@@ -330,3 +331,98 @@ def test_advice_with_a_table_where_nothing_else_takes_a_model(monkeypatch):
         "no other estimator takes a model with a forward hook that changes a layer's output; "
         "change that part of the model")
     assert support.advice(support.LAFTR) == "no other estimator takes this model"
+
+
+# ----- exact moments on a graph: which feature each refusal names -----------------------------
+
+class _ConvInGraph(nn.Module):
+    """Flat inputs, a residual graph, and a convolution on the hidden vector viewed as an image."""
+
+    def __init__(self, unflatten: bool = False) -> None:
+        super().__init__()
+        self.inp, self.conv, self.out = nn.Linear(4, 16), nn.Conv2d(1, 1, 3, padding=1), \
+            nn.Linear(16, 3)
+        self.unflatten = nn.Unflatten(1, (1, 4, 4)) if unflatten else None
+
+    def forward(self, x):
+        h = self.inp(x)
+        image = self.unflatten(h) if self.unflatten is not None else h.view(-1, 1, 4, 4)
+        return self.out(h + F.relu(self.conv(image)).flatten(1))
+
+
+def _advised(monkeypatch) -> list[tuple[Feature, ...]]:
+    """The features every support.advice call gets from here on."""
+    calls: list[tuple[Feature, ...]] = []
+    original = support.advice
+
+    def spy(failing, *features):
+        calls.append(features)
+        return original(failing, *features)
+    monkeypatch.setattr(support, "advice", spy)
+    return calls
+
+
+_UNFLAT_GRAPH = (Feature.BRANCH, Feature.UNFLAT)
+
+
+@pytest.mark.parametrize("unflatten", [False, True], ids=["view", "nn.Unflatten"])
+def test_a_convolution_in_a_graph_is_refused_as_unflat_with_the_walkers_that_take_it(
+        unflatten, monkeypatch):
+    # before: refused as "an operation that is not affine" (Feature.NON_AFFINE), about
+    # "an output of shape (17, 1, 4, 4) for 17 examples"
+    torch.manual_seed(0)
+    model = _ConvInGraph(unflatten).to(DTYPE)
+    data = torch.randn(30, 4, dtype=DTYPE)
+    advised = _advised(monkeypatch)
+    with pytest.raises(NotImplementedError) as info:
+        fsd.BGLN(deterministic=True, moments="exact").fit(model, data)
+    message = str(info.value)
+    node = "unflatten" if unflatten else "view"
+    assert message.startswith(
+        f"BGLN-D with exact moments on a graph: a tensor of shape (1, 4, 4) per example (flat "
+        f"feature vectors only) at graph node '{node}'"), message
+    assert "\n" not in message
+    assert advised[-1] == _UNFLAT_GRAPH
+    assert message.endswith(support.advice(support.BGLN_D_EXACT, *_UNFLAT_GRAPH))
+    # every walker it names takes models with non-flat tensors, and fits this one
+    named = support.takers(*_UNFLAT_GRAPH, failing=support.BGLN_D_EXACT)
+    assert named and all(Feature.UNFLAT in w.takes for w in named)
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    for walker in named:
+        value = _build(walker, _UNFLAT_GRAPH).fit(model, data).distance(moved)
+        assert torch.isfinite(value) and float(value) > 0, walker.name
+
+
+def test_an_affine_layer_without_flat_moments_in_a_graph_is_refused_as_unflat(monkeypatch):
+    # a layer whose rule propagates no flat moments (a convolution's): here a Linear whose
+    # rule says so, as a flat tensor never reaches a real Conv2d in a graph of flat inputs
+    linear = rules.RULES[nn.Linear]
+    assert isinstance(linear, fsd.AffineRule)
+    monkeypatch.setitem(rules.RULES, nn.Linear, dataclasses.replace(
+        linear, flat_moments=lambda module: False))
+    model, data, _ = _example((Feature.BRANCH,))
+    advised = _advised(monkeypatch)
+    with pytest.raises(NotImplementedError, match=r"Linear on images at graph node 'inp'") as info:
+        fsd.BGLN(deterministic=True, moments="exact").fit(model, data)
+    assert advised[-1] == _UNFLAT_GRAPH
+    assert str(info.value).endswith(support.advice(support.BGLN_D_EXACT, *_UNFLAT_GRAPH))
+
+
+def test_an_operation_that_is_not_affine_is_still_refused_as_non_affine(monkeypatch):
+    class Softmaxed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.out = nn.Linear(4, 4), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.out(x + torch.softmax(self.fc(x), dim=-1))
+
+    advised = _advised(monkeypatch)
+    with pytest.raises(NotImplementedError, match=r"not affine in its inputs") as info:
+        fsd.BGLN(deterministic=True, moments="exact").fit(Softmaxed().to(DTYPE),
+                                                          torch.randn(30, 4, dtype=DTYPE))
+    assert advised[-1] == (Feature.NON_AFFINE,)
+    assert str(info.value).endswith(support.advice(support.BGLN_D_EXACT, Feature.NON_AFFINE))

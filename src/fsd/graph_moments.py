@@ -32,8 +32,10 @@ for a chain the specialised module is faster, for graphs this is the exact answe
 
 Operations with parameters but no flat affine rule (LayerNorm, attention, a parameter read in
 ``forward``), operations that are not affine (softmax, a product of two activations) and
-tensors that are not flat feature vectors (convolutions) raise ``NotImplementedError`` naming
-the graph node; BGLN-S and LAFTR take them.
+tensors that are not flat feature vectors (a view to an image before a convolution) raise
+``NotImplementedError`` naming the graph node and the walkers that take such a model
+(:func:`fsd.support.advice`: for non-flat tensors those that take
+:attr:`~fsd.support.Feature.UNFLAT` graphs); BGLN-S and LAFTR take them.
 """
 
 from __future__ import annotations
@@ -95,11 +97,22 @@ class GraphPlan:
     output_size: int
 
 
-def _refuse(node: fx.Node, why: str) -> NotImplementedError:
+# a tensor that is not a flat feature vector, in a graph that is not a chain (the graphs
+# walked here): the walkers that take both, not Algorithm 2's chains of layers
+_UNFLAT_GRAPH = (support.Feature.BRANCH, support.Feature.UNFLAT)
+
+
+def _refuse(node: fx.Node, why: str, *features: support.Feature) -> NotImplementedError:
+    """The one-line refusal at ``node``, with the table's advice for ``features``.
+
+    ``features``: what the model has that this walk cannot take; by default an operation
+    that is not affine (:attr:`fsd.support.Feature.NON_AFFINE`).
+    """
+    features = features or (support.Feature.NON_AFFINE,)
     return NotImplementedError(
         f"BGLN-D with exact moments on a graph: {why} at graph node '{node.name}' "
         f"({node.op} {_target_name(node)}); "
-        f"{support.advice(support.BGLN_D_EXACT, support.Feature.NON_AFFINE)}")
+        f"{support.advice(support.BGLN_D_EXACT, *features)}")
 
 
 def _target_name(node: fx.Node) -> str:
@@ -180,7 +193,7 @@ def graph_plan(model: nn.Module, reference: Mapping[str, Tensor], input_width: i
         elif node.op == "call_module" and _affine(modules[str(node.target)]):
             module = modules[str(node.target)]
             if not _affine_rule(module).flat_moments(module):
-                raise _refuse(node, f"{type(module).__name__} on images")
+                raise _refuse(node, f"{type(module).__name__} on images", *_UNFLAT_GRAPH)
             value[node] = _affine_value(node, module, reference, value, dtype)
             step = GraphStep("affine", node.name, (node.all_input_nodes[0].name,),
                              str(node.target))
@@ -198,7 +211,7 @@ def graph_plan(model: nn.Module, reference: Mapping[str, Tensor], input_width: i
             out = value[node]
             if out.dim() != 2:
                 raise _refuse(node, f"a tensor of shape {tuple(out.shape[1:])} per example "
-                                    f"(flat feature vectors only)")
+                                    f"(flat feature vectors only)", *_UNFLAT_GRAPH)
             data.add(node)
         dead += [n.name for n in nodes[:index + 1] if n in data and last_use[n] == index]
         if step is not None:
@@ -287,6 +300,11 @@ def _linear_step(node: fx.Node, inputs: list[fx.Node], value: dict[fx.Node, Any]
     zeros = {n: torch.zeros_like(value[n]) for n in inputs}
     constant = _evaluate(node, value, modules, zeros)
     rows = next(iter(zeros.values())).shape[0]
+    if constant.dim() != 2 and constant.dim() >= 1 and constant.shape[0] == rows:
+        # one tensor per example, but not a vector: an image or a sequence (a view or
+        # nn.Unflatten before a convolution), or a scalar
+        raise _refuse(node, f"a tensor of shape {tuple(constant.shape[1:])} per example "
+                            f"(flat feature vectors only)", *_UNFLAT_GRAPH)
     if constant.dim() != 2 or constant.shape[0] != rows:
         raise _refuse(node, f"an output of shape {tuple(constant.shape)} for {rows} examples "
                             f"(flat feature vectors, one row per example, only)")
