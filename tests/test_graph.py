@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsd
-from fsd.graph import chain, runnable, unwrap
+from fsd.graph import runnable, unwrap
+from fsd.plan import chain
 
 DTYPE = torch.float64
 

@@ -28,8 +28,8 @@ from torch import nn
 
 import fsd
 from conftest import DTYPE, distance_fn, perturbed
-from fsd.graph import traced_graph
 from fsd.linearize import graph_gates
+from fsd.plan import traced_graph
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

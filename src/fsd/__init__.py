@@ -11,11 +11,11 @@ from .calibration import Calibration, calibrate
 from .estimator import Estimator, NotFittedError, from_payload, iter_batches, load
 from .ewc import EWC
 from .exact import ExactFSD
-from .interpreter import trace
 from .kfac import KFAC
 from .linearized import BGLN, LAFTR
 from .metrics import METRICS, pointwise_distance
 from .ntk import NTK
+from .plan import trace
 from .regularizer import ContinualRegularizer
 from .rules import (
     AffineRule,

@@ -1,10 +1,10 @@
-"""Models written as classes: trace ``forward`` with torch.fx into the chain of layers.
+"""torch.fx for models written as classes: the rule tracer and what :mod:`fsd.plan` reads.
 
-LAFTR and BGLN walk a chain of rule-tagged layers (:mod:`fsd.rules`). An ``nn.Sequential``
-is that chain already; any other model is traced with ``torch.fx.symbolic_trace`` and its
-graph read as a chain: modules called in ``forward`` (nested ones included), and the
-functional forms of the parameter-free layers, which are replaced by the equivalent module
-so that every step has a rule and a path:
+:mod:`fsd.plan` reads a model's ``forward`` once with this module's tracer, which stops at
+every module with a rule (:mod:`fsd.rules`), and reads the graph as a chain where it is one:
+modules called in ``forward`` (nested ones included), and the functional forms of the
+parameter-free layers, which are replaced by the equivalent module so that every step has a
+rule and a path:
 
 - ``F.relu(x)``, ``torch.relu(x)``, ``x.relu()`` → ``nn.ReLU``;
 - ``F.leaky_relu(x, slope)`` → ``nn.LeakyReLU(slope)``;
@@ -20,8 +20,8 @@ node's name (``"relu"``, ``"flatten_1"``). Wrappers are looked through: ``torch.
 not a chain (a residual ``+``, ``torch.cat`` of two branches) or an operation without a rule
 raises :class:`~fsd.rules.UnsupportedModuleError` naming the operation and its node: BGLN-D
 needs the chain. LAFTR and BGLN-S take any graph (:mod:`fsd.linearize`), reading its gates
-with :func:`gate_nodes` — the same tracer, so the same paths; ExactFSD, NTK, EWC and KFAC run
-the model's own forward.
+with :func:`fsd.plan.gate_nodes` — the same tracer, so the same paths; ExactFSD, NTK, EWC and
+KFAC run the model's own forward.
 
 Call sites: a module called at more than one place in ``forward`` (torchvision's
 ``BasicBlock`` calls ``self.relu`` twice; a shared ``MaxPool2d``) is one node per call, and
@@ -43,8 +43,6 @@ from __future__ import annotations
 import copy
 import inspect
 import operator
-import weakref
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -94,47 +92,6 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
         assert isinstance(inner, nn.Module)
         model = inner
-
-
-@dataclass(frozen=True)
-class ChainStep:
-    """One step of a traced chain: the module it runs and its path.
-
-    The path is the module's, or for a module called at several places the call's graph node
-    name (:func:`call_site_paths`).
-    """
-
-    path: str
-    module: nn.Module
-    replaced_call: bool  # a function call in forward, run here as an equivalent module
-
-
-# traced chains by model, with the structure they were traced from: distance() traces on every
-# call, and fx costs milliseconds; a changed submodule or forward is traced again
-_CHAINS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, list[ChainStep]]] = \
-    weakref.WeakKeyDictionary()
-
-
-def _structure(model: nn.Module) -> tuple:
-    """What a traced graph depends on: the forward and the submodules by path and identity."""
-    return (type(model).forward, model.__dict__.get("forward"),
-            tuple((path, id(m), type(m)) for path, m in model.named_modules()))
-
-
-def chain(model: nn.Module) -> list[ChainStep]:
-    """The steps of ``model``'s ``forward`` as a chain (see the module docstring).
-
-    Raises:
-        UnsupportedModuleError: the model cannot be traced, its graph branches, or an
-            operation has no rule; the message names the operation and the graph node.
-    """
-    structure = _structure(model)
-    cached = _CHAINS.get(model)
-    if cached is not None and cached[0] == structure:
-        return list(cached[1])
-    steps = _trace_chain(model)
-    _CHAINS[model] = (structure, steps)
-    return list(steps)
 
 
 class _RuleTracer(fx.Tracer):
@@ -368,142 +325,15 @@ def call_site_paths(graph: fx.Graph, modules: dict[str, nn.Module]) -> dict[fx.N
     return keys
 
 
-@dataclass(frozen=True)
-class GateNode:
-    """An activation in a traced graph that BGLN gates.
-
-    Attributes:
-        path: the module's attribute path for a module call, the graph node's name for a
-            function call (``F.relu(x)`` → ``"relu"``) — the path :func:`runnable` gives the
-            module it puts in the call's place, so statistics recorded there match — or for
-            each call of a module called at several places, the call's node name
-            (:func:`call_site_paths`).
-        module: the module called, or the equivalent module of a function call.
-        input: the graph node of the pre-activation.
-    """
-
-    path: str
-    module: nn.Module
-    input: fx.Node
-
-
-# traced graphs by model, with the structure they were traced from, their gate nodes and
-# their call sites' keys: LAFTR's and BGLN-S's graph walk (fsd.linearize) reads them on every
-# distance() call
-_Traced = tuple[tuple, fx.Graph, dict[fx.Node, GateNode], dict[fx.Node, str]]
-_GRAPHS: weakref.WeakKeyDictionary[nn.Module, _Traced] = weakref.WeakKeyDictionary()
-
-
-def traced_graph(model: nn.Module) -> fx.Graph:
-    """``model``'s forward as a torch.fx graph, traced with the rule tracer (cached).
-
-    Modules that have a rule are leaves (one ``call_module`` node each), so node names, and
-    hence paths, are those of :func:`chain` and :func:`runnable`. The graph is shared:
-    read it, do not change it.
-
-    Raises:
-        UnsupportedModuleError: fx cannot trace the forward (data-dependent control flow).
-    """
-    return _traced(model)[0]
-
-
-def gate_nodes(model: nn.Module) -> dict[fx.Node, GateNode]:
-    """The activations BGLN gates in :func:`traced_graph`, by node, in graph order.
-
-    A gate node is a call of a module whose rule is a :class:`~fsd.rules.GateRule` (path: the
-    module's path), or a function call that the chain reads as such a module (``F.relu``,
-    ``torch.relu``, ``x.relu()``, ``F.leaky_relu``, ``F.gelu``, ``F.silu``, ``torch.tanh``,
-    ``torch.sigmoid``, ``F.elu``, ``F.softplus``, …; path: the node's name) — in both cases
-    only where its input depends on the model's input: an activation of parameters alone
-    (``F.softplus(self.scale)``) is not a unit's response to the data and is linearized.
-    """
-    return _traced(model)[1]
-
-
-def _traced(model: nn.Module
-            ) -> tuple[fx.Graph, dict[fx.Node, GateNode], dict[fx.Node, str]]:
-    structure = _structure(model)
-    cached = _GRAPHS.get(model)
-    if cached is None or cached[0] != structure:
-        graph = _symbolic_trace(model).graph
-        modules = dict(model.named_modules())
-        sites = call_site_paths(graph, modules)
-        cached = (structure, graph, _find_gates(graph, modules, sites), sites)
-        _GRAPHS[model] = cached
-    return cached[1], cached[2], cached[3]
-
-
-def _find_gates(graph: fx.Graph, modules: dict[str, nn.Module], sites: dict[fx.Node, str]
-                ) -> dict[fx.Node, GateNode]:
-    gates: dict[fx.Node, GateNode] = {}
-    data: set[fx.Node] = set()  # nodes that depend on the model's input
-    for node in graph.nodes:
-        if node.op == "placeholder" or any(n in data for n in node.all_input_nodes):
-            data.add(node)
-        if node.op == "call_module":
-            module = modules[str(node.target)]
-            path = sites[node]
-            rule = rules.RULES.get(type(module))
-            if not rules.is_gate(rule):
-                continue
-        elif node.op in ("call_function", "call_method"):
-            replacement = _gate_call(node)
-            if replacement is None:
-                continue
-            module, path = replacement, node.name
-        else:
-            continue
-        source = _gate_input(node)
-        if source is not None and source in data:
-            gates[node] = GateNode(path, module, source)
-    return gates
-
-
-def _gate_input(node: fx.Node) -> fx.Node | None:
-    """The graph node an activation is applied to (its first argument)."""
-    value = node.args[0] if node.args else node.kwargs.get("input")
-    return value if isinstance(value, fx.Node) else None
-
-
-def _trace_chain(model: nn.Module) -> list[ChainStep]:
-    name = type(model).__name__
-    graph, _, sites = _traced(model)
-    modules = dict(model.named_modules())
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != 1:
-        raise UnsupportedModuleError(f"{name}.forward takes {len(placeholders)} inputs; "
-                                     f"LAFTR and BGLN need exactly one")
-    current = placeholders[0]
-    steps: list[ChainStep] = []
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            continue
-        if node.op == "output":
-            if node.args[0] is not current:
-                raise _branch_error(name, node, "the output is not the last step's result")
-            break
-        if _is_batch_size(node):
-            continue  # x.size(0) / len(x), read by a flattening view
-        inputs = [a for a in node.all_input_nodes if not _is_batch_size(a)]
-        if inputs != [current]:
-            raise _branch_error(name, node, f"it reads {', '.join(map(str, inputs)) or 'no'} "
-                                            f"instead of the previous step '{current}'")
-        steps.append(_step(name, node, modules, sites))
-        current = node
-    if not steps:
-        raise UnsupportedModuleError(f"{name}.forward has no layers")
-    return steps
-
-
 def runnable(model: nn.Module) -> nn.Module:
     """A module that computes ``model``'s function with a module at every activation.
 
     ``model`` itself, unless its forward calls parameter-free layers as functions (activations
     such as ``F.relu``, and flattening): then an ``fx.GraphModule`` sharing its modules and
     parameters, in which those calls are modules named by their graph nodes' names (the paths
-    of :func:`chain` and :func:`gate_nodes`), so that statistics can be recorded at every
-    activation. Any traceable graph works, not only a chain: the other operations stay as
-    they are.
+    of :func:`fsd.plan.chain` and :func:`fsd.plan.gate_nodes`), so that statistics can be
+    recorded at every activation. Any traceable graph works, not only a chain: the other
+    operations stay as they are.
 
     Raises:
         UnsupportedModuleError: the forward cannot be traced, or the model has an attribute
@@ -558,30 +388,6 @@ def _replacement(node: fx.Node) -> nn.Module | None:
         return module
     flatten = _flatten_start(node)
     return None if flatten is None else nn.Flatten(flatten)
-
-
-def _step(name: str, node: fx.Node, modules: dict[str, nn.Module],
-          sites: dict[fx.Node, str]) -> ChainStep:
-    if node.op == "call_module":
-        return ChainStep(sites[node], modules[str(node.target)], False)
-    module = _replacement(node)
-    if module is not None:
-        return ChainStep(node.name, module, True)
-    what = getattr(node.target, "__name__", str(node.target))
-    raise UnsupportedModuleError(
-        f"operation {what} ({node.op}) at graph node '{node.name}' of {name}.forward has no "
-        f"rule; BGLN-D supports the modules of fsd.rules.RULES, their functional "
-        f"forms (F.relu, F.leaky_relu, F.gelu, torch.tanh, …) and flattening. "
-        f"Use the module form (e.g. nn.ReLU()), register a rule for a module that does it "
-        f"(fsd.register_rule), or {support.advice(support.BGLN_D, support.Feature.NO_RULE)}")
-
-
-def _branch_error(name: str, node: fx.Node, why: str) -> UnsupportedModuleError:
-    what = getattr(node.target, "__name__", str(node.target))
-    return UnsupportedModuleError(
-        f"{name}.forward is not a chain of layers at graph node '{node.name}' ({what}): {why}. "
-        f"{support.describe(support.BGLN_D)}; "
-        f"{support.advice(support.BGLN_D, support.Feature.BRANCH)}")
 
 
 def _inplace(node: fx.Node) -> bool:

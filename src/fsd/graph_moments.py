@@ -18,7 +18,7 @@ output's coordinates to ξ and drops those of nodes no later operation reads:
   ``view``/``reshape``/``flatten``, slicing, scaling by a constant, Dropout and Identity at
   evaluation, …): its Jacobian is read off at fit by evaluating it on basis rows, and its
   affinity is checked on random rows; a0 and Δa map by it like an affine layer;
-- an activation BGLN gates (:func:`fsd.graph.gate_nodes`): a0 = r ⊙ s0 + φ(0), Δa = g ⊙ Δs
+- an activation BGLN gates (:func:`fsd.plan.gate_nodes`): a0 = r ⊙ s0 + φ(0), Δa = g ⊙ Δs
   with the pair (r, g) of each unit independent of everything else. Cross moments with any
   other coordinate are gated by the means E[r], E[g] (linear in ξ, as above); within the new
   block the Hadamard products E[r rᵀ] ⊙ · etc. add the gates' variances on the diagonal
@@ -50,7 +50,8 @@ from torch.utils._pytree import tree_flatten
 
 from . import rules, support
 from .covariance import Covariance
-from .graph import gate_nodes, out_of_place, traced_graph, unwrap
+from .graph import out_of_place, unwrap
+from .plan import gate_nodes, traced_graph
 from .rules import AffineRule, GateRule, is_affine, is_gate
 
 
@@ -68,7 +69,7 @@ class GraphStep:
         jacobians: ``"linear"``: one (out, in) matrix per input, in the order of ``inputs``.
         constant: ``"linear"``: the output at zero inputs (out,).
         module: ``"gate"``: the activation module (for a function call such as ``F.relu``,
-            the equivalent module :func:`fsd.graph.gate_nodes` gives).
+            the equivalent module :func:`fsd.plan.gate_nodes` gives).
         drop: names of nodes that no later step reads once this one has run.
     """
 

@@ -18,10 +18,9 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
-from . import rules, support
+from . import support
 from .covariance import Covariance, quadratic_trace, sandwich
-from .graph import chain, unwrap
-from .hooks import forward_hooks
+from .plan import trace as trace  # fsd.trace: the chains walked here (read in fsd.plan)
 from .rules import (  # GateFn, TracedLayer: defined in rules, whose methods take them; re-exported
     AffineRule,
     GateFn,
@@ -30,89 +29,7 @@ from .rules import (  # GateFn, TracedLayer: defined in rules, whose methods tak
     is_affine,
     is_fixed,
     is_gate,
-    rule_for,
 )
-
-
-def trace(model: nn.Module) -> list[TracedLayer]:
-    """The model as the chain of its rule-tagged layers.
-
-    Nested ``nn.Sequential`` containers of layers with rules are flattened directly; any
-    other model (a class with a ``forward``, a Sequential subclass, wrappers) is traced with
-    torch.fx (:func:`fsd.graph.chain`). A module without parameters or buffers (a ReLU, a
-    max-pool) may be called at several positions: each call is its own layer, under its
-    position's path in a Sequential or its call's graph node name in a traced class
-    (:func:`fsd.graph.call_site_paths`), with its own statistics. Raises
-    :class:`~fsd.rules.UnsupportedModuleError` naming the class and path of the first module
-    that has no rule, of a module with parameters used at two positions (the chain walkers
-    read a layer's parameters by its path), or of the graph node where a traced model stops
-    being a chain.
-    """
-    model = unwrap(model)
-    # a user's class is traced; torch's own layers (the root itself) get the rule's message
-    if not _plain(model) and not type(model).__module__.startswith("torch.nn."):
-        layers = [TracedLayer(step.path, step.module, rule_for(step.module, step.path))
-                  for step in chain(model)]
-        calls: set[int] = set()
-        for layer in layers:
-            if id(layer.module) in calls and not _stateless(layer.module):
-                path = next(p for p, m in model.named_modules() if m is layer.module)
-                raise UnsupportedModuleError(
-                    f"module {type(layer.module).__name__} at '{path}' is called twice in "
-                    f"forward: the chain walk reads a layer's parameters by its path; "
-                    f"{_SHARED_WEIGHTS}")
-            calls.add(id(layer.module))
-        _check_hooks(model)
-        return layers
-    layers: list[TracedLayer] = []
-    seen: dict[int, str] = {}
-
-    def visit(module: nn.Module, path: str) -> None:
-        # a module object at two positions is two layers, each under its position's path;
-        # one with parameters would be read by one path only: refuse it
-        if id(module) in seen and not _stateless(module):
-            raise UnsupportedModuleError(
-                f"module {type(module).__name__} at '{path or '<root>'}' is the same object as "
-                f"at '{seen[id(module)] or '<root>'}': the chain walk reads a layer's "
-                f"parameters by its path; {_SHARED_WEIGHTS}")
-        seen[id(module)] = path
-        if type(module) is nn.Sequential:
-            for name, child in module._modules.items():
-                if child is not None:
-                    visit(child, f"{path}.{name}" if path else name)
-        else:
-            layers.append(TracedLayer(path, module, rule_for(module, path)))
-
-    visit(model, "")
-    if not layers:
-        raise UnsupportedModuleError("the model has no layers")
-    _check_hooks(model)
-    return layers
-
-
-_SHARED_WEIGHTS = (f"give each position its own module, or "
-                   f"{support.advice(support.BGLN_D, support.Feature.SHARED_WEIGHTS)}")
-
-
-def _stateless(module: nn.Module) -> bool:
-    """No parameters and no buffers: calling it at two places shares nothing but its type."""
-    return next(module.parameters(), None) is None and next(module.buffers(), None) is None
-
-
-def _plain(module: nn.Module) -> bool:
-    """Nested exact ``nn.Sequential`` containers of modules with a rule (no tracing needed)."""
-    if type(module) is nn.Sequential:
-        return all(_plain(child) for child in module._modules.values() if child is not None)
-    return type(module) in rules.RULES
-
-
-def _check_hooks(model: nn.Module) -> None:
-    hooks = forward_hooks(model)
-    if hooks:
-        raise UnsupportedModuleError(
-            f"the model has a {hooks[0]}: LAFTR and BGLN evaluate the layers from their rules "
-            f"and would ignore what the hook changes; remove it (handle.remove()) or "
-            f"{support.advice(support.LAFTR, support.Feature.HOOK)}")
 
 
 def model_state(model: nn.Module) -> dict[str, Tensor]:

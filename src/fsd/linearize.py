@@ -19,7 +19,7 @@ For a ReLU network this is exactly the chain walker's result (gates 1{s0 > 0}); 
 network without nonlinearities it is the exact FSD.
 
 BGLN-S walks the same graph with a gate callback (:data:`fsd.interpreter.GateFn`): at every
-activation BGLN gates (:func:`fsd.graph.gate_nodes` — a module with a gate rule, or
+activation BGLN gates (:func:`fsd.plan.gate_nodes` — a module with a gate rule, or
 ``F.relu``, ``F.gelu``, ``torch.tanh``, … called as a function) the callback gives the
 reference activation a0 and the gate g, and Δa = g·Δs; every other operation is linearized
 as above, around the reference values the gated activations produce (as the chain walker
@@ -41,8 +41,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import autodiff, rules
-from .graph import GateNode, gate_nodes, out_of_place, traced_graph, unwrap
+from .graph import out_of_place, unwrap
 from .interpreter import GateFn, TracedLayer, true_gates
+from .plan import GateNode, gate_nodes, traced_graph
 from .rules import UnsupportedModuleError, is_affine
 
 
@@ -50,7 +51,7 @@ def graph_gates(model: nn.Module) -> list[TracedLayer]:
     """The activations BGLN-S gates in ``model``'s graph, in graph order, with their rules.
 
     Paths are a module's attribute path, or the graph node's name for a function call
-    (:func:`fsd.graph.gate_nodes`): the paths under which the statistics are stored. An
+    (:func:`fsd.plan.gate_nodes`): the paths under which the statistics are stored. An
     activation module called at several places (torchvision's ``self.relu``) is one gate per
     call, each keyed by its call's graph node name, so each has its own statistics.
 
@@ -74,7 +75,7 @@ def linearized_outputs(model: nn.Module, reference: Mapping[str, Tensor], x: Ten
         x: inputs (n, ...).
         gate: ``None`` — LAFTR: every operation linearized at the reference (JVPs); or a
             callback ``gate(layer, s0) -> (a0, g)`` (:data:`fsd.interpreter.GateFn`) called at
-            every gate node of the graph (:func:`fsd.graph.gate_nodes`) with a
+            every gate node of the graph (:func:`fsd.plan.gate_nodes`) with a
             :class:`~fsd.interpreter.TracedLayer` (path, module, rule) and the reference
             pre-activation: the node's reference value becomes a0 and its difference g·Δs
             (BGLN-S's draws; :func:`fsd.interpreter.true_gates` gives LAFTR's result).

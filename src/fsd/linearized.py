@@ -39,11 +39,11 @@ from .interpreter import (
     layer_signature,
     model_state,
     propagate_linearized,
-    trace,
     true_gates,
 )
 from .linearize import graph_gates, linearized_outputs
 from .metrics import check_metric, pointwise_distance
+from .plan import trace
 from .rules import SMOOTH_MOMENTS, UnsupportedModuleError, is_gate
 from .signature import parameter_signature
 from .statistics import StatisticsCollector

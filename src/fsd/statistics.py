@@ -24,8 +24,9 @@ from torch import Tensor, nn
 from . import distributed
 from .graph import unwrap
 from .hooks import recording_hook
-from .interpreter import TracedLayer, trace
+from .interpreter import TracedLayer
 from .linearize import graph_gates
+from .plan import trace
 from .rules import UnsupportedModuleError, is_gate
 
 

@@ -18,8 +18,9 @@ from torch import Tensor, nn
 from .calls import call_key
 from .estimator import Estimator, evaluation_mode, model_dtype_device
 from .graph import unwrap
-from .interpreter import model_state, trace
+from .interpreter import model_state
 from .linearized import BGLN
+from .plan import trace
 from .precision import float32_view
 
 
