@@ -47,6 +47,44 @@ def cnn(seed: int = 0, dtype: torch.dtype = DTYPE, classes: int = 3) -> nn.Seque
     ).to(dtype)
 
 
+class OldStyleTanh(torch.autograd.Function):
+    """tanh as a custom function without setup_context: no torch.func transform (forward
+    mode, vmap) can run it, only its own backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.tanh(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * (1 - torch.tanh(x) ** 2)
+
+
+def old_style_tanh(x: torch.Tensor) -> torch.Tensor:
+    return OldStyleTanh.apply(x)
+
+
+# one node of the traced graph, as a library's kernel is (fx patches this module's global, so
+# the models calling it are defined here too)
+torch.fx.wrap("old_style_tanh")
+
+
+class NotDifferentiable(nn.Module):
+    """Linear(4, 5) → out(old_style_tanh(h) + h), Linear(5, 3): a graph whose operation neither
+    forward mode nor two reverse-mode products differentiate (NTK, LAFTR and BGLN-S refuse
+    it at fit; ExactFSD, EWC and KFAC take it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(old_style_tanh(h) + h)
+
+
 def perturbed(model: nn.Module, scale: float = 0.1, seed: int = 1) -> nn.Module:
     """A deep copy of ``model`` with i.i.d. N(0, scale²) noise added to every parameter."""
     other = copy.deepcopy(model)

@@ -18,6 +18,7 @@ from torch.func import functional_call, jacrev
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
 import fsd
+from conftest import NotDifferentiable
 from fsd.metrics import output_hessian_factors
 
 DTYPE = torch.float64
@@ -182,44 +183,12 @@ def test_bgln_s_on_attention_runs_in_every_grad_mode(name):
 
 # ----- one line at fit where no fallback works ---------------------------------------------
 
-class _OldStyle(torch.autograd.Function):
-    """A custom function without setup_context: no torch.func transform can run it."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return torch.tanh(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return grad * (1 - torch.tanh(x) ** 2)
-
-
-def _old_style_tanh(x: torch.Tensor) -> torch.Tensor:
-    return _OldStyle.apply(x)
-
-
-torch.fx.wrap("_old_style_tanh")  # one node of the traced graph, as a library's kernel is
-
-
-class _Custom(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(4, 5)
-        self.out = nn.Linear(5, 3)
-
-    def forward(self, x):
-        h = self.inp(x)
-        return self.out(_old_style_tanh(h) + h)
-
-
 def test_ntk_refuses_at_fit_in_one_line_what_neither_mode_differentiates():
     # before: fit passed and every distance raised RuntimeError ("In order to use an
     # autograd.Function with functorch transforms ...")
     torch.manual_seed(0)
     with pytest.raises(ValueError) as error:
-        fsd.NTK().fit(_Custom().double(), torch.randn(5, 4, dtype=DTYPE))
+        fsd.NTK().fit(NotDifferentiable().double(), torch.randn(5, 4, dtype=DTYPE))
     assert _one_line(error).startswith("NTK cannot take Jacobian-vector products")
     assert str(error.value).endswith("use ExactFSD, EWC or KFAC on any model")
 
@@ -230,7 +199,7 @@ def test_laftr_and_bgln_s_refuse_at_fit_a_graph_they_cannot_linearize(make, name
     # before: fit passed and every distance raised RuntimeError from torch.func.jvp
     torch.manual_seed(0)
     with pytest.raises(ValueError) as error:
-        make().fit(_Custom().double(), torch.randn(5, 4, dtype=DTYPE))
+        make().fit(NotDifferentiable().double(), torch.randn(5, 4, dtype=DTYPE))
     assert _one_line(error).startswith(f"{name} cannot linearize this model's graph")
     assert str(error.value).endswith("use ExactFSD, EWC or KFAC on any model")
 

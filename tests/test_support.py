@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsd
+from conftest import NotDifferentiable
 from fsd import rules, support
 from fsd.support import Feature
 
@@ -73,37 +74,6 @@ class _Tokens(nn.Module):
 
     def forward(self, ids):
         return self.out(F.relu(self.fc(self.emb(ids).mean(1))))
-
-
-class _OldStyle(torch.autograd.Function):
-    """No setup_context: no torch.func transform (forward mode, vmap) can run it."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return torch.tanh(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return grad * (1 - torch.tanh(x) ** 2)
-
-
-def _old_style_tanh(x: torch.Tensor) -> torch.Tensor:
-    return _OldStyle.apply(x)
-
-
-torch.fx.wrap("_old_style_tanh")
-
-
-class _NotDifferentiable(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp, self.out = nn.Linear(4, 5), nn.Linear(5, 3)
-
-    def forward(self, x):
-        h = self.inp(x)
-        return self.out(_old_style_tanh(h) + h)
 
 
 class _ForwardOnly(torch.autograd.Function):
@@ -174,7 +144,7 @@ MODELS: dict[tuple[Feature, ...], tuple[Callable[[], nn.Module], tuple[int, ...]
     (Feature.GATE_AFTER_NON_AFFINE,): (lambda: _mlp(nn.ReLU(), nn.Tanh()), (4,)),
     (Feature.NON_AFFINE,): (lambda: _Residual(norm=True), (4,)),
     (Feature.DISCRETE_INPUTS,): (_Tokens, None),
-    (Feature.NOT_DIFFERENTIABLE,): (_NotDifferentiable, (4,)),
+    (Feature.NOT_DIFFERENTIABLE,): (NotDifferentiable, (4,)),
     (Feature.NO_PER_EXAMPLE_GRADIENTS,): (_NoBackward, (4,)),
     (Feature.MOVED_BUFFERS,): (_batch_norm, (4,)),
 }
