@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten
 from . import rules, support
 from .covariance import Covariance
 from .graph import out_of_place, unwrap
-from .plan import gate_nodes, traced_graph
+from .plan import read
 from .rules import AffineRule, GateRule, is_affine, is_gate
 
 
@@ -155,16 +155,15 @@ def graph_plan(model: nn.Module, reference: Mapping[str, Tensor], input_width: i
         UnsupportedModuleError: the forward cannot be traced.
     """
     model = unwrap(model)
-    graph = traced_graph(model)
-    gates = gate_nodes(model)
+    plan = read(model)
+    gates = plan.gates
     modules = dict(model.named_modules())
-    nodes = list(graph.nodes)
+    nodes = [step.node for step in plan.nodes]
     # a first pass on one row gives every tensor's width; the second evaluates each
     # parameter-free operation on as many rows as the widest tensor has features, so that
     # the rows can be the basis vectors
     rows = max(_widths(nodes, gates, modules, reference, input_width, dtype).values()) + 1
-    position = {n: i for i, n in enumerate(nodes)}
-    last_use = {n: max((position[u] for u in n.users), default=-1) for n in nodes}
+    last_use = {step.node: step.last_use for step in plan.nodes}
     value: dict[fx.Node, Any] = {}
     data: set[fx.Node] = set()  # floating tensors computed from the input: they carry moments
     steps: list[GraphStep] = []

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import autodiff, rules
 from .graph import out_of_place, unwrap
 from .interpreter import GateFn, TracedLayer, true_gates
-from .plan import GateNode, gate_nodes, traced_graph
+from .plan import GateNode, read
 from .rules import UnsupportedModuleError, is_affine
 
 
@@ -58,7 +58,7 @@ def graph_gates(model: nn.Module) -> list[TracedLayer]:
     Raises:
         UnsupportedModuleError: the forward cannot be traced.
     """
-    return [_layer(gate) for gate in gate_nodes(unwrap(model)).values()]
+    return [_layer(gate) for gate in read(unwrap(model)).gates.values()]
 
 
 def _layer(gate: GateNode) -> TracedLayer:
@@ -91,14 +91,13 @@ def linearized_outputs(model: nn.Module, reference: Mapping[str, Tensor], x: Ten
 def _propagate(model: nn.Module, reference: Mapping[str, Tensor], x: Tensor,
                gate: GateFn | None) -> tuple[Tensor, Tensor]:
     current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    modules = dict(model.named_modules())
-    gates = {} if gate is None else gate_nodes(model)
+    plan = read(model)
     value: dict[fx.Node, Any] = {}
     delta: dict[fx.Node, Any] = {}
-    for node in traced_graph(model).nodes:
-        if node in gates:
-            assert gate is not None
-            value[node], delta[node] = _gated(gates[node], gate, value, delta)
+    for step in plan.nodes:
+        node = step.node
+        if step.kind == "gate" and gate is not None:  # LAFTR linearizes it as any module
+            value[node], delta[node] = _gated(plan.gates[node], gate, value, delta)
         elif node.op == "placeholder":
             value[node], delta[node] = x, None
         elif node.op == "get_attr":
@@ -107,8 +106,9 @@ def _propagate(model: nn.Module, reference: Mapping[str, Tensor], x: Tensor,
             moved = current[name]
             delta[node] = moved - reference[name] if moved.is_floating_point() else None
         elif node.op == "call_module":
-            value[node], delta[node] = _module(node, modules[str(node.target)], reference,
-                                               current, value, delta)
+            assert step.module is not None  # a module call's module
+            value[node], delta[node] = _module(node, step.module, reference, current, value,
+                                               delta)
         elif node.op in ("call_function", "call_method"):
             value[node], delta[node] = _operation(node, value, delta)
         elif node.op == "output":
