@@ -105,3 +105,43 @@ def test_the_registry_refuses_what_is_not_an_evaluator_and_names_the_known_ones(
     with pytest.raises(ValueError, match="algorithm2-conv"):
         evaluators.get("nope")
     assert {"algorithm2", "algorithm2-conv", "exact", "exact-graph"} <= set(evaluators.names())
+
+
+def test_summaries_keep_the_flags_older_versions_read():
+    conv = fsd.BGLN(deterministic=True).fit(cnn(), labelled_batches(32, (1, 8, 8)))
+    graph = fsd.BGLN(deterministic=True, moments="exact").fit(
+        _residual(), labelled_batches(32, (4,)))
+    assert conv._meta["convolutional"] is True and "graph" not in conv._meta
+    assert graph._meta["graph"] is True and "convolutional" not in graph._meta
+
+
+def test_a_name_read_from_old_flags_is_refused_in_one_line_saying_so():
+    estimator = fsd.BGLN(deterministic=True).fit(mlp([4, 5, 3]), labelled_batches(32, (4,)))
+    del estimator._meta["evaluator"]
+    estimator._meta["graph"] = True  # a graph walk for moments="paper"
+    with pytest.raises(fsd.SummaryFormatError) as info:
+        fsd.from_payload(estimator.to_payload())
+    message = str(info.value)
+    assert "written before evaluator names" in message and "ValueError" not in message
+
+
+def test_old_module_paths_forward_with_a_warning():
+    import fsd.corrected_moments
+    import fsd.graph
+    import fsd.plan
+    with pytest.warns(DeprecationWarning, match="fsd.plan.chain"):
+        assert fsd.graph.chain is fsd.plan.chain
+    with pytest.warns(DeprecationWarning, match="moment_variants"):
+        assert fsd.corrected_moments.BGLNVariant is BGLNVariant
+
+
+def test_a_summary_set_restacks_a_member_fitted_again():
+    model, data = mlp([4, 6, 5, 3]), labelled_batches(48, (4,), seed=3)
+    members = [fsd.BGLN(deterministic=True, covariance="full").fit(perturbed(model, 0.1, seed=s),
+                                                                   data) for s in (5, 6)]
+    together = fsd.combine(members)
+    moved = perturbed(model, 0.2, seed=7)
+    together.distance(moved)  # stacks and caches
+    members[1].fit(perturbed(model, 0.3, seed=8), data)
+    expected = members[0].distance(moved) + members[1].distance(moved)
+    torch.testing.assert_close(together.distance(moved), expected, rtol=1e-10, atol=0)

@@ -282,3 +282,47 @@ def test_a_changed_submodule_is_traced_again():
     model.fc2 = nn.Sequential(nn.Linear(9, 7), nn.Softmax(dim=-1))
     with pytest.raises(fsd.UnsupportedModuleError, match=r"Softmax at 'fc2\.1'"):
         fsd.trace(model)
+
+
+def test_a_rule_registered_after_a_model_was_read_is_seen(monkeypatch):
+    from fsd import plan, rules
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x * self.weight
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.scale = nn.Linear(2, 3), Scale()
+
+        def forward(self, x):
+            return self.scale(self.inp(x))
+
+    monkeypatch.setattr(rules, "RULES", dict(rules.RULES))
+    model = Net()
+    with pytest.raises(fsd.UnsupportedModuleError):
+        fsd.trace(model)  # the multiplication inside Scale has no rule
+    fsd.register_rule(Scale, fsd.AffineRule(apply=lambda m, x, w, b: x * w,
+                                            dense=torch.diag_embed))
+    assert [layer.path for layer in fsd.trace(model)] == ["inp", "scale"]
+    assert plan.read(model) is plan.read(model)  # read once, then shared
+
+
+def test_a_model_with_a_forward_of_its_own_is_freed():
+    import gc
+    import weakref
+
+    from fsd import plan
+
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    model.forward = model.forward  # a bound method in the instance's dict
+    assert len(plan.read(model).graph.nodes) > 0
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

@@ -7,6 +7,7 @@ Every estimator follows one interface::
     est.save("summary.pt"); est2 = fsd.load("summary.pt")
 """
 
+from . import moment_variants as _moment_variants  # noqa: F401  (fsd.load reads BGLNVariant)
 from .calibration import Calibration, calibrate
 from .estimator import Estimator, NotFittedError, from_payload, iter_batches, load
 from .ewc import EWC

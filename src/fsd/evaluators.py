@@ -42,6 +42,7 @@ from .interpreter import (
     reference_moments,
 )
 from .rules import is_affine
+from .validation import SummaryFormatError
 
 Walk = Any  # a chain of traced layers (``list[TracedLayer]``), or the model for a graph
 
@@ -116,7 +117,9 @@ class Evaluator(ABC):
     def stack_key(self, summary: MomentSummary) -> tuple | None:
         """Summaries of equal keys are evaluated in one pass by :meth:`stack`.
 
-        ``None``: this evaluator evaluates summaries one by one.
+        ``None``: this evaluator evaluates summaries one by one. Called with the summary's
+        fixed fields only (``params0`` empty): the key may depend on shapes and forms, not
+        on θ0. :class:`fsd.SummarySet` batches chain evaluators only (``walks="chain"``).
         """
         return None
 
@@ -124,7 +127,9 @@ class Evaluator(ABC):
               weights: Sequence[float]) -> dict[str, Any]:
         """Several summaries' prepared parts as one, weights folded into the mixture weights.
 
-        :meth:`distance` of the result is Σ weight_i · distance_i.
+        :meth:`distance` of the result is Σ weight_i · distance_i. A subclass whose
+        :meth:`prepare` adds parts must stack them too (override this), or return ``None``
+        from :meth:`stack_key`.
         """
         raise NotImplementedError(f"the {self.name!r} evaluator does not stack summaries")
 
@@ -194,17 +199,21 @@ def recorded(meta: Mapping[str, Any], config: Mapping[str, Any]) -> Evaluator:
     (``"graph"``, ``"convolutional"``); they are read here, and only here.
     """
     name = meta.get("evaluator")
+    source = "meta 'evaluator'"
     if name is None:
         name = "exact-graph" if meta.get("graph") else \
             "algorithm2-conv" if meta.get("convolutional") else \
             _CHAIN_NAMES.get(config["moments"], config["moments"])
+        source = "the walk read from the summary's flags (written before evaluator names)"
     if not isinstance(name, str) or name not in _EVALUATORS:
-        raise ValueError(f"meta 'evaluator': unknown evaluator {name!r}")
+        raise SummaryFormatError(f"{source}: unknown evaluator {name!r} (known: "
+                                 f"{', '.join(sorted(_EVALUATORS))}; an evaluator of your "
+                                 f"own is registered by importing its module)")
     allowed = {"paper": ("algorithm2", "algorithm2-conv"), "exact": ("exact", "exact-graph")
                }.get(config["moments"], (config["moments"],))
     if name not in allowed:
-        raise ValueError(f"meta 'evaluator': {name!r} does not evaluate moments="
-                         f"{config['moments']!r}")
+        raise SummaryFormatError(f"{source}: {name!r} does not evaluate moments="
+                                 f"{config['moments']!r}")
     return _EVALUATORS[name]
 
 

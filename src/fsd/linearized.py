@@ -225,6 +225,11 @@ class _LinearizedEstimator(Estimator):
         if self._deterministic:  # BGLN-D: the evaluator is chosen once, here
             evaluator = evaluators.choose(layers, self.config, tuple(self._meta["input_shape"]))
             self._meta["evaluator"] = evaluator.name
+            # what fsd versions before evaluator names read to choose the walk
+            if evaluator.name == "algorithm2-conv":
+                self._meta["convolutional"] = True
+            elif evaluator.name == "exact-graph":
+                self._meta["graph"] = True
             evaluator.check(evaluators.as_walk(evaluator, layers, model),
                             self._moment_summary(self.reference_state()))
         elif layers is None:  # LAFTR or BGLN-S on a graph: a walk that fails fails here
@@ -481,6 +486,9 @@ class _LinearizedEstimator(Estimator):
         self._check_units(model, layers)
         if self._deterministic:
             evaluator = self._evaluator
+            if evaluator.walks == "chain" and layers is None:  # a hand-edited summary
+                raise SummaryFormatError(f"the summary records the {evaluator.name!r} "
+                                         f"evaluator, which walks chains; this model is not one")
             walk = evaluators.as_walk(evaluator, layers, model)
             return evaluator.distance(walk, self.moment_parts(walk, self.reference_state()),
                                       model_state(model))
@@ -528,7 +536,8 @@ class _LinearizedEstimator(Estimator):
         Args:
             walk: the traced model (:func:`fsd.trace`), or the model itself where the
                 summary's evaluator walks graphs (``"exact-graph"``).
-            params0: θ0 with its buffers, :meth:`reference_state`.
+            params0: θ0 with its buffers, :meth:`reference_state` (the parts are cached per
+                placement and serve every later ``distance``: pass that).
 
         Returns:
             The evaluator's prepared parts (:meth:`fsd.evaluators.Evaluator.prepare`): for

@@ -6,8 +6,9 @@ torch.fx graph of the rule tracer (:mod:`fsd.graph`), each module call's key, th
 BGLN gates, every node with its kind, and — where the forward is one — its chain of steps.
 :func:`trace` gives that chain as rule-tagged layers (a plain ``nn.Sequential`` is its chain
 without tracing); LAFTR's and BGLN-S's graph walk (:mod:`fsd.linearize`) and BGLN-D's exact
-moments on graphs (:mod:`fsd.graph_moments`) walk :attr:`Plan.nodes`. Nothing else reads a
-model's structure.
+moments on graphs (:mod:`fsd.graph_moments`) walk :attr:`Plan.nodes`. The one other trace
+is :func:`fsd.graph.runnable`'s, with the same tracer: a fresh graph it may change, for
+recording statistics at fit.
 """
 
 from __future__ import annotations
@@ -75,7 +76,6 @@ class PlanNode:
         path: a module call's key (:func:`fsd.graph.call_site_paths`) or a gate's path;
             ``None`` for other nodes.
         module: the module called (a gate call's equivalent module); ``None`` for others.
-        on_data: whether the node is computed from the model's input.
         last_use: the position of the last node that reads it (−1: none does).
     """
 
@@ -83,7 +83,6 @@ class PlanNode:
     kind: str
     path: str | None
     module: nn.Module | None
-    on_data: bool
     last_use: int
 
 
@@ -98,7 +97,8 @@ class Plan:
 
     def _live(self) -> nn.Module:
         model = self._model()
-        assert model is not None, "a plan outlived its model"  # read() keys plans by model
+        if model is None:  # read() keys plans by model: a caller holds it while reading
+            raise RuntimeError("the model of this plan was freed")
         return model
 
     @cached_property
@@ -118,7 +118,8 @@ class Plan:
         read it, do not change it.
 
         Raises:
-        UnsupportedModuleError: fx cannot trace the forward (data-dependent control flow).
+            UnsupportedModuleError: fx cannot trace the forward (data-dependent control
+                flow).
         """
         return self._traced[0]
 
@@ -147,11 +148,8 @@ class Plan:
         modules = dict(model.named_modules())
         order = list(self.graph.nodes)
         position = {n: i for i, n in enumerate(order)}
-        data: set[fx.Node] = set()
         planned = []
         for node in order:
-            if node.op == "placeholder" or any(n in data for n in node.all_input_nodes):
-                data.add(node)
             path: str | None = None
             module: nn.Module | None = None
             if node in self.gates:
@@ -161,7 +159,7 @@ class Plan:
             else:
                 kind = {"placeholder": "input", "get_attr": "parameter",
                         "output": "output"}.get(node.op, "operation")
-            planned.append(PlanNode(node, kind, path, module, node in data,
+            planned.append(PlanNode(node, kind, path, module,
                                     max((position[u] for u in node.users), default=-1)))
         return tuple(planned)
 
@@ -177,8 +175,8 @@ class Plan:
         """The steps of ``model``'s ``forward`` as a chain (see :mod:`fsd.graph`).
 
         Raises:
-        UnsupportedModuleError: the model cannot be traced, its graph branches, or an
-            operation has no rule; the message names the operation and the graph node.
+            UnsupportedModuleError: the model cannot be traced, its graph branches, or an
+                operation has no rule; the message names the operation and the graph node.
         """
         steps = self._chain
         if isinstance(steps, str):
@@ -192,8 +190,20 @@ _PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Plan]] = weakref.WeakK
 
 
 def _structure(model: nn.Module) -> tuple:
-    """What a traced graph depends on: the forward and the submodules by path and identity."""
-    return (type(model).forward, model.__dict__.get("forward"),
+    """What a plan depends on: the forward, the submodules by path and identity, the rules.
+
+    A forward set on the instance is held weakly (a bound method holds the model, which would
+    then never leave the cache). The rule registry's identity and size tell a rule registered
+    since (the tracer stops at modules with a rule).
+    """
+    forward: object = model.__dict__.get("forward")
+    if forward is not None:
+        try:
+            forward = weakref.ref(forward)
+        except TypeError:  # a callable that takes no weak reference: held as it is
+            pass
+    return (type(model).forward, forward,
+            id(rules.RULES), len(rules.RULES),
             tuple((path, id(m), type(m)) for path, m in model.named_modules()))
 
 

@@ -26,7 +26,8 @@ from .precision import float32_view
 
 def _batch_key(estimator: Estimator) -> tuple | None:
     """Summaries with equal keys are evaluated in one pass; ``None``: one by one."""
-    if not (isinstance(estimator, BGLN) and estimator.config["deterministic"]):
+    if not (isinstance(estimator, BGLN) and estimator.config["deterministic"]) \
+            or estimator._evaluator.walks != "chain":
         return None
     key = estimator._evaluator.stack_key(estimator._moment_summary({}))
     if key is None:
@@ -109,8 +110,11 @@ class SummarySet:
             estimator = self.estimators[i]
             estimator.check_architecture(model)
             estimator.place(dtype, device)
-        key = (tuple(members), str(dtype), str(device))
+        # a member fitted again holds new tensors (a new dict): its parts are stacked again
+        key = (tuple(members), tuple(id(self.estimators[i]._stored) for i in members),
+               str(dtype), str(device))
         if key not in self._cache:
+            self._cache = {k: v for k, v in self._cache.items() if k[0] != key[0]}
             parts, params0 = [], []
             for i in members:
                 estimator = self.estimators[i]
