@@ -26,16 +26,18 @@ from .precision import float32_view
 
 def _batch_key(estimator: Estimator) -> tuple | None:
     """Summaries with equal keys are evaluated in one pass; ``None``: one by one."""
-    if not (isinstance(estimator, BGLN) and estimator.config["deterministic"]) \
-            or estimator._evaluator.walks != "chain":
+    if not (isinstance(estimator, BGLN) and estimator.config["deterministic"]):
         return None
-    key = estimator._evaluator.stack_key(estimator._moment_summary({}))
-    if key is None:
-        return None
-    # summaries that call the model differently (another task's head through
-    # forward_kwargs) walk different graphs: one batch per call
-    return (call_key(estimator._meta.get("output"), estimator._meta.get("forward_kwargs", {})),
+    if "batch_key" not in estimator._cache:  # fixed after fit: read once per placement
+        evaluator = estimator._evaluator
+        key = evaluator.stack_key(estimator._moment_summary({})) \
+            if evaluator.walks == "chain" else None
+        # summaries that call the model differently (another task's head through
+        # forward_kwargs) walk different graphs: one batch per call
+        estimator._cache["batch_key"] = None if key is None else (
+            call_key(estimator._meta.get("output"), estimator._meta.get("forward_kwargs", {})),
             *key)
+    return estimator._cache["batch_key"]
 
 
 class SummarySet:
