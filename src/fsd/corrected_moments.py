@@ -50,7 +50,7 @@ is exact moments without the gate variance (the mean-gate network).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 from torch import Tensor
@@ -346,15 +346,3 @@ def corrected_second_moment(
         return signal, correction
     return signal + correction
 
-
-def __getattr__(name: str) -> Any:
-    # BGLNVariant moved to fsd.moment_variants (which imports this module): the old name
-    # stays here for one release
-    if name == "BGLNVariant":
-        import warnings
-
-        from .moment_variants import BGLNVariant
-        warnings.warn("fsd.corrected_moments.BGLNVariant moved to "
-                      "fsd.moment_variants.BGLNVariant", DeprecationWarning, stacklevel=2)
-        return BGLNVariant
-    raise AttributeError(f"module 'fsd.corrected_moments' has no attribute {name!r}")

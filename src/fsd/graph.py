@@ -428,17 +428,3 @@ def _flatten_start(node: fx.Node) -> int | None:
             return 1
     return None
 
-
-# moved to fsd.plan: the old names stay here for one release
-_MOVED_TO_PLAN = frozenset({"chain", "traced_graph", "gate_nodes", "GateNode", "ChainStep"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_PLAN:
-        import warnings
-
-        from . import plan  # imported here: fsd.plan imports this module
-        warnings.warn(f"fsd.graph.{name} moved to fsd.plan.{name}", DeprecationWarning,
-                      stacklevel=2)
-        return getattr(plan, name)
-    raise AttributeError(f"module 'fsd.graph' has no attribute {name!r}")
