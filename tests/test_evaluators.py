@@ -145,3 +145,13 @@ def test_a_summary_set_restacks_a_member_fitted_again():
     members[1].fit(perturbed(model, 0.3, seed=8), data)
     expected = members[0].distance(moved) + members[1].distance(moved)
     torch.testing.assert_close(together.distance(moved), expected, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("config,message", [
+    ({}, "is not a chain of layers"),  # Algorithm 2 walks chains: the chain's own refusal
+    ({"moments": "exact", "reference": "layerwise"}, "reference='propagated' on this graph"),
+])
+def test_bgln_d_on_a_graph_no_evaluator_walks_is_refused_in_one_line(config, message):
+    with pytest.raises(fsd.UnsupportedModuleError, match=message) as info:
+        fsd.BGLN(deterministic=True, **config).fit(_residual(), labelled_batches(32, (4,)))
+    assert "\n" not in str(info.value)

@@ -41,7 +41,7 @@ from .interpreter import (
     propagate_linearized,
     reference_moments,
 )
-from .rules import is_affine
+from .rules import UnsupportedModuleError, is_affine
 from .validation import SummaryFormatError
 
 Walk = Any  # a chain of traced layers (``list[TracedLayer]``), or the model for a graph
@@ -190,6 +190,22 @@ def choose(layers: list[TracedLayer] | None, config: Mapping[str, Any],
                                       f"only; {use}")
         return get("algorithm2-conv")
     return get(_CHAIN_NAMES.get(moments, moments))
+
+
+def check_graph(config: Mapping[str, Any], error: UnsupportedModuleError) -> None:
+    """Raise unless an evaluator takes BGLN-D with ``config`` on a model that is no chain.
+
+    Args:
+        config: the estimator's configuration.
+        error: why the model is not a chain (:func:`fsd.trace`'s refusal), raised as it is
+            where no graph evaluator applies: Algorithm 2 and the variants walk chains.
+    """
+    if config["moments"] != "exact":
+        raise error
+    if config.get("reference") == "layerwise":  # layer-wise statistics are a chain's
+        raise UnsupportedModuleError(
+            f"{error}. {support.describe(support.BGLN_D_LAYERWISE)}; use "
+            f"reference='propagated' on this graph") from None
 
 
 def recorded(meta: Mapping[str, Any], config: Mapping[str, Any]) -> Evaluator:

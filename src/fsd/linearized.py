@@ -101,14 +101,8 @@ class _LinearizedEstimator(Estimator):
         try:
             return trace(model)
         except UnsupportedModuleError as error:
-            # Algorithm 2 propagates moments along a chain; exact moments take graphs of
-            # flat layers (fsd.graph_moments)
-            if self._deterministic and self.config.get("moments") != "exact":
-                raise
-            if self._deterministic and self.config.get("reference") == "layerwise":
-                raise UnsupportedModuleError(
-                    f"{error}. {support.describe(support.BGLN_D_LAYERWISE)}; use "
-                    f"reference='propagated' on this graph") from None
+            if self._deterministic:  # raises unless an evaluator walks graphs
+                evaluators.check_graph(self.config, error)
             hooks = forward_hooks(model)
             if hooks:
                 raise UnsupportedModuleError(
