@@ -43,11 +43,12 @@ from __future__ import annotations
 import copy
 import inspect
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.fx.node import map_arg
 
 from . import rules, support
 from .rules import UnsupportedModuleError
@@ -323,6 +324,28 @@ def call_site_paths(graph: fx.Graph, modules: dict[str, nn.Module]) -> dict[fx.N
                 f"path of the module called there; rename that module")
         keys[node] = target if calls[target] == 1 else node.name
     return keys
+
+
+def arguments(node: fx.Node, value: Mapping[fx.Node, Any],
+              substitute: Mapping[fx.Node, Any] | None = None) -> tuple[Any, Any]:
+    """A node's ``args`` and ``kwargs`` from the values of the nodes it reads, some replaced."""
+    chosen = substitute or {}
+
+    def pick(n: fx.Node) -> Any:
+        return chosen.get(n, value[n])
+    return map_arg(node.args, pick), map_arg(node.kwargs, pick)
+
+
+def evaluate(node: fx.Node, value: Mapping[fx.Node, Any], modules: Mapping[str, nn.Module],
+             substitute: Mapping[fx.Node, Any] | None = None) -> Any:
+    """A call node's output from :func:`arguments` (a module called out of place)."""
+    args, kwargs = arguments(node, value, substitute)
+    if node.op == "call_module":  # never in place: other nodes read the same values
+        return out_of_place(modules[str(node.target)])(*args, **kwargs)
+    if node.op == "call_method":
+        self_arg, *rest = args
+        return getattr(self_arg, str(node.target))(*rest, **kwargs)
+    return node.target(*args, **kwargs)  # type: ignore[operator]
 
 
 def runnable(model: nn.Module) -> nn.Module:

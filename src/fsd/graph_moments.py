@@ -45,12 +45,11 @@ from typing import Any, Mapping
 
 import torch
 from torch import Tensor, fx, nn
-from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten
 
 from . import rules, support
 from .covariance import Covariance
-from .graph import out_of_place, unwrap
+from .graph import evaluate, unwrap
 from .plan import read
 from .rules import AffineRule, GateRule, is_affine, is_gate
 
@@ -121,22 +120,6 @@ def _target_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _evaluate(node: fx.Node, value: dict[fx.Node, Any], modules: Mapping[str, nn.Module],
-              substitute: Mapping[fx.Node, Tensor] | None = None) -> Any:
-    """The node's output with its arguments' values, some of them replaced."""
-    chosen = substitute or {}
-
-    def pick(n: fx.Node) -> Any:
-        return chosen.get(n, value[n])
-    args, kwargs = map_arg(node.args, pick), map_arg(node.kwargs, pick)
-    if node.op == "call_module":  # never in place: other nodes read the same values
-        return out_of_place(modules[str(node.target)])(*args, **kwargs)
-    if node.op == "call_method":
-        self_arg, *rest = args
-        return getattr(self_arg, str(node.target))(*rest, **kwargs)
-    return node.target(*args, **kwargs)  # type: ignore[operator]
-
-
 def graph_plan(model: nn.Module, reference: Mapping[str, Tensor], input_width: int,
                dtype: torch.dtype = torch.float64) -> GraphPlan:
     """Walk ``model``'s traced graph once and record what its moments need.
@@ -185,7 +168,7 @@ def graph_plan(model: nn.Module, reference: Mapping[str, Tensor], input_width: i
         elif node.op == "get_attr":
             value[node] = reference[str(node.target)]
         elif not inputs:  # sizes, constants, functions of parameters: no moments
-            value[node] = _evaluate(node, value, modules)
+            value[node] = evaluate(node, value, modules)
         elif node in gates:
             value[node] = value[gates[node].input]
             step = GraphStep("gate", node.name, (gates[node].input.name,), gates[node].path,
@@ -199,7 +182,7 @@ def graph_plan(model: nn.Module, reference: Mapping[str, Tensor], input_width: i
                              str(node.target))
         else:
             _check_parameter_free(node, modules)
-            out = _evaluate(node, value, modules)
+            out = evaluate(node, value, modules)
             value[node] = out
             if isinstance(out, Tensor) and out.is_floating_point():
                 step = _linear_step(node, inputs, value, modules, generator)
@@ -267,7 +250,7 @@ def _widths(nodes: list[fx.Node], gates: Mapping[fx.Node, Any],
             value[node] = _affine_value(node, modules[str(node.target)], reference, value,
                                         dtype)
         else:
-            value[node] = _evaluate(node, value, modules)
+            value[node] = evaluate(node, value, modules)
         out = value[node]
         if isinstance(out, Tensor) and out.is_floating_point() and out.dim() >= 1:
             widths[node.name] = out[0].numel()
@@ -298,7 +281,7 @@ def _linear_step(node: fx.Node, inputs: list[fx.Node], value: dict[fx.Node, Any]
     rows.
     """
     zeros = {n: torch.zeros_like(value[n]) for n in inputs}
-    constant = _evaluate(node, value, modules, zeros)
+    constant = evaluate(node, value, modules, zeros)
     rows = next(iter(zeros.values())).shape[0]
     if constant.dim() != 2 and constant.dim() >= 1 and constant.shape[0] == rows:
         # one tensor per example, but not a vector: an image or a sequence (a view or
@@ -313,14 +296,14 @@ def _linear_step(node: fx.Node, inputs: list[fx.Node], value: dict[fx.Node, Any]
         width = value[n].shape[1]
         basis = torch.zeros_like(value[n])
         basis[:width] = torch.eye(width, dtype=basis.dtype)
-        response = _evaluate(node, value, modules, {**zeros, n: basis}) - constant
+        response = evaluate(node, value, modules, {**zeros, n: basis}) - constant
         if bool(response[width:].abs().max() > 0):
             raise _refuse(node, "an operation that mixes examples")
         jacobians.append(response[:width].T.contiguous())
     # affine row by row: f(x) = c + Σ J_i x_i at random rows too
     probe = {n: torch.randn(value[n].shape, generator=generator, dtype=value[n].dtype)
              for n in inputs}
-    got = _evaluate(node, value, modules, probe)
+    got = evaluate(node, value, modules, probe)
     expected = constant + sum(x @ j.T for x, j in zip(probe.values(), jacobians, strict=True))
     tolerance = 1e3 * torch.finfo(constant.dtype).eps * (1.0 + float(expected.abs().max()))
     if not isinstance(got, Tensor) or got.shape != expected.shape \

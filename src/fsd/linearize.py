@@ -36,12 +36,11 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, fx, nn
 from torch.func import functional_call
-from torch.fx.node import map_arg
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import autodiff, rules
-from .graph import out_of_place, unwrap
+from .graph import arguments, evaluate, out_of_place, unwrap
 from .interpreter import GateFn, TracedLayer, true_gates
 from .plan import GateNode, read
 from .rules import UnsupportedModuleError, is_affine
@@ -136,13 +135,6 @@ def _moving(node: fx.Node, value: dict, delta: dict) -> list[fx.Node]:
             if isinstance(value[n], Tensor) and delta.get(n) is not None]
 
 
-def _arguments(node: fx.Node, value: dict, substitute: dict[fx.Node, Tensor]
-               ) -> tuple[Any, Any]:
-    def pick(n: fx.Node) -> Any:
-        return substitute.get(n, value[n])
-    return map_arg(node.args, pick), map_arg(node.kwargs, pick)
-
-
 def _linearize(fn: Any, node: fx.Node, value: dict, delta: dict) -> tuple[Any, Any]:
     """fn(substitutions) at the reference, and its JVP along the inputs' differences.
 
@@ -178,11 +170,7 @@ def _operation(node: fx.Node, value: dict, delta: dict) -> tuple[Any, Any]:
         return value[source][index], None if inner is None else inner[index]
 
     def run(substitute: dict[fx.Node, Tensor]) -> Any:
-        args, kwargs = _arguments(node, value, substitute)
-        if node.op == "call_method":
-            self_arg, *rest = args
-            return getattr(self_arg, str(node.target))(*rest, **kwargs)
-        return node.target(*args, **kwargs)  # type: ignore[operator]
+        return evaluate(node, value, {}, substitute)  # a function or method call
 
     return _linearize(run, node, value, delta)
 
@@ -195,7 +183,7 @@ def _module(node: fx.Node, module: nn.Module, reference: Mapping[str, Tensor],
     state1 = {n: current[prefix + n] for n in names}
     rule = rules.RULES.get(type(module))
     if is_affine(rule):  # the chain's step: ΔW first, no cancellation as θ → θ0
-        (a0,) = _arguments(node, value, {})[0]
+        (a0,) = arguments(node, value)[0]
         return rule.linearized(TracedLayer("", module, rule), a0, delta[node.all_input_nodes[0]],
                                state0, state1, true_gates)
 
@@ -205,7 +193,7 @@ def _module(node: fx.Node, module: nn.Module, reference: Mapping[str, Tensor],
 
     def run(state: dict[str, Tensor]) -> Any:
         def call(substitute: dict[fx.Node, Tensor]) -> Any:
-            args, kwargs = _arguments(node, value, substitute)
+            args, kwargs = arguments(node, value, substitute)
             return functional_call(function, state, args, kwargs)
         return call
 
