@@ -2,9 +2,9 @@
 
 Run each checkout on the same cases, then compare (a refactor must change no bit):
 
-    PYTHONPATH=OLD/src .venv/bin/python benchmarks/bit_identity.py --save /tmp/old.pt
-    PYTHONPATH=NEW/src .venv/bin/python benchmarks/bit_identity.py --save /tmp/new.pt
-    .venv/bin/python benchmarks/bit_identity.py --compare /tmp/old.pt /tmp/new.pt
+    PYTHONPATH=OLD/src .venv/bin/python benchmarks/bit_identity.py --save old.pt
+    PYTHONPATH=NEW/src .venv/bin/python benchmarks/bit_identity.py --save new.pt
+    .venv/bin/python benchmarks/bit_identity.py --compare old.pt new.pt
 
 Cases (float32 and float64, CPU, 1 thread): every BGLN-D evaluator — Algorithm 2 on an MLP
 chain (full, diagonal and low-rank covariances, class-wise, layer-wise reference, an output

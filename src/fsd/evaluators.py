@@ -262,7 +262,23 @@ def _chain_output_size(layers: list[TracedLayer], params0: Mapping[str, Tensor])
 
 
 class _ChainEvaluator(Evaluator):
-    """Shared parts of the flat-chain evaluators, and their stacking."""
+    """Shared parts of the flat-chain evaluators, and their stacking.
+
+    ``reference_side(layers, params0, mean, covariance, gate_means, layer_moments)``: what
+    :meth:`prepare` computes from θ0 and the statistics, once.
+    """
+
+    reference_side: Callable[..., Any]
+
+    def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
+        """The reference side (:attr:`reference_side`), the output rows and θ0."""
+        parts = self._common(walk, summary)
+        with torch.no_grad():
+            parts["reference"] = self.reference_side(walk, summary.params0, summary.mean,
+                                                     summary.covariance, summary.gate_means,
+                                                     summary.layer_moments)
+        parts["params0"] = summary.params0
+        return parts
 
     def _common(self, layers: list[TracedLayer], summary: MomentSummary) -> dict[str, Any]:
         return {"gate_means": summary.gate_means,
@@ -306,16 +322,7 @@ class Algorithm2(_ChainEvaluator):
     """Paper Algorithm 2 on a chain of flat layers (:func:`fsd.interpreter.delta_moments`)."""
 
     name = "algorithm2"
-
-    def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
-        """Reference-side moments at every layer (:func:`fsd.interpreter.reference_moments`)."""
-        parts = self._common(walk, summary)
-        with torch.no_grad():
-            parts["reference"] = reference_moments(walk, summary.params0, summary.mean,
-                                                   summary.covariance, summary.gate_means,
-                                                   summary.layer_moments)
-        parts["params0"] = summary.params0
-        return parts
+    reference_side = staticmethod(reference_moments)
 
     def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
                  ) -> Tensor:
@@ -344,16 +351,7 @@ class ExactMoments(_ChainEvaluator):
     """Exact moments on a chain of flat layers (:mod:`fsd.exact_moments`, the adjoint)."""
 
     name = "exact"
-
-    def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
-        """Reference blocks of every affine layer (:func:`fsd.exact_moments.reference_blocks`)."""
-        parts = self._common(walk, summary)
-        with torch.no_grad():
-            parts["reference"] = reference_blocks(walk, summary.params0, summary.mean,
-                                                  summary.covariance, summary.gate_means,
-                                                  summary.layer_moments)
-        parts["params0"] = summary.params0
-        return parts
+    reference_side = staticmethod(reference_blocks)
 
     def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
                  ) -> Tensor:

@@ -218,38 +218,17 @@ def read(model: nn.Module) -> Plan:
 
 
 def chain(model: nn.Module) -> list[ChainStep]:
-    """The steps of ``model``'s ``forward`` as a chain (see :mod:`fsd.graph`).
-
-    Raises:
-        UnsupportedModuleError: the model cannot be traced, its graph branches, or an
-            operation has no rule; the message names the operation and the graph node.
-    """
+    """``read(model).chain()`` (:meth:`Plan.chain`): the forward as a chain of steps."""
     return read(model).chain()
 
 
 def traced_graph(model: nn.Module) -> fx.Graph:
-    """``model``'s forward as a torch.fx graph, traced with the rule tracer (cached).
-
-    Modules that have a rule are leaves (one ``call_module`` node each), so node names, and
-    hence paths, are those of :func:`chain` and :func:`fsd.graph.runnable`. The graph is shared:
-    read it, do not change it.
-
-    Raises:
-        UnsupportedModuleError: fx cannot trace the forward (data-dependent control flow).
-    """
+    """``read(model).graph`` (:attr:`Plan.graph`): the forward as a torch.fx graph."""
     return read(model).graph
 
 
 def gate_nodes(model: nn.Module) -> dict[fx.Node, GateNode]:
-    """The activations BGLN gates in :func:`traced_graph`, by node, in graph order.
-
-    A gate node is a call of a module whose rule is a :class:`~fsd.rules.GateRule` (path: the
-    module's path), or a function call that the chain reads as such a module (``F.relu``,
-    ``torch.relu``, ``x.relu()``, ``F.leaky_relu``, ``F.gelu``, ``F.silu``, ``torch.tanh``,
-    ``torch.sigmoid``, ``F.elu``, ``F.softplus``, …; path: the node's name) — in both cases
-    only where its input depends on the model's input: an activation of parameters alone
-    (``F.softplus(self.scale)``) is not a unit's response to the data and is linearized.
-    """
+    """``read(model).gates`` (:attr:`Plan.gates`): the activations BGLN gates, by node."""
     return read(model).gates
 
 
