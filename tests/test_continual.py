@@ -630,6 +630,14 @@ def test_merge_combines_seeds_run_separately(tmp_path, capsys):
     mixed = continual.merge_runs([tmp_path / "1", tmp_path / "2"], tmp_path / "mixed",
                                  plots=False)
     assert mixed.torch_threads is None  # the runs differ: no single count to report
+    # the versions that ran the seeds are kept too (a GPU machine's torch is not this one's)
+    other = {**two, "torch_version": "0.0.1+other", "fsd_version": None}
+    (tmp_path / "2" / "results.json").write_text(json.dumps(other))
+    versions = continual.merge_runs([tmp_path / "1", tmp_path / "2"], tmp_path / "versions",
+                                    plots=False)
+    assert versions.torch_version == " + ".join(sorted([one["torch_version"], "0.0.1+other"]))
+    assert versions.fsd_version == " + ".join(sorted([one["fsd_version"], "unrecorded"]))
+    assert merged["torch_version"] == one["torch_version"]
     (tmp_path / "2" / "results.json").write_text(json.dumps(two))
     # a seed twice, or other settings, are refused
     with pytest.raises(ValueError, match="seed 1 appears twice"):

@@ -80,10 +80,15 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
     # the runs' own thread count (the merging process's says nothing about them); None
     # when they differ or did not record it
     threads = {results.torch_threads for _, results in runs}
+    # likewise the versions that ran them, not the merging process's
+    torch_versions = {results.torch_version for _, results in runs}
+    fsd_versions = {results.fsd_version for _, results in runs}
     merged = replace(
         RunResults.collect(first.benchmark, first.method, first.hyperparameters,
                            [r.seed for r in done], done, "cpu"),
         torch_threads=threads.pop() if len(threads) == 1 else None,
+        torch_version=_joined(torch_versions),
+        fsd_version=_joined(fsd_versions),
         device=" + ".join(sorted(set(devices))),
         devices={str(r.seed): d for r, d in zip(done, devices, strict=True)},
         merged_from=[str(Path(p)) for p in paths])
@@ -92,6 +97,13 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
         refuse_used_directory(out, why)
         write_results(merged, out, plots=plots)
     return merged
+
+
+def _joined(versions: set[str | None]) -> str | None:
+    """One version, or several joined by " + " (None when no run recorded one)."""
+    if versions == {None}:
+        return None
+    return " + ".join(sorted(v or "unrecorded" for v in versions))
 
 
 # The paper's numbers (tables "avg_mnist", "bwt_mnist", "kl_cifar" and "task_seq"), verbatim;
