@@ -91,9 +91,9 @@ def _case(build: Callable[[], nn.Module], shape: tuple[int, ...], dtype: torch.d
 def cases() -> dict[str, dict[str, Any]]:
     """Every case, by name."""
     try:
-        from fsd.moment_variants import BGLNVariant
-    except ImportError:  # the layout before fsd.evaluators
-        from fsd.corrected_moments import BGLNVariant  # type: ignore[no-redef]
+        from fsd.estimators.variants import BGLNVariant
+    except ImportError:  # the layout before fsd.moments.evaluators
+        from fsd.moments.corrected import BGLNVariant  # type: ignore[no-redef]
     results: dict[str, dict[str, Any]] = {}
     flat, image = (6,), (2, 8, 8)
     for dtype in (torch.float32, torch.float64):

@@ -7,7 +7,8 @@ conv 64-64, max-pool, FC 512, six 10-way heads; P = 1,276,508) at initialisation
 Inputs: 2,000 random 3×32×32 images with a rank-64 covariance plus noise — CIFAR is not on
 this machine, and the cost depends on the shapes, not the values. Prints, side by side in
 one process, medians of distance + backward for BGLN-D (Algorithm 2 on the CNN,
-:mod:`fsd.conv_moments`) with low-rank (r = 32, 64) and diagonal input covariances, over one
+:mod:`fsd.moments.algorithm2_conv`) with low-rank (r = 32, 64) and diagonal input covariances, over
+one
 head (10 logits) and all 60; BGLN-S with 200 samples; and a plain training step (forward,
 cross-entropy, backward) at batch 512 (the paper's) and 128. Peak memory of one call after
 a first (warm) one, above what was allocated before it (:func:`peak_mib`).

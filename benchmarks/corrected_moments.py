@@ -6,7 +6,7 @@ MLP 784-W-W-10 (W = 256, 512), K = 1 and 9 previous tasks' summaries (each fitte
 perturbed reference on real MNIST moments, low-rank r = 64 covariance as ``fsd cl`` stores
 them), penalty = fsd.combine(summaries).distance + backward, medians in ms. Algorithm 2 and
 exact moments are batched by fsd.combine; the corrected prototype
-(fsd.corrected_moments) is evaluated summary by summary. The three are timed interleaved,
+(fsd.moments.corrected) is evaluated summary by summary. The three are timed interleaved,
 three rounds, in one process, so drifting load from other jobs hits them alike. The last
 column is the corrected estimate's |est/exact − 1| over the K summaries at the timed θ.
 """
@@ -21,7 +21,7 @@ import statistics
 import torch
 
 import fsd
-from fsd.moment_variants import BGLNVariant
+from fsd.estimators.variants import BGLNVariant
 from fsd_experiments.compare import mlp
 from fsd_experiments.data import TensorBatches
 from penalty import load_inputs, median_ms, perturbed

@@ -26,7 +26,7 @@ import time
 import torch
 
 import fsd
-from fsd.calibration import perturbed_copies
+from fsd.uses.calibration import perturbed_copies
 from fsd_experiments.compare import mnist_pair
 from fsd_experiments.data import TensorBatches, load_mnist, split_by_classes
 

@@ -20,7 +20,7 @@ from unittest import mock
 import torch
 
 import fsd
-import fsd.ewc
+import fsd.estimators.ewc
 from fsd_experiments.compare import mlp
 
 
@@ -53,7 +53,7 @@ def main() -> None:
         x = torch.rand(args.examples, 784, device=device)
         data = [(x[i:i + 128], None) for i in range(0, args.examples, 128)]
         fast_seconds, fast = _fit(model, data, device)
-        with mock.patch.object(fsd.ewc, "_linear_layers", lambda m: None):
+        with mock.patch.object(fsd.estimators.ewc, "_linear_layers", lambda m: None):
             generic_seconds, generic = _fit(model, data, device)
         diff = max(float((fast[k] - generic[k]).abs().max() / generic[k].abs().max())
                    for k in generic)

@@ -8,8 +8,8 @@ hidden layer (h ← h + ReLU(W2 h)). Inputs: 2,000 random 784-vectors with a ran
 covariance plus noise (the cost depends on the shapes, not the values). Prints, side by side
 in one process, medians of distance + backward for BGLN-D with exact moments:
 
-- the plain MLP through the chain recursion (:mod:`fsd.exact_moments`, what ``fit`` picks);
-- the same plain MLP through the graph walk (:mod:`fsd.graph_moments`) — the same number,
+- the plain MLP through the chain recursion (:mod:`fsd.moments.exact`, what ``fit`` picks);
+- the same plain MLP through the graph walk (:mod:`fsd.moments.exact_graph`) — the same number,
   to show what the general walk costs;
 - the residual MLP (graph walk; the chain recursion cannot take it);
 
@@ -28,8 +28,8 @@ from torch import nn
 
 import fsd
 from conv_moments import peak_mib
-from fsd.graph_moments import graph_plan, graph_second_moment
-from fsd.interpreter import model_state
+from fsd.model.signature import model_state
+from fsd.moments.exact_graph import graph_plan, graph_second_moment
 from penalty import median_ms, perturbed
 
 

@@ -1,4 +1,4 @@
-"""Another checkout's fsd against this one, side by side in one process: BGLN-D penalty cost.
+"""Another checkout's fsd against this one, side by side in one process: penalty cost.
 
 Run:  .venv/bin/python benchmarks/old_vs_new.py --old OTHER/src [--threads 1] [--repeats 15]
 
@@ -8,8 +8,9 @@ beside this checkout's ``fsd``. Each case fits the same summaries with both on t
 random data, then times distance + backward at a moved model, old and new interleaved
 (medians of ``--repeats``). Cases: Algorithm 2 on MLP chains 784-W-W-10 (W = 256, 512;
 low-rank r = 64; one summary and ``fsd.combine`` of 9), exact moments on the width-256
-chain (one and 9), the residual graph of width 256 (exact moments), and the paper's CIFAR
-CNN (Algorithm 2, low-rank r = 64). A refactor should leave every ratio near 1.
+chain (one and 9), the residual graph of width 256 (exact moments), the paper's CIFAR
+CNN (Algorithm 2, low-rank r = 64), and the linearized pass of LAFTR (coreset; chain and
+residual graph) and BGLN-S (chain) at width 256. A refactor should leave every ratio near 1.
 """
 
 from __future__ import annotations
@@ -78,8 +79,11 @@ def _penalty(package: Any, build: Callable[[], nn.Module], shape: tuple[int, ...
     torch.manual_seed(0)
     model = build().eval()
     data = _data(shape)
-    fitted = [package.BGLN(deterministic=True, **config).fit(_moved(model), data)
-              for _ in range(summaries)]
+    kind = config.pop("estimator", "bgln-d")
+    make = {"bgln-d": lambda: package.BGLN(deterministic=True, **config),
+            "bgln-s": lambda: package.BGLN(**config),
+            "laftr": lambda: package.LAFTR(**config)}[kind]
+    fitted = [make().fit(_moved(model), data) for _ in range(summaries)]
     target = package.combine(fitted) if summaries > 1 else fitted[0]
     moved = _moved(model)
 
@@ -129,6 +133,10 @@ def main() -> None:
         "exact-w256-K9": (lambda: _mlp(256), (784,), 9, {**lowrank, "moments": "exact"}),
         "graph-w256": (lambda: Residual(256), (784,), 1, {**lowrank, "moments": "exact"}),
         "cifar-cnn": (_cnn, (3, 32, 32), 1, lowrank),
+        # LAFTR and BGLN-S: the linearized pass, on a chain and on a graph
+        "laftr-w256": (lambda: _mlp(256), (784,), 1, {"estimator": "laftr"}),
+        "bgln-s-w256": (lambda: _mlp(256), (784,), 1, {"estimator": "bgln-s"}),
+        "laftr-graph-w256": (lambda: Residual(256), (784,), 1, {"estimator": "laftr"}),
     }
     chosen = args.cases.split(",") if args.cases else list(cases)
     print(f"torch {torch.__version__}, {platform.machine()}, {args.threads} thread(s), "
@@ -137,8 +145,9 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name in chosen:
         build, shape, k, config = cases[name]
-        old_ms, new_ms = _median_pair(_penalty(old, build, shape, k, **config),
-                                      _penalty(fsd, build, shape, k, **config), args.repeats)
+        old_ms, new_ms = _median_pair(_penalty(old, build, shape, k, **dict(config)),
+                                      _penalty(fsd, build, shape, k, **dict(config)),
+                                      args.repeats)
         print(f"| {name} | {old_ms:.2f} | {new_ms:.2f} | {new_ms / old_ms:.3f} |", flush=True)
 
 

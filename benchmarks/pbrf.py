@@ -5,7 +5,7 @@ Run:  .venv/bin/python benchmarks/pbrf.py [--threads 1] [--points 32] [--steps 4
 
 For each distance term (exact minibatch oracle, EWC, BGLN-D with 30 k-means clusters and the
 point term), times in one process:
- (a) a plain autograd SGD loop on the module, one point after another (what ``fsd.influence``
+ (a) a plain autograd SGD loop on the module, one point after another (what ``fsd.uses.influence``
      did before batching: ``fsd.testing.one_point_at_a_time``);
  (b) ``PBRF.self_influence`` on one point at a time (the vmapped solver with P = 1);
  (c) ``PBRF.self_influence`` on P points at once (``pbrf_scores(points_per_solve=P)``);
@@ -24,8 +24,8 @@ import time
 import numpy as np
 import torch
 
-from fsd import influence
 from fsd.testing import one_point_at_a_time
+from fsd.uses import influence
 from fsd_experiments.compare import mlp
 from fsd_experiments.stats import kmeans_labels
 

@@ -16,7 +16,7 @@ Prints, in one process, medians of repeated timings:
  (f) K exact-moment summaries (moments="exact", low-rank r = 64): fsd.combine's one batched
      pass vs the sum of K separate distance calls (distance + backward);
  (g) exact moments by the adjoint recursion (what BGLN uses) vs the forward recursion it
-     replaced (fsd.exact_moments.delta_second_moment), one summary, distance + backward;
+     replaced (fsd.moments.exact.delta_second_moment), one summary, distance + backward;
  (h) K class-wise Algorithm 2 summaries (10 classes, full covariance, width 512) in one
      fsd.combine call: reference parameters stacked once per summary (what fsd.combine does)
      against one copy per class (what it did before), distance + backward and, at K = 9,
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 import fsd
-from fsd import evaluators
+from fsd.moments import evaluators
 from fsd.testing import dense_algorithm2
 from fsd_experiments.compare import mlp, train
 from fsd_experiments.data import DataNotFoundError, TensorBatches, load_mnist, split_by_classes
@@ -374,7 +374,7 @@ def section_f(args, model, moved, fit_data) -> None:
 
 def section_g(args, x, y, fit_data) -> None:
     # (g) the adjoint recursion against the forward one on the same cached blocks
-    from fsd.exact_moments import delta_second_moment
+    from fsd.moments.exact import delta_second_moment
 
     print("\n## (g) exact moments: adjoint recursion vs the forward recursion it replaced "
           "(one summary, 10 outputs, distance + backward)")
@@ -421,7 +421,9 @@ def section_h(args, x, y, fit_data) -> None:
     # The per-class layout is rebuilt here from fsd.combine's own stacked parts, so both
     # layouts run the same delta_moments on the same numbers, interleaved.
     from fsd.covariance import quadratic_trace
-    from fsd.interpreter import delta_moments, model_state, trace
+    from fsd.model.plan import trace
+    from fsd.model.signature import model_state
+    from fsd.moments.algorithm2 import delta_moments
 
     print("\n## (h) K class-wise Algorithm 2 summaries (full covariance, 10 classes, width 512)"
           " in one fsd.combine call: reference stacked per summary vs per class")

@@ -7,7 +7,9 @@ import re
 
 import pytest
 
-from fsd import estimator, evaluators, rules
+from fsd.estimators import base as estimator
+from fsd.model import rules
+from fsd.moments import evaluators
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 EXAMPLES = re.findall(r"```python\n(.*?)```", DOC.read_text(encoding="utf-8"), flags=re.S)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import fsd
-from fsd import rules
+from fsd.model import rules
 
 DTYPE = torch.float64
 

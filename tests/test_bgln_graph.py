@@ -23,8 +23,9 @@ from torch.func import jvp
 
 import fsd
 from conftest import DTYPE, labelled_batches, mlp, perturbed
-from fsd.interpreter import TracedLayer, propagate_linearized, trace
-from fsd.linearize import graph_gates, linearized_outputs
+from fsd.model.linearize import graph_gates, linearized_outputs, propagate_linearized
+from fsd.model.plan import trace
+from fsd.model.rules import TracedLayer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

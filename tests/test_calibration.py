@@ -25,7 +25,7 @@ def test_exact_fsd_calibrates_to_one_and_ratios_are_estimate_over_truth():
     cal = fsd.calibrate(fsd.ExactFSD().fit(model, held_out), model, held_out, scale=0.1)
     assert cal.median_ratio == pytest.approx(1.0, rel=1e-12) and cal.spread < 1e-12
     ewc = fsd.EWC(metric="euclidean").fit(model, train)
-    moved = fsd.calibration.perturbed_copies(model, 3, 0.1, seed=4)
+    moved = fsd.uses.calibration.perturbed_copies(model, 3, 0.1, seed=4)
     cal = fsd.calibrate(ewc, model, held_out, moved=moved)
     truth = fsd.ExactFSD().fit(model, held_out)
     for network, ratio in zip(moved, cal.ratios, strict=True):
@@ -46,7 +46,7 @@ def test_a_linear_network_calibrates_laftr_to_one_on_the_fit_data():
 
 def test_perturbations_are_relative_to_each_tensor():
     model, _, _ = _setup()
-    (moved,) = fsd.calibration.perturbed_copies(model, 1, 0.25, seed=3)
+    (moved,) = fsd.uses.calibration.perturbed_copies(model, 1, 0.25, seed=3)
     for p, q in zip(model.parameters(), moved.parameters(), strict=True):
         assert float((q - p).norm()) == pytest.approx(0.25 * float(p.norm()), rel=1e-10)
 
@@ -56,7 +56,7 @@ def test_outputs_of_the_summary_carry_over_to_the_truth():
     head = fsd.EWC(metric="euclidean").fit(model, train, outputs=[1])
     cal = fsd.calibrate(head, model, held_out, num_perturbations=3)
     restricted = fsd.ExactFSD().fit(model, held_out, outputs=[1])
-    moved = fsd.calibration.perturbed_copies(copy.deepcopy(model), 3, 0.05, seed=0)
+    moved = fsd.uses.calibration.perturbed_copies(copy.deepcopy(model), 3, 0.05, seed=0)
     assert cal.exact == pytest.approx(tuple(float(restricted.distance(m)) for m in moved))
 
 

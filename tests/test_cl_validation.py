@@ -208,7 +208,7 @@ def test_gap_of_a_validation_run_compares_on_the_inputs_it_trained_on(tmp_path):
     final = build_model(hp, tasks[0].x_train.shape[1:], 10)
     final.load_state_dict(torch.load(out / "checkpoints" / "seed3" / "state.pt",
                                      weights_only=True)["model"])
-    from fsd.estimator import load as fsd_load
+    from fsd.estimators.base import load as fsd_load
     reference = build_model(hp, tasks[0].x_train.shape[1:], 10)
     reference.load_state_dict(fsd_load(out / "checkpoints" / "seed3" / "task0.fsd")
                               .reference_state_dict())

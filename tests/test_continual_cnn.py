@@ -127,7 +127,8 @@ def test_split_cifar100_paper_settings():
     assert [hp.epochs_of_task(t) for t in range(3)] == [200, 80, 80]
     assert {"finetune", "laftr", "laftr-coreset", "bgln-s", "bgln-s-cw", "ntk"} <= \
         set(CNN_METHODS)
-    # Algorithm 2 runs on the CNN (fsd.conv_moments), and K-FAC (KFC's convolution factors);
+    # Algorithm 2 runs on the CNN (fsd.moments.algorithm2_conv), and K-FAC (KFC's convolution
+    # factors);
     # exact moments do not
     assert {"bgln-d", "bgln-d-cw", "bgln-d-var", "osla"} <= set(CNN_METHODS)
     assert not {"bgln-d-exact", "bgln-d-layerwise"} & set(CNN_METHODS)

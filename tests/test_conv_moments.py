@@ -1,7 +1,8 @@
 """BGLN-D (Algorithm 2) on convolutional networks against a dense float64 transcription.
 
 The library never forms a convolution's matrix or a (C·H·W)² covariance
-(:mod:`fsd.conv_moments`); :func:`fsd.testing.dense_algorithm2_cnn` does both, on 8×8 images.
+(:mod:`fsd.moments.algorithm2_conv`); :func:`fsd.testing.dense_algorithm2_cnn` does both, on 8×8
+images.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from torch import nn
 
 import fsd
 from conftest import DTYPE, perturbed
-from fsd import conv_moments, rules
+from fsd.model import rules
+from fsd.moments import algorithm2_conv as conv_moments
 from fsd.testing import dense_algorithm2_cnn
 
 
@@ -117,7 +119,8 @@ def test_classwise_bgln_d_on_a_cnn_mixes_the_dense_components():
 
 
 def test_the_convolutional_path_on_an_mlp_is_the_mlp_path():
-    # two implementations of Algorithm 2: fsd.conv_moments against fsd.interpreter's
+    # two implementations of Algorithm 2: fsd.moments.algorithm2_conv against
+    # fsd.moments.algorithm2's
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6),
                           nn.Tanh(), nn.Linear(6, 3)).to(DTYPE).eval()

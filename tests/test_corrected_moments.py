@@ -1,4 +1,4 @@
-"""BGLN-D moment variants (fsd.corrected_moments): the ablations and the corrected estimator."""
+"""BGLN-D moment variants (fsd.moments.corrected): the ablations and the corrected estimator."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import fsd
-from fsd.corrected_moments import ablated_second_moment, corrected_second_moment
-from fsd.interpreter import model_state
-from fsd.moment_variants import BGLNVariant
+from fsd.estimators.variants import BGLNVariant
+from fsd.model.signature import model_state
+from fsd.moments.corrected import ablated_second_moment, corrected_second_moment
 
 
 def _mlp(hidden=2, seed=0, d=5, width=6, outputs=3):

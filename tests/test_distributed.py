@@ -159,7 +159,7 @@ def test_a_ddp_step_with_the_penalty_keeps_ranks_identical(ranks):
 def test_coreset_shards_are_sampled_uniformly():
     # the union draw: each of 12 points in a 2-rank split (3 + 9 points) lands in a 4-point
     # coreset with probability 1/3; simulated with the same merge as fsd's, 3000 draws
-    from fsd.coreset import Reservoir
+    from fsd.statistics.coreset import Reservoir
 
     counts = torch.zeros(12)
     for seed in range(3000):
@@ -172,7 +172,7 @@ def test_coreset_shards_are_sampled_uniformly():
             parts.append((torch.stack(reservoir.x), None, reservoir.seen))
         merged = Reservoir(4, torch.Generator().manual_seed(seed))
         from unittest import mock
-        with mock.patch("fsd.distributed.gather_objects", return_value=parts):
+        with mock.patch("fsd.statistics.distributed.gather_objects", return_value=parts):
             x, _ = merged._union_sample(parts[0][0], None)
         counts[x[:, 0].long()] += 1
     frequency = counts / 3000

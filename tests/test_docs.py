@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fsd import rules
+from fsd.model import rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

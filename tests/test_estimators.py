@@ -1,7 +1,7 @@
 """Ground-truth tests of every FSD estimator against independent brute-force computations.
 
 Each reference is written from the paper's definitions (§3, Algorithms 1–2, Appendix B) with
-plain numpy/torch loops, below or in fsd.testing, without using fsd.interpreter.
+plain numpy/torch loops, below or in fsd.testing, without using fsd.moments.algorithm2.
 Everything runs in float64 so exact identities are checked to ~1e-10 relative; Monte Carlo
 estimators are checked to 5 standard errors estimated from repeated independent calls.
 """
@@ -201,7 +201,7 @@ def test_laftr_coreset_matches_brute_force(arch):
 def test_coreset_reservoir_is_uniform():
     """Every example is kept with probability size/N (reservoir sampling): inclusion
     frequencies over 2000 seeds within 5 binomial standard errors of 3/10."""
-    from fsd.coreset import Reservoir
+    from fsd.statistics.coreset import Reservoir
 
     x = torch.arange(10, dtype=DTYPE).reshape(10, 1)
     counts = np.zeros(10)
@@ -723,12 +723,12 @@ def test_ewc_linear_fast_path_equals_per_example_gradients(kind, metric, monkeyp
         gen = torch.Generator().manual_seed(4)
         data = [(x, torch.randn(x.shape[0], 3, generator=gen, dtype=DTYPE)) for x, _ in data]
     calls = []
-    fast = fsd.ewc._linear_fisher_diagonal
-    monkeypatch.setattr(fsd.ewc, "_linear_fisher_diagonal",
+    fast = fsd.estimators.ewc._linear_fisher_diagonal
+    monkeypatch.setattr(fsd.estimators.ewc, "_linear_fisher_diagonal",
                         lambda *a: calls.append(1) or fast(*a))
     est = fsd.EWC(fisher=kind, metric=metric, chunk_size=3).fit(model, data)
     assert len(calls) == len(data)
-    monkeypatch.setattr(fsd.ewc, "_linear_layers", lambda m: None)
+    monkeypatch.setattr(fsd.estimators.ewc, "_linear_layers", lambda m: None)
     generic = fsd.EWC(fisher=kind, metric=metric, chunk_size=3).fit(model, data)
     assert len(calls) == len(data)
     for key, value in generic._state.items():

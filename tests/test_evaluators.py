@@ -1,4 +1,4 @@
-"""fsd.evaluators: the choice at fit, the name a summary records, and files written before.
+"""fsd.moments.evaluators: the choice at fit, the name a summary records, and files written before.
 
 The evaluators' maths is checked against dense references in the tests of their modules
 (test_exact_moments*, test_conv_moments, test_graph_moments, test_corrected_moments); here,
@@ -15,8 +15,8 @@ from torch import nn
 
 import fsd
 from conftest import DTYPE, cnn, labelled_batches, mlp, perturbed
-from fsd import evaluators
-from fsd.moment_variants import BGLNVariant
+from fsd.estimators.variants import BGLNVariant
+from fsd.moments import evaluators
 
 
 class Residual(nn.Module):
@@ -125,14 +125,36 @@ def test_a_name_read_from_old_flags_is_refused_in_one_line_saying_so():
     assert "written before evaluator names" in message and "ValueError" not in message
 
 
-def test_old_module_paths_forward_with_a_warning():
+@pytest.mark.parametrize("old,new", [
+    ("fsd.interpreter", "fsd.moments.algorithm2"), ("fsd.estimator", "fsd.estimators.base"),
+    ("fsd.rules", "fsd.model.rules"), ("fsd.graph_moments", "fsd.moments.exact_graph"),
+    ("fsd.calibration", "fsd.uses.calibration"), ("fsd.coreset", "fsd.statistics.coreset")])
+def test_old_module_paths_forward_every_name_with_a_warning(old, new):
+    """Each module path before the sub-packages still imports, and each name is the new one."""
+    import importlib
+    moved, home = importlib.import_module(old), importlib.import_module(new)
+    public = [n for n in vars(home) if not n.startswith("_")]
+    assert public
+    for name in public:
+        with pytest.warns(DeprecationWarning, match=f"{old}.{name} moved to fsd"):
+            assert getattr(moved, name) is getattr(home, name)
+
+
+def test_names_that_left_their_module_forward_to_where_they_live():
     import fsd.corrected_moments
     import fsd.graph
-    import fsd.plan
-    with pytest.warns(DeprecationWarning, match="fsd.plan.chain"):
-        assert fsd.graph.chain is fsd.plan.chain
-    with pytest.warns(DeprecationWarning, match="moment_variants"):
+    import fsd.interpreter
+    import fsd.model.linearize
+    import fsd.model.plan
+    with pytest.warns(DeprecationWarning, match="fsd.model.plan.chain"):
+        assert fsd.graph.chain is fsd.model.plan.chain
+    with pytest.warns(DeprecationWarning, match="fsd.estimators.variants"):
         assert fsd.corrected_moments.BGLNVariant is BGLNVariant
+    with pytest.warns(DeprecationWarning, match="fsd.model.linearize"):
+        from fsd.interpreter import propagate_linearized
+    assert propagate_linearized is fsd.model.linearize.propagate_linearized
+    with pytest.raises(AttributeError):
+        fsd.interpreter.__wrapped__  # noqa: B018  # dunder lookups are not forwarded
 
 
 def test_a_summary_set_restacks_a_member_fitted_again():

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fsd
-from fsd.exact_moments import delta_second_moment
+from fsd.moments.exact import delta_second_moment
 from fsd.testing import dense_algorithm2, enumerated_gates
 
 

@@ -1,8 +1,8 @@
 """The adjoint recursion for exact-moment BGLN-D against the forward one, value and gradient.
 
-:func:`fsd.exact_moments.delta_second_moment` (dense moments pushed forward through every
+:func:`fsd.moments.exact.delta_second_moment` (dense moments pushed forward through every
 layer, checked against BGLN-S and ExactFSD in test_exact_moments.py) is the reference;
-:func:`fsd.exact_moments.delta_second_moment_adjoint` is what BGLN and fsd.combine use. Both
+:func:`fsd.moments.exact.delta_second_moment_adjoint` is what BGLN and fsd.combine use. Both
 are evaluated in float64 on the same cached reference blocks, for every architecture shape
 the adjoint treats differently: low-rank-plus-diagonal adjoints reaching the first layer,
 dense adjoints carried through hidden layers, affine layers without a gate in between, a
@@ -18,8 +18,8 @@ from torch import nn
 
 import fsd
 from conftest import perturbed
-from fsd.exact_moments import delta_second_moment, delta_second_moment_adjoint
-from fsd.interpreter import trace
+from fsd.model.plan import trace
+from fsd.moments.exact import delta_second_moment, delta_second_moment_adjoint
 
 RTOL = 1e-10
 
@@ -144,7 +144,7 @@ def test_batched_summaries_equal_the_forward_reference(covariance):
 
 
 def test_adjoint_under_torch_func_and_double_backward():
-    # the batched PBRF solver takes vmap(grad(·)) of BGLN-D terms (fsd.influence), and the
+    # the batched PBRF solver takes vmap(grad(·)) of BGLN-D terms (fsd.uses.influence), and the
     # first layer's source is a custom autograd function: both must see the same function
     from conftest import distance_fn
 
@@ -170,7 +170,7 @@ def test_adjoint_under_torch_func_and_double_backward():
 @pytest.mark.parametrize("kind", ["two hidden", "one hidden"])
 def test_full_covariance_first_layer_by_factor_and_by_dense_moments(monkeypatch, kind, dense):
     # a full covariance's first layer has both Φ and R00 = ΦΦᵀ; the adjoint picks the cheaper
-    import fsd.exact_moments as exact_moments
+    import fsd.moments.exact as exact_moments
 
     monkeypatch.setattr(exact_moments, "_dense_is_cheaper", lambda block, outputs: dense)
     model = _net(kind)

@@ -17,7 +17,7 @@ from torch import nn
 import fsd
 import zoo_models as zoo
 from conftest import labelled_batches, linear_net, perturbed
-from fsd import distributed
+from fsd.statistics.collector import distributed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

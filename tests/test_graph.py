@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsd
-from fsd.graph import runnable, unwrap
-from fsd.plan import chain
+from fsd.model.plan import chain
+from fsd.model.tracing import runnable, unwrap
 
 DTYPE = torch.float64
 
@@ -285,7 +285,7 @@ def test_a_changed_submodule_is_traced_again():
 
 
 def test_a_rule_registered_after_a_model_was_read_is_seen(monkeypatch):
-    from fsd import plan, rules
+    from fsd.model import plan, rules
 
     class Scale(nn.Module):
         def __init__(self) -> None:
@@ -317,7 +317,7 @@ def test_a_model_with_a_forward_of_its_own_is_freed():
     import gc
     import weakref
 
-    from fsd import plan
+    from fsd.model import plan
 
     model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
     model.forward = model.forward  # a bound method in the instance's dict

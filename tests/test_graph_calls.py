@@ -28,8 +28,8 @@ from torch import nn
 
 import fsd
 from conftest import DTYPE, distance_fn, perturbed
-from fsd.linearize import graph_gates
-from fsd.plan import traced_graph
+from fsd.model.linearize import graph_gates
+from fsd.model.plan import traced_graph
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -607,7 +607,7 @@ def test_bgln_s_mean_matches_bgln_d_exact_moments_with_reused_modules(build):
 
 def test_call_sites_keep_module_paths_for_modules_called_once():
     model = _resnet()
-    sites = fsd.graph.call_site_paths(traced_graph(model), dict(model.named_modules()))
+    sites = fsd.model.tracing.call_site_paths(traced_graph(model), dict(model.named_modules()))
     keys = {node.name: key for node, key in sites.items()}
     assert keys["layer1_0_conv1"] == "layer1.0.conv1"  # called once: its path, as before
     assert keys["maxpool"] == "maxpool"

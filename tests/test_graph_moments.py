@@ -1,11 +1,11 @@
-"""BGLN-D with exact moments on graphs that are not chains (:mod:`fsd.graph_moments`).
+"""BGLN-D with exact moments on graphs that are not chains (:mod:`fsd.moments.exact_graph`).
 
 Ground truth:
 - the residual network of ``test_bgln_graph``, whose BGLN expectation is written out there by
   hand and summed over every gate configuration (``_closed_form``), for ReLU gates
   (Bernoulli laws of the stored firing frequencies) and smooth ones (four-point laws with
   the stored moments): the exact-moment distance must equal it to round-off;
-- on chains, the specialised chain recursion (:mod:`fsd.exact_moments`), an independent
+- on chains, the specialised chain recursion (:mod:`fsd.moments.exact`), an independent
   implementation: equal to round-off in value and gradient;
 - on graphs with concatenations, slicing and scaled skips, the Monte-Carlo mean of BGLN-S
   within 5 standard errors.
@@ -23,8 +23,8 @@ from torch import nn
 
 import fsd
 from conftest import DTYPE, perturbed
-from fsd.graph_moments import graph_plan, graph_second_moment
-from fsd.interpreter import model_state
+from fsd.model.signature import model_state
+from fsd.moments.exact_graph import graph_plan, graph_second_moment
 from test_bgln_graph import (
     Residual,
     _bernoulli_law,
@@ -53,7 +53,7 @@ def _expected(model: Residual, moved: Residual, est: fsd.BGLN, data, classwise: 
             if not smooth:
                 laws.append(_bernoulli_law(statistics))
                 continue
-            rule = fsd.rules.RULES[nn.GELU if module is None else type(module)]
+            rule = fsd.model.rules.RULES[nn.GELU if module is None else type(module)]
             laws.append(_four_point_law(rule.gate_moments(module or nn.GELU(), statistics)))
         total = total + members.to(DTYPE).mean() * _closed_form(
             model, moved, *_moments(xs[members]), laws)

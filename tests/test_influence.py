@@ -13,8 +13,8 @@ from torch import nn
 import fsd
 import fsd_experiments.data
 from datafiles import REAL_DATA_DIR
-from fsd import influence
 from fsd.testing import one_point_at_a_time
+from fsd.uses import influence
 from fsd_experiments import compat, stats
 from fsd_experiments import influence as studies
 from fsd_experiments.cli import main

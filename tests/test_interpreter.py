@@ -1,4 +1,4 @@
-"""fsd.interpreter: tracing models, the linearized forward pass and Algorithm 2's moments."""
+"""fsd.moments.algorithm2: tracing models, the linearized forward pass and Algorithm 2's moments."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch import nn
 
 import fsd
 from conftest import DTYPE, cnn, labelled_batches, mlp, perturbed, stack
-from fsd import interpreter
+from fsd.moments import algorithm2 as interpreter
 from fsd.testing import dense_algorithm2, linearized_outputs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -179,7 +179,8 @@ def test_moments_of_two_components_each_match_dense_algorithm2():
 
 
 def test_check_moment_support_chooses_the_flat_or_the_convolutional_path():
-    # convolutions, or a Linear on unflattened images: fsd.conv_moments (Algorithm 2 only)
+    # convolutions, or a Linear on unflattened images: fsd.moments.algorithm2_conv (Algorithm 2
+    # only)
     image_mlp = nn.Sequential(nn.Linear(4, 3))
     partial = nn.Sequential(nn.Flatten(2), nn.Linear(4, 3))
     for model, shape in ((cnn(seed=0), (1, 8, 8)), (image_mlp, (1, 2, 4)), (partial, (1, 2, 4))):

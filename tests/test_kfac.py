@@ -408,7 +408,7 @@ class _Parametrized(nn.Module):
 
 
 def test_kronecker_quadratic_derivatives_match_finite_differences_and_vmap():
-    from fsd.kfac import _KroneckerQuadratic
+    from fsd.estimators.kfac import _KroneckerQuadratic
 
     torch.manual_seed(9)
     b, c = torch.randn(4, 4, dtype=DTYPE), torch.randn(6, 6, dtype=DTYPE)

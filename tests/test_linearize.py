@@ -1,4 +1,4 @@
-"""LAFTR on any traceable graph (fsd.linearize), NTK/EWC with buffers, against brute force.
+"""LAFTR on any traceable graph (fsd.model.linearize), NTK/EWC with buffers, against brute force.
 
 The brute-force LAFTR is an independent construction: run the reference network and record
 the input of every nonlinear layer; then run the moved network with each nonlinear layer's
@@ -18,8 +18,8 @@ from torch import nn
 from torch.func import jvp
 
 import fsd
-from fsd.interpreter import propagate_linearized, trace, true_gates
-from fsd.linearize import linearized_outputs
+from fsd.model.linearize import linearized_outputs, propagate_linearized, true_gates
+from fsd.model.plan import trace
 
 DTYPE = torch.float64
 NONLINEAR = (nn.ReLU, nn.GELU, nn.LeakyReLU, nn.Tanh, nn.SiLU, nn.LayerNorm, nn.MaxPool2d,

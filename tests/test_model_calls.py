@@ -21,8 +21,8 @@ from torch import nn
 
 import fsd
 from conftest import perturbed
-from fsd.calls import bind
-from fsd.estimator import from_payload
+from fsd.estimators.base import from_payload
+from fsd.model.calls import bind
 from fsd.validation import SummaryFormatError, payload_checksums
 
 DTYPE = torch.float64
@@ -252,7 +252,7 @@ def test_files_written_before_output_and_forward_kwargs_load_and_agree(name):
     old = fsd.load(OLD_FILES / f"{name}.pt")
     fresh = makers[name].fit(model, x)
     # the same metadata, but for the evaluator's name, which BGLN-D summaries record since
-    # (the old file's walk is read from its configuration: fsd.evaluators.recorded)
+    # (the old file's walk is read from its configuration: fsd.moments.evaluators.recorded)
     fresh_meta = json.loads(fresh.to_payload()["meta"])
     if fresh_meta.pop("evaluator", None) is not None:
         assert old._evaluator.name == fresh._evaluator.name

@@ -44,7 +44,7 @@ from torch.func import functional_call
 import fsd
 import zoo_models as zoo
 from conftest import perturbed
-from fsd.rules import UnsupportedModuleError
+from fsd.model.rules import UnsupportedModuleError
 from fsd.testing import dense_algorithm2_cnn
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -57,7 +57,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "user-guide.md"
 # the table: model -> estimator -> "✓" or "refused: <message>"
 # ----------------------------------------------------------------------------------------
 _ALL = "✓"
-# the advice of fsd.support's table, as the refusals end
+# the advice of fsd.model.support's table, as the refusals end
 _GRAPH = "BGLN-S or LAFTR on any graph torch.fx traces, or ExactFSD, NTK, EWC or KFAC on any model"
 _TOKENS = ("refused: BGLN with inputs='gaussian' fits a Gaussian to the inputs, and these are "
            "discrete (torch.int64, e.g. token ids): use BGLN-S with inputs='coreset' or LAFTR "
@@ -82,7 +82,7 @@ def _not_chain(model: str, reads: str, previous: str) -> str:
 
 def _no_rule(operation: str, kind: str, model: str) -> str:
     return (f"refused: operation {operation} ({kind}) at graph node '{operation}' of "
-            f"{model}.forward has no rule; BGLN-D supports the modules of fsd.rules.RULES, "
+            f"{model}.forward has no rule; BGLN-D supports the modules of fsd.model.rules.RULES, "
             f"their functional forms (F.relu, F.leaky_relu, F.gelu, torch.tanh, …) and "
             f"flattening. Use the module form (e.g. nn.ReLU()), register a rule for a module "
             f"that does it (fsd.register_rule), or use {_GRAPH}")

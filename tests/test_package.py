@@ -12,7 +12,7 @@ HEAVY = ("matplotlib", "scipy", "fsd_experiments")
 
 def test_importing_fsd_loads_neither_matplotlib_nor_scipy():
     # a fresh interpreter: this test process has imported the experiments already
-    code = ("import sys, fsd, fsd.testing, fsd.influence; "
+    code = ("import sys, fsd, fsd.testing, fsd.uses.influence; "
             f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, timeout=120)

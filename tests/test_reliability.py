@@ -437,7 +437,7 @@ def test_batches_of_another_form_say_what_is_accepted():
 def test_influence_functions_take_a_dataloader_of_the_training_set():
     from torch.utils.data import DataLoader, TensorDataset
 
-    from fsd import influence
+    from fsd.uses import influence
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1)).double()

@@ -216,20 +216,20 @@ def test_calibrate_refuses_a_moved_network_with_nan_parameters():
 
 def test_scale_lambda_refuses_a_zero_estimate():
     # before: ZeroDivisionError (a median ratio of 0)
-    calibration = fsd.calibration.Calibration("EWC()", (0.0, 0.0, 0.0), (0.1, 0.2, 0.3))
+    calibration = fsd.uses.calibration.Calibration("EWC()", (0.0, 0.0, 0.0), (0.1, 0.2, 0.3))
     with pytest.raises(ValueError, match="median estimate/exact ratio is 0"):
         calibration.scale_lambda(1.0)
 
 
 @pytest.mark.parametrize("exact_lambda", [math.nan, math.inf, -1.0, "2", True])
 def test_scale_lambda_refuses_a_lambda_that_is_not_a_finite_number(exact_lambda):
-    calibration = fsd.calibration.Calibration("EWC()", (0.1, 0.2), (0.2, 0.4))
+    calibration = fsd.uses.calibration.Calibration("EWC()", (0.1, 0.2), (0.2, 0.4))
     with pytest.raises(ValueError, match="exact_lambda must be a finite number"):
         calibration.scale_lambda(exact_lambda)
 
 
 def test_scale_lambda_refuses_an_overflowing_lambda():
-    calibration = fsd.calibration.Calibration("EWC()", (1e-300, 1e-300), (1.0, 1.0))
+    calibration = fsd.uses.calibration.Calibration("EWC()", (1e-300, 1e-300), (1.0, 1.0))
     with pytest.raises(ValueError, match="overflows"):
         calibration.scale_lambda(1e300)
 

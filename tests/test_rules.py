@@ -1,4 +1,4 @@
-"""fsd.rules: every registered layer rule against a brute-force evaluation in float64."""
+"""fsd.model.rules: every registered layer rule against a brute-force evaluation in float64."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 
 import fsd
 from conftest import DTYPE, labelled_batches, linear_net, perturbed, stack
-from fsd import rules
+from fsd.model import rules
 
 # BatchNorm's rule is checked against the module and hand-folded twins in test_batch_norm.py
 SUPPORTED = {nn.Linear, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.ReLU, nn.LeakyReLU,

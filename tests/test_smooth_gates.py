@@ -1,7 +1,7 @@
 """BGLN on smooth activations (GELU, SiLU, Tanh, Sigmoid, ELU, Softplus) against ground truths.
 
 Every form of BGLN gates a smooth activation by a random pair (r, g) with the moments
-stored at fit (:class:`fsd.rules.GateMoments`); BGLN-D with exact moments depends on nothing
+stored at fit (:class:`fsd.model.rules.GateMoments`); BGLN-D with exact moments depends on nothing
 else, so it must equal the enumerated expectation under any discrete law with those moments.
 """
 
@@ -17,9 +17,9 @@ from torch import nn
 
 import fsd
 from conftest import DTYPE, perturbed
-from fsd.exact_moments import delta_second_moment
-from fsd.linearize import linearized_outputs
-from fsd.rules import GateMoments
+from fsd.model.linearize import linearized_outputs
+from fsd.model.rules import GateMoments
+from fsd.moments.exact import delta_second_moment
 from fsd.testing import GateLaw, dense_algorithm2, enumerated_gate_pairs
 
 ACTIVATIONS = {"gelu": nn.GELU(), "gelu-tanh": nn.GELU(approximate="tanh"), "silu": nn.SiLU(),
@@ -136,7 +136,7 @@ def test_stored_gate_moments_are_the_data_averages_of_the_secant_and_slope_pair(
 
 @pytest.mark.parametrize("name", ["gelu", "softplus"])
 def test_laftr_on_a_smooth_chain_equals_the_graph_linearization(name):
-    # the chain walker (φ(s0), φ'(s0) by rule) against fsd.linearize's JVP of each operation
+    # the chain walker (φ(s0), φ'(s0) by rule) against fsd.model.linearize's JVP of each operation
     model = _mlp(ACTIVATIONS[name], widths=(4, 7, 6, 3))
     moved = _moved(model)
     x = _data(50, 4)

@@ -13,7 +13,12 @@ from torch import nn
 import fsd
 from conftest import DTYPE, labelled_batches, mlp, perturbed, stack
 from fsd.covariance import sampling_factor
-from fsd.statistics import GateAccumulator, MomentAccumulator, StatisticsCollector, group_classes
+from fsd.statistics.collector import (
+    GateAccumulator,
+    MomentAccumulator,
+    StatisticsCollector,
+    group_classes,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

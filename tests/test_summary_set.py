@@ -82,8 +82,8 @@ def test_summary_set_checks_architecture():
 
 
 def _record_stacked_params(monkeypatch, name):
-    """Patch fsd.evaluators' ``name`` to record the stacked params0 of every call."""
-    import fsd.evaluators as evaluators
+    """Patch fsd.moments.evaluators' ``name`` to record the stacked params0 of every call."""
+    import fsd.moments.evaluators as evaluators
     calls = []
     real = getattr(evaluators, name)
 

@@ -1,4 +1,4 @@
-"""The support table (fsd.support): what it names takes the model, and refusals quote it.
+"""The support table (fsd.model.support): what it names takes the model, and refusals quote it.
 
 For each model feature a walker can refuse, a tiny model that has it: every walker the
 table's advice names for that feature fits it and measures a moved copy, so the table claims
@@ -20,8 +20,8 @@ from torch import nn
 
 import fsd
 from conftest import NotDifferentiable
-from fsd import rules, support
-from fsd.support import Feature
+from fsd.model import rules, support
+from fsd.model.support import Feature
 
 DTYPE = torch.float64
 
@@ -260,7 +260,7 @@ def test_walker_of_finds_an_estimators_row():
     assert support.walker_of(fsd.BGLN, fsd.BGLN(deterministic=True,
                                                  moments="exact").config) is support.BGLN_D_EXACT
     assert support.walker_of(fsd.LAFTR, fsd.LAFTR().config) is support.LAFTR
-    from fsd.moment_variants import BGLNVariant  # a subclass: its base class's row
+    from fsd.estimators.variants import BGLNVariant  # a subclass: its base class's row
     assert support.walker_of(BGLNVariant, BGLNVariant().config) is support.BGLN_D
 
 

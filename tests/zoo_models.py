@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 import fsd
-from fsd.rules import UnsupportedModuleError
+from fsd.model.rules import UnsupportedModuleError
 
 DTYPE = torch.float64
 N = 8  # examples per model: every estimator fits on all of them (coresets keep them all)

@@ -7,21 +7,22 @@ Every estimator follows one interface::
     est.save("summary.pt"); est2 = fsd.load("summary.pt")
 """
 
+import importlib
+import sys
 import warnings
 from types import ModuleType
 
-from . import corrected_moments, graph, moment_variants, plan
-from .calibration import Calibration, calibrate
-from .estimator import Estimator, NotFittedError, from_payload, iter_batches, load
-from .ewc import EWC
-from .exact import ExactFSD
-from .kfac import KFAC
-from .linearized import BGLN, LAFTR
+from .estimators import variants  # noqa: F401  # registers BGLNVariant, so fsd.load reads it
+from .estimators.base import Estimator, NotFittedError, from_payload, iter_batches, load
+from .estimators.ewc import EWC
+from .estimators.exact_fsd import ExactFSD
+from .estimators.kfac import KFAC
+from .estimators.linearized import BGLN, LAFTR
+from .estimators.ntk import NTK
+from .estimators.summary_set import SummarySet, combine
 from .metrics import METRICS, pointwise_distance
-from .ntk import NTK
-from .plan import trace
-from .regularizer import ContinualRegularizer
-from .rules import (
+from .model.plan import trace
+from .model.rules import (
     AffineRule,
     FixedRule,
     GateRule,
@@ -31,36 +32,72 @@ from .rules import (
     UnsupportedModuleError,
     register_rule,
 )
-from .signature import ArchitectureMismatchError
+from .model.signature import ArchitectureMismatchError
 from .statistics import GateAccumulator, MomentAccumulator, Statistics, StatisticsCollector
-from .summary_set import SummarySet, combine
+from .uses.calibration import Calibration, calibrate
+from .uses.regularizer import ContinualRegularizer
 from .validation import SummaryFormatError
 
 __version__ = "0.1.0"
 
+# Module paths before the sub-packages (0.1.0). Each stays for one release as an alias that
+# warns and hands every name on to the module that holds it now.
+_OLD_PATHS = {
+    "fsd.plan": "fsd.model.plan",
+    "fsd.graph": "fsd.model.tracing",
+    "fsd.rules": "fsd.model.rules",
+    "fsd.linearize": "fsd.model.linearize",
+    "fsd.calls": "fsd.model.calls",
+    "fsd.signature": "fsd.model.signature",
+    "fsd.hooks": "fsd.model.hooks",
+    "fsd.autodiff": "fsd.model.autodiff",
+    "fsd.support": "fsd.model.support",
+    "fsd.interpreter": "fsd.moments.algorithm2",
+    "fsd.conv_moments": "fsd.moments.algorithm2_conv",
+    "fsd.exact_moments": "fsd.moments.exact",
+    "fsd.graph_moments": "fsd.moments.exact_graph",
+    "fsd.corrected_moments": "fsd.moments.corrected",
+    "fsd.evaluators": "fsd.moments.evaluators",
+    "fsd.coreset": "fsd.statistics.coreset",
+    "fsd.distributed": "fsd.statistics.distributed",
+    "fsd.estimator": "fsd.estimators.base",
+    "fsd.linearized": "fsd.estimators.linearized",
+    "fsd.exact": "fsd.estimators.exact_fsd",
+    "fsd.ntk": "fsd.estimators.ntk",
+    "fsd.ewc": "fsd.estimators.ewc",
+    "fsd.kfac": "fsd.estimators.kfac",
+    "fsd.summary_set": "fsd.estimators.summary_set",
+    "fsd.moment_variants": "fsd.estimators.variants",
+    "fsd.regularizer": "fsd.uses.regularizer",
+    "fsd.calibration": "fsd.uses.calibration",
+    "fsd.influence": "fsd.uses.influence",
+}
+# names that left their module: old path -> {name: the module that holds it now}
+_OLD_NAMES = {
+    "fsd.interpreter": {
+        "model_state": "fsd.model.signature", "layer_signature": "fsd.model.signature",
+        "true_gates": "fsd.model.linearize", "propagate_linearized": "fsd.model.linearize",
+        "trace": "fsd.model.plan", "TracedLayer": "fsd.model.rules", "GateFn": "fsd.model.rules"},
+    "fsd.graph": {name: "fsd.model.plan" for name in (
+        "chain", "traced_graph", "gate_nodes", "GateNode", "ChainStep")},
+    "fsd.corrected_moments": {"BGLNVariant": "fsd.estimators.variants"},
+}
 
-def _moved_names(module: ModuleType, names: dict[str, object], home: str) -> None:
-    """Keep ``module.<name>`` for names that moved to ``home``, with a DeprecationWarning.
 
-    Set from here, the package's top, so the old module imports nothing of the new one.
-    """
+class _OldPath(ModuleType):
+    """An old module path: each name is looked up where it lives now, with a warning."""
 
-    def __getattr__(name: str) -> object:
-        if name in names:
-            warnings.warn(f"{module.__name__}.{name} moved to {home}.{name}",
-                          DeprecationWarning, stacklevel=2)
-            return names[name]
-        raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
-
-    module.__getattr__ = __getattr__  # type: ignore[method-assign]  # PEP 562
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        home = _OLD_NAMES.get(self.__name__, {}).get(name, _OLD_PATHS[self.__name__])
+        warnings.warn(f"{self.__name__}.{name} moved to {home}.{name}", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(importlib.import_module(home), name)
 
 
-# moved in 0.1.0; the old paths stay for one release (importing fsd.moment_variants also
-# registers BGLNVariant, so fsd.load reads its summaries)
-_moved_names(graph, {n: getattr(plan, n) for n in (
-    "chain", "traced_graph", "gate_nodes", "GateNode", "ChainStep")}, "fsd.plan")
-_moved_names(corrected_moments, {"BGLNVariant": moment_variants.BGLNVariant},
-             "fsd.moment_variants")
+for _old in _OLD_PATHS:
+    sys.modules[_old] = globals()[_old.removeprefix("fsd.")] = _OldPath(_old)
 
 __all__ = [
     "BGLN", "EWC", "KFAC", "LAFTR", "METRICS", "NTK", "AffineRule", "ArchitectureMismatchError",

@@ -1,7 +1,7 @@
 """Reference implementations that tests and benchmarks check the library against.
 
 Each one is written directly from the paper's definitions, slowly and densely, and uses none
-of the library's own machinery (no :mod:`fsd.interpreter`, no :mod:`fsd.covariance`), so an
+of the library's own machinery (no :mod:`fsd.moments.algorithm2`, no :mod:`fsd.covariance`), so an
 error in the library cannot hide in its reference:
 
 - :func:`dense_algorithm2` — BGLN-D, paper Algorithm 2, line by line in float64 with the
@@ -18,9 +18,9 @@ error in the library cannot hide in its reference:
   the reference network θ0 runs as usual; the network θ runs with every ReLU replaced by the
   reference's gate 1{s0 > 0} and every max-pool routed by the reference's argmax, window by
   window.
-- :func:`one_point_at_a_time` — PBRF self-influence (:mod:`fsd.influence`) solved by plain
+- :func:`one_point_at_a_time` — PBRF self-influence (:mod:`fsd.uses.influence`) solved by plain
   autograd SGD on a copy of the module, one training point after another: the arithmetic
-  that :class:`fsd.influence.PBRF` batches with ``vmap``.
+  that :class:`fsd.uses.influence.PBRF` batches with ``vmap``.
 
 They are slow on purpose; nothing in the library calls them.
 """
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .influence import pointwise_loss
+from .uses.influence import pointwise_loss
 
 
 def _leaves(model: nn.Module) -> Iterator[nn.Module]:
@@ -123,7 +123,7 @@ def _dense_layer(module: nn.Module, shape: tuple[int, ...]
 
     Convolutions and average pools become dense matrices by applying torch's own functional
     form to every basis vector; BatchNorm (evaluation) is a diagonal. Written out by module
-    type, independently of :mod:`fsd.rules`; ``None`` for the matrix of a layer that is not
+    type, independently of :mod:`fsd.model.rules`; ``None`` for the matrix of a layer that is not
     linear (a max-pool or an activation).
     """
     d = int(np.prod(shape))
@@ -444,7 +444,7 @@ def one_point_at_a_time(model: nn.Module, term: Callable[[nn.Module], Tensor], n
     −(1/n)·L(f(x_i, θ), y_i) + term(θ) + (λ/2)‖θ − θ0‖² (+ (1/2n)‖f(x_i, θ) − f(x_i, θ0)‖²
     with ``point_term``) by ``steps`` steps of plain SGD (autograd, parameters updated in
     place), and scores L(f(x_i, θ₋), y_i) − L(f(x_i, θ0), y_i). The term is ``reset()``
-    before every solve when it has that method, as :class:`fsd.influence.PBRF` does.
+    before every solve when it has that method, as :class:`fsd.uses.influence.PBRF` does.
 
     Args:
         model: the trained network θ0 (not modified).

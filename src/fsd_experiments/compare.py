@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fsd.estimator import Estimator
-from fsd.exact import ExactFSD
+from fsd.estimators.base import Estimator
+from fsd.estimators.exact_fsd import ExactFSD
 
 from .data import TensorBatches, load_mnist, split_by_classes
 from .models import mlp

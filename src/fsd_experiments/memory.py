@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from fsd.estimator import Estimator
+from fsd.estimators.base import Estimator
 
 from . import argtypes
 from .argtypes import add_threads_option, apply_threads

@@ -28,7 +28,7 @@ def conv_net(input_shape: tuple[int, int, int], outputs: int, *,
     64·5·5 for 1×28×28.
 
     Dropout is FROMP's. The estimators treat it as the identity: they measure the function
-    at evaluation, where dropout is off (``fsd.rules``).
+    at evaluation, where dropout is off (``fsd.model.rules``).
     """
     channels = input_shape[0]
 

@@ -13,13 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsd.estimator import Estimator
-from fsd.ewc import EWC
-from fsd.exact import ExactFSD
-from fsd.kfac import KFAC
-from fsd.linearized import BGLN, LAFTR
-from fsd.moment_variants import BGLNVariant
-from fsd.ntk import NTK
+from fsd.estimators.base import Estimator
+from fsd.estimators.ewc import EWC
+from fsd.estimators.exact_fsd import ExactFSD
+from fsd.estimators.kfac import KFAC
+from fsd.estimators.linearized import BGLN, LAFTR
+from fsd.estimators.ntk import NTK
+from fsd.estimators.variants import BGLNVariant
 
 from .benchmarks import CIFAR_BENCHMARKS, CL_BENCHMARKS, default_model
 
@@ -76,7 +76,7 @@ class Preset:
         """Runs on convolutional networks (``fsd cl --model cnn``).
 
         All but BGLN-D with exact moments or layer-wise statistics, which would carry
-        (C·H·W)² second moments (Algorithm 2 runs, :mod:`fsd.conv_moments`).
+        (C·H·W)² second moments (Algorithm 2 runs, :mod:`fsd.moments.algorithm2_conv`).
         """
         if self.estimator is BGLNVariant:  # MLP chains only
             return False
@@ -88,7 +88,7 @@ class Preset:
 
     @property
     def needs_statistics(self) -> bool:
-        """``fit`` reads a :class:`fsd.statistics.StatisticsCollector` (moments or gates)."""
+        """``fit`` reads a :class:`fsd.StatisticsCollector` (moments or gates)."""
         return self.moments is not None or self.gates
 
     def make(self, **options: Any) -> Estimator:
@@ -168,7 +168,7 @@ _ROWS: tuple[Preset, ...] = (
            {"deterministic": True, "moments": "exact", "reference": "layerwise",
             "covariance": "full"},
            family="bgln-d", layer_moments=True, **_FULL),
-    # prototypes (fsd.corrected_moments, MLPs only): exact moments without the gates' own
+    # prototypes (fsd.moments.corrected, MLPs only): exact moments without the gates' own
     # variance / without Cov(a0, Δa) — Algorithm 2's two omissions, one at a time — and the
     # mean-gate network plus the gate variance carried by the mean-gate rows
     Preset("bgln-d-no-gate-variance", "BGLN-D (no gate variance)", BGLNVariant,
@@ -176,7 +176,7 @@ _ROWS: tuple[Preset, ...] = (
     Preset("bgln-d-no-cross-covariance", "BGLN-D (no cross-covariance)", BGLNVariant,
            {"moments": "no-cross-covariance", "covariance": "full"}, family="bgln-d", **_FULL),
     # (rank 64, as fsd cl stores it: with a full covariance and two hidden layers the
-    # corrected recursion is exact moments, see fsd.corrected_moments)
+    # corrected recursion is exact moments, see fsd.moments.corrected)
     Preset("bgln-d-corrected", "BGLN-D (corrected)", BGLNVariant,
            {"moments": "corrected", "covariance": "lowrank", "rank": 64}, family="bgln-d",
            **_FULL),

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp
 
-from fsd.estimator import Estimator
+from fsd.estimators.base import Estimator
 
 from . import argtypes
 from .argtypes import add_threads_option, apply_threads

@@ -15,9 +15,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from fsd.estimator import load
-from fsd.exact import ExactFSD
-from fsd.ntk import NTK
+from fsd.estimators.base import load
+from fsd.estimators.exact_fsd import ExactFSD
+from fsd.estimators.ntk import NTK
 
 from ..benchmarks import make_tasks
 from ..compat import cl_checkpoint_settings, is_cl_results

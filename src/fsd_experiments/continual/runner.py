@@ -14,9 +14,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from fsd.estimator import Estimator, atomic_torch_save, load
-from fsd.regularizer import ContinualRegularizer
-from fsd.statistics import StatisticsCollector
+from fsd.estimators.base import Estimator, atomic_torch_save, load
+from fsd.statistics.collector import StatisticsCollector
+from fsd.uses.regularizer import ContinualRegularizer
 
 from ..benchmarks import CL_BENCHMARKS, Task, make_tasks
 from ..compat import cl_checkpoint_settings

@@ -11,9 +11,9 @@ from typing import Callable, Sequence, cast
 import torch
 from torch import Tensor, nn
 
-from fsd.estimator import Estimator
-from fsd.exact import ExactFSD
-from fsd.statistics import StatisticsCollector
+from fsd.estimators.base import Estimator
+from fsd.estimators.exact_fsd import ExactFSD
+from fsd.statistics.collector import StatisticsCollector
 
 from ..benchmarks import FIDELITY_BENCHMARKS, Benchmark
 from ..data import TensorBatches

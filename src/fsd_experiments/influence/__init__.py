@@ -4,7 +4,7 @@
 on five UCI regressions; :func:`run_mislabeled` ranks MNIST training points with 10% corrupted
 labels by self-influence and measures how many corrupted points each method finds. Exposed as
 ``fsd influence uci`` and ``fsd influence mislabeled``. The PBRF machinery itself (distance
-terms, solver, conjugate gradient) is :mod:`fsd.influence`.
+terms, solver, conjugate gradient) is :mod:`fsd.uses.influence`.
 """
 
 from __future__ import annotations

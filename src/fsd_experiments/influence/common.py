@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from fsd.influence import pointwise_loss
+from fsd.uses.influence import pointwise_loss
 
 from ..data import TensorBatches
 from ..training import train

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fsd.influence import cg_scores, pbrf_scores
+from fsd.uses.influence import cg_scores, pbrf_scores
 
 from ..compat import mislabeled_result, pool_corrupted
 from ..data import load_mnist

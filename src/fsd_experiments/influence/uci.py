@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from fsd.influence import cg_scores, pbrf_scores
+from fsd.uses.influence import cg_scores, pbrf_scores
 
 from ..compat import uci_bootstrap, uci_result
 from ..data import UCI_DATASETS, load_uci

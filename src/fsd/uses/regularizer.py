@@ -22,11 +22,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from .calls import Output
-from .estimator import Data, Estimator, atomic_torch_save, from_payload, model_dtype_device
-from .precision import compute_dtype
-from .summary_set import SummarySet
-from .validation import SummaryFormatError
+from ..estimators.base import Data, Estimator, atomic_torch_save, from_payload, model_dtype_device
+from ..estimators.summary_set import SummarySet
+from ..model.calls import Output
+from ..precision import compute_dtype
+from ..validation import SummaryFormatError
 
 FORMAT = "fsd-continual-regularizer"
 FORMAT_VERSION = 1

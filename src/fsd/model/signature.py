@@ -3,7 +3,7 @@
 A summary is only meaningful for the architecture it was fitted on. Every estimator stores a
 JSON-able signature of the reference model at ``fit`` and compares the calling model's
 signature with it in ``distance``. Black-box estimators use :func:`parameter_signature`;
-the linearized ones use the per-layer signature of :func:`fsd.interpreter.layer_signature`.
+the linearized ones use the per-layer signature of :func:`fsd.model.signature.layer_signature`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
+
+from .rules import TracedLayer
 
 
 class ArchitectureMismatchError(ValueError):
@@ -54,3 +56,26 @@ def check_signature(expected: list, actual: list, what: str = "architecture") ->
             raise ArchitectureMismatchError(
                 f"{what} mismatch at entry {i}: fitted on {e}, got {a}"
             )
+
+
+def model_state(model: nn.Module) -> dict[str, Tensor]:
+    """The model's parameters and floating-point buffers by name: what the rules read.
+
+    Buffers matter to BatchNorm, whose running statistics are part of its affine map.
+    """
+    state: dict[str, Tensor] = dict(model.named_parameters())
+    state.update({name: b for name, b in model.named_buffers() if b.is_floating_point()})
+    return state
+
+
+def layer_signature(layers: list[TracedLayer]) -> list[dict]:
+    """Per-layer type, hyper-parameters and parameter shapes of a traced model."""
+    return [
+        {
+            "path": layer.path,
+            "type": type(layer.module).__name__,
+            "hyper": layer.rule.hyper(layer.module),
+            "params": {n: list(p.shape) for n, p in layer.module.named_parameters(recurse=False)},
+        }
+        for layer in layers
+    ]

@@ -8,10 +8,10 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from . import distributed
-from .estimator import Data, Estimator, iter_batches
-from .metrics import check_metric, pointwise_distance
-from .validation import SummaryFormatError, positive_int, require, require_shape
+from ..metrics import check_metric, pointwise_distance
+from ..statistics import distributed
+from ..validation import SummaryFormatError, positive_int, require, require_shape
+from .base import Data, Estimator, iter_batches
 
 
 class ExactFSD(Estimator):

@@ -1,14 +1,9 @@
-"""The generic walker: traces a model into rule-tagged layers and evaluates it three ways.
+"""BGLN-D's paper Algorithm 2 on a chain of rule-tagged layers.
 
-- :func:`propagate_linearized` — the LAFTR forward pass (paper eqs. 4–9): the reference
-  network θ0 runs as usual, the other network θ is linearized around it at every
-  nonlinearity. Differences are propagated directly (Δs = ΔW a0 + W1 Δa + Δb), which avoids
-  the cancellation of subtracting two nearly equal outputs. The gates are supplied by the
-  caller: the reference's own 1{s0 > 0} (LAFTR) or Bernoulli draws (BGLN-S).
-- :func:`reference_moments` / :func:`delta_moments` — BGLN-D (paper Algorithm 2): the
-  moments of the Bernoulli-gated linear network, batched over mixture components. The
-  reference side depends only on θ0 and the stored statistics, so callers compute it once
-  and reuse it; the difference side is accumulated backwards from the outputs.
+:func:`reference_moments` / :func:`delta_moments` give the moments of the Bernoulli-gated
+linear network, batched over mixture components. The reference side depends only on θ0 and
+the stored statistics, so callers compute it once and reuse it; the difference side is
+accumulated backwards from the outputs.
 """
 
 from __future__ import annotations
@@ -18,12 +13,10 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
-from . import support
-from .covariance import Covariance, quadratic_trace, sandwich
-from .plan import trace as trace  # fsd.trace: the chains walked here (read in fsd.plan)
-from .rules import (  # GateFn, TracedLayer: defined in rules, whose methods take them; re-exported
+from ..covariance import Covariance, quadratic_trace, sandwich
+from ..model import support
+from ..model.rules import (
     AffineRule,
-    GateFn,
     TracedLayer,
     UnsupportedModuleError,
     is_affine,
@@ -32,75 +25,17 @@ from .rules import (  # GateFn, TracedLayer: defined in rules, whose methods tak
 )
 
 
-def model_state(model: nn.Module) -> dict[str, Tensor]:
-    """The model's parameters and floating-point buffers by name: what the rules read.
-
-    Buffers matter to BatchNorm, whose running statistics are part of its affine map.
-    """
-    state: dict[str, Tensor] = dict(model.named_parameters())
-    state.update({name: b for name, b in model.named_buffers() if b.is_floating_point()})
-    return state
-
-
-def layer_signature(layers: list[TracedLayer]) -> list[dict]:
-    """Per-layer type, hyper-parameters and parameter shapes of a traced model."""
-    return [
-        {
-            "path": layer.path,
-            "type": type(layer.module).__name__,
-            "hyper": layer.rule.hyper(layer.module),
-            "params": {n: list(p.shape) for n, p in layer.module.named_parameters(recurse=False)},
-        }
-        for layer in layers
-    ]
-
-
-def true_gates(layer: TracedLayer, s0: Tensor) -> tuple[Tensor, Tensor]:
-    """LAFTR's gates: (φ(s0), φ'(s0)) of the reference network itself."""
-    rule = layer.rule
-    assert is_gate(rule)  # called at gate layers only
-    return rule.reference_gates(layer.module, s0)
-
-
-def propagate_linearized(
-    layers: list[TracedLayer],
-    params0: Mapping[str, Tensor],
-    params1: Mapping[str, Tensor] | None,
-    x: Tensor,
-    gate: GateFn = true_gates,
-) -> tuple[Tensor, Tensor | None]:
-    """Run the reference network and the network linearized around it.
-
-    Args:
-        layers: output of :func:`trace`.
-        params0: reference parameters θ0 (detached).
-        params1: parameters θ of the other network, or ``None`` to run the reference only.
-        x: inputs, shape (n, *input_shape).
-        gate: the reference activation and the gate at every gate layer (:data:`GateFn`).
-
-    Returns:
-        ``(z0, dz)``: reference outputs and output differences z1 − z0 (``None`` when
-        ``params1`` is ``None``). With ``true_gates``, z0 is f(x, θ0), and dz is exact for
-        networks without nonlinearities.
-    """
-    a0, da = x, None
-    for layer in layers:  # each layer's step is its rule's (fsd.rules.Rule.linearized)
-        a0, da = layer.rule.linearized(layer, a0, da, params0, params1, gate)
-    if params1 is not None and da is None:
-        da = torch.zeros_like(a0)
-    return a0, da
-
-
 def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...],
                          exact: bool = False, layerwise: bool = False) -> bool:
     """Whether BGLN-D takes the flat (MLP) path; raise ``NotImplementedError`` if it cannot run.
 
-    The flat path (:func:`reference_moments`, :mod:`fsd.exact_moments`) needs flat feature
+    The flat path (:func:`reference_moments`, :mod:`fsd.moments.exact`) needs flat feature
     vectors at every affine layer; anything else with convolutions, pooling or images takes
-    :mod:`fsd.conv_moments` (Algorithm 2 only: exact moments and layer-wise statistics would
+    :mod:`fsd.moments.algorithm2_conv` (Algorithm 2 only: exact moments and layer-wise statistics
+    would
     carry (C·H·W)² second moments). Exact moments need an affine layer before every gate.
     The flat path knows affine, parameter-free and gate layers only; a layer of any other
-    rule (a user's own :class:`~fsd.rules.Rule` subclass) takes the other path too.
+    rule (a user's own :class:`~fsd.model.rules.Rule` subclass) takes the other path too.
     """
     flat = len(input_shape) == 1
     supported = True
@@ -168,7 +103,8 @@ def _moment_steps(layers: list[TracedLayer]) -> list[TracedLayer | tuple[TracedL
     propagated: Algorithm 2 drops Cov(a0, Δa), which is only its approximation at a gate;
     between two affine layers it would also drop a correlation that the composed layer
     keeps. Parameter-free layers are the identity on the flat vectors BGLN-D works on
-    (what :attr:`fsd.rules.Rule.flat_moments` promises for a :class:`~fsd.rules.FixedRule`),
+    (what :attr:`fsd.model.rules.Rule.flat_moments` promises for a
+    :class:`~fsd.model.rules.FixedRule`),
     so they are left out; the path holds no other layers (:func:`check_moment_support`).
     """
     steps: list[TracedLayer | tuple[TracedLayer, ...]] = []
@@ -251,7 +187,8 @@ def reference_moments(
         mean: input means, (G, d) for G mixture components.
         cov: input covariances in any form of :mod:`fsd.covariance`.
         gate_means: stored gate statistics per gate path: firing frequencies μ (G, units),
-            or a smooth gate's moments (G, units, 5) (:meth:`fsd.rules.GateRule.gate_moments`).
+            or a smooth gate's moments (G, units, 5)
+            (:meth:`fsd.model.rules.GateRule.gate_moments`).
         layer_moments: optional real (mean, covariance) at each affine layer after the
             first, used instead of propagating (``reference="layerwise"``).
 

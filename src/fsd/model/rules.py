@@ -8,7 +8,7 @@ in (so the same module can be evaluated at θ0, at θ, or with ΔW), and carries
 estimator family needs from that operation:
 
 - the linearized pass of LAFTR and BGLN-S (:meth:`Rule.linearized`, one layer of
-  :func:`fsd.interpreter.propagate_linearized`);
+  :func:`fsd.model.linearize.propagate_linearized`);
 - what a fit collects at the layer (:attr:`Rule.collects`, :meth:`Rule.fit_statistics`);
 - its step of BGLN-D's moment propagation: the map that replaces its random gates by their
   expectations (:meth:`Rule.expected_reference`, :meth:`Rule.expected_delta`), a gate's
@@ -16,14 +16,15 @@ estimator family needs from that operation:
   (:meth:`GateRule.reference_moments`); affine layers give their (W, b) as dense matrices
   (:meth:`AffineRule.affine_matrix`), which the walkers compose.
 
-The walkers (:mod:`fsd.interpreter`, :mod:`fsd.exact_moments`, :mod:`fsd.conv_moments`) are
+The walkers (:mod:`fsd.moments.algorithm2`, :mod:`fsd.moments.exact`,
+:mod:`fsd.moments.algorithm2_conv`) are
 generic; adding a layer type means registering a rule (:func:`register_rule`). Where a walk's
 structure depends on the operation type, a walker reads the rule's :attr:`Rule.kind`
 (:func:`is_affine`, :func:`is_fixed`, :func:`is_gate`, :func:`is_pool`), never its class.
 
 The traced layer (:class:`TracedLayer`) and the gate callback (:data:`GateFn`) that rules
 receive are defined here, in the module the walkers import, and re-exported by
-:mod:`fsd.interpreter`.
+:mod:`fsd.moments.algorithm2`.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from torch import Tensor, nn
 from torch.func import jvp
 from torch.nn.modules.utils import _pair
 
+from ..covariance import gate as gate_covariance
 from . import support
-from .covariance import gate as gate_covariance
 
 SMOOTH_MOMENTS = 5
 """Moments a smooth gate stores per unit: E[r], E[g], E[r²], E[rg], E[g²] (last dimension)."""
@@ -117,10 +118,11 @@ class Rule(ABC):
             function (part of the architecture signature that a fitted summary checks);
             none by default.
         flat_moments: ``flat_moments(module) -> bool``: whether BGLN-D's moment propagation
-            on flattened feature vectors (the MLP path: :func:`fsd.interpreter.reference_moments`,
-            :mod:`fsd.exact_moments`) supports this particular module; ``False`` by default,
+            on flattened feature vectors (the MLP path:
+            :func:`fsd.moments.algorithm2.reference_moments`,
+            :mod:`fsd.moments.exact`) supports this particular module; ``False`` by default,
             which sends BGLN-D to Algorithm 2 on layer outputs of any shape
-            (:mod:`fsd.conv_moments`).
+            (:mod:`fsd.moments.algorithm2_conv`).
     """
 
     apply: Callable[..., Any]
@@ -311,7 +313,8 @@ class FixedRule(Rule):
     BGLN-D. On the MLP path BGLN-D takes such a layer as the identity on flattened feature
     vectors, so ``flat_moments`` may be true only for a layer that is the identity there (a
     Flatten to (n, features), Dropout, Identity); for any other map, e.g. a scaling, leave it
-    ``False``: BGLN-D then takes the path of :mod:`fsd.conv_moments`, which applies the map.
+    ``False``: BGLN-D then takes the path of :mod:`fsd.moments.algorithm2_conv`, which applies the
+    map.
     ``fit`` refuses a rule that claims it for a map that is not the identity on a probe.
     """
 

@@ -9,11 +9,12 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from . import autodiff, distributed, support
-from .estimator import Data, Estimator, iter_batches
-from .hooks import forward_hooks
-from .metrics import check_metric, output_hessian_factors
-from .validation import positive_int, require_nonnegative, require_shape
+from ..metrics import check_metric, output_hessian_factors
+from ..model import autodiff, support
+from ..model.hooks import forward_hooks
+from ..statistics import distributed
+from ..validation import positive_int, require_nonnegative, require_shape
+from .base import Data, Estimator, iter_batches
 
 FISHERS = ("true", "sampled", "empirical")
 
@@ -42,7 +43,7 @@ class EWC(Estimator):
 
     Per-example gradients are vectorized with ``torch.func.vmap``; on a model that ``vmap``
     cannot batch (``nn.GRU``'s in-place hidden state) ``fit`` takes one example at a time
-    instead (:func:`fsd.autodiff.squared_gradients`): the same Fisher, more slowly.
+    instead (:func:`fsd.model.autodiff.squared_gradients`): the same Fisher, more slowly.
     """
 
     splits_by_layer = True

@@ -1,7 +1,8 @@
 """BGLN-D with a moment recursion between Algorithm 2 and exact moments (prototypes).
 
-The maths is :mod:`fsd.corrected_moments`; the evaluators that run it are in
-:mod:`fsd.evaluators`. Not part of the public API: the ablations and the corrected estimator,
+The maths is :mod:`fsd.moments.corrected`; the evaluators that run it are in
+:mod:`fsd.moments.evaluators`. Not part of the public API: the ablations and the corrected
+estimator,
 for the fidelity study and continual-learning experiments (``fsd_experiments.presets``).
 """
 
@@ -9,22 +10,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from .corrected_moments import VARIANTS
+from ..moments.corrected import VARIANTS
 from .linearized import BGLN
 
 
 class BGLNVariant(BGLN):
-    """BGLN-D whose moments are one of :data:`fsd.corrected_moments.VARIANTS` (prototype).
+    """BGLN-D whose moments are one of :data:`fsd.moments.corrected.VARIANTS` (prototype).
 
     MLP chains only (no convolutional path, no graphs: ``fit`` refuses them); summaries are
     evaluated one by one.
 
     Args:
-        moments: ``"corrected"`` (:func:`fsd.corrected_moments.corrected_second_moment`);
+        moments: ``"corrected"`` (:func:`fsd.moments.corrected.corrected_second_moment`);
             ``"no-gate-variance"`` (the same without its correction: the mean-gate network,
-            equal to :func:`fsd.corrected_moments.ablated_second_moment` with
+            equal to :func:`fsd.moments.corrected.ablated_second_moment` with
             ``gate_variance=False``, at Algorithm 2's cost) or ``"no-cross-covariance"``
-            (:func:`fsd.corrected_moments.ablated_second_moment`, dense).
+            (:func:`fsd.moments.corrected.ablated_second_moment`, dense).
         **options: as :class:`fsd.BGLN`; ``deterministic`` must be ``True``.
     """
 

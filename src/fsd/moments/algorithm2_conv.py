@@ -1,6 +1,7 @@
 """BGLN-D (paper Algorithm 2) on convolutional networks, without (C·H·W)² covariances.
 
-The MLP path (:func:`fsd.interpreter.reference_moments` / :func:`~fsd.interpreter.delta_moments`)
+The MLP path (:func:`fsd.moments.algorithm2.reference_moments` /
+:func:`~fsd.moments.algorithm2.delta_moments`)
 pushes o × o covariances forwards. A convolutional layer's o = C·H·W makes that impossible
 at image sizes (32·32·32 units: a 4 GB matrix per layer), so here every covariance stays in
 the factored form of the input, C_in = L Lᵀ + diag(D), and every map is applied as the
@@ -18,11 +19,11 @@ layer's own operation (a convolution, never its dense matrix):
 
 Runs of affine layers with no gate between them (Conv2d then BatchNorm2d, Conv then Flatten
 then Linear) are one affine map, as in the MLP path. Every other layer is its rule's map with
-the random gates replaced by their expectations (:meth:`fsd.rules.Rule.expected_reference`,
-:meth:`~fsd.rules.Rule.expected_delta`): a gate scales by its mean gate, and a MaxPool2d is
+the random gates replaced by their expectations (:meth:`fsd.model.rules.Rule.expected_reference`,
+:meth:`~fsd.model.rules.Rule.expected_delta`): a gate scales by its mean gate, and a MaxPool2d is
 treated as Algorithm 2 treats a gate — its routing is replaced by its expectation, each
 window taking each of its positions with the frequency that position was the window's argmax
-on the data (:func:`fsd.rules.routing_statistics`), applied to means and factors alike. With
+on the data (:func:`fsd.model.rules.routing_statistics`), applied to means and factors alike. With
 MLPs the result is the MLP path's, to round-off; on a tiny CNN it equals a dense transcription
 (:func:`fsd.testing.dense_algorithm2_cnn`).
 
@@ -40,9 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import vjp
 
-from .covariance import Covariance, sampling_factor
-from .interpreter import TracedLayer
-from .rules import is_affine, is_fixed
+from ..covariance import Covariance, sampling_factor
+from ..model.rules import TracedLayer, is_affine, is_fixed
 
 Step = tuple[TracedLayer, ...]
 """One step of the walk: a run of affine and parameter-free layers holding an affine one

@@ -3,13 +3,13 @@
 A BGLN-D summary stores θ0, the input moments and the gate statistics. Turning them into
 E‖Δz‖² takes one of several walks of the model, each an :class:`Evaluator`:
 
-- ``"algorithm2"``: paper Algorithm 2 on a chain of flat layers (:mod:`fsd.interpreter`);
+- ``"algorithm2"``: paper Algorithm 2 on a chain of flat layers (:mod:`fsd.moments.algorithm2`);
 - ``"algorithm2-conv"``: Algorithm 2 on a chain with convolutions and pools
-  (:mod:`fsd.conv_moments`);
-- ``"exact"``: exact moments on a chain of flat layers (:mod:`fsd.exact_moments`);
-- ``"exact-graph"``: exact moments on a graph of flat layers (:mod:`fsd.graph_moments`);
+  (:mod:`fsd.moments.algorithm2_conv`);
+- ``"exact"``: exact moments on a chain of flat layers (:mod:`fsd.moments.exact`);
+- ``"exact-graph"``: exact moments on a graph of flat layers (:mod:`fsd.moments.exact_graph`);
 - ``"corrected"``, ``"no-gate-variance"``, ``"no-cross-covariance"``: the corrected recursion
-  and two ablations on chains of flat layers (:mod:`fsd.corrected_moments`, prototypes).
+  and two ablations on chains of flat layers (:mod:`fsd.moments.corrected`, prototypes).
 
 ``fit`` picks one (:func:`choose`) and the summary records its name (``meta["evaluator"]``);
 the estimator's distance and :class:`fsd.SummarySet`'s batching talk to the interface only.
@@ -29,20 +29,16 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from . import conv_moments, corrected_moments, support
-from .covariance import Covariance
-from .exact_moments import delta_second_moment_adjoint, reference_blocks
-from .graph_moments import graph_plan, graph_second_moment
-from .interpreter import (
-    TracedLayer,
-    affine_rule,
-    check_moment_support,
-    delta_moments,
-    propagate_linearized,
-    reference_moments,
-)
-from .rules import UnsupportedModuleError, is_affine
-from .validation import SummaryFormatError
+from ..covariance import Covariance
+from ..model import support
+from ..model.linearize import propagate_linearized
+from ..model.rules import TracedLayer, UnsupportedModuleError, is_affine
+from ..validation import SummaryFormatError
+from . import algorithm2_conv as conv_moments
+from . import corrected as corrected_moments
+from .algorithm2 import affine_rule, check_moment_support, delta_moments, reference_moments
+from .exact import delta_second_moment_adjoint, reference_blocks
+from .exact_graph import graph_plan, graph_second_moment
 
 Walk = Any  # a chain of traced layers (``list[TracedLayer]``), or the model for a graph
 
@@ -140,7 +136,7 @@ _EVALUATORS: dict[str, Evaluator] = {}
 def register(evaluator: Evaluator) -> Evaluator:
     """Make ``evaluator`` known by its name (summaries record it; :func:`get` returns it)."""
     if not isinstance(evaluator, Evaluator):
-        raise TypeError(f"an evaluator is an instance of a subclass of fsd.evaluators."
+        raise TypeError(f"an evaluator is an instance of a subclass of fsd.moments.evaluators."
                         f"Evaluator, got {type(evaluator).__name__}")
     _EVALUATORS[evaluator.name] = evaluator
     return evaluator
@@ -319,7 +315,7 @@ class _ChainEvaluator(Evaluator):
 
 
 class Algorithm2(_ChainEvaluator):
-    """Paper Algorithm 2 on a chain of flat layers (:func:`fsd.interpreter.delta_moments`)."""
+    """Paper Algorithm 2 on a chain of flat layers (:mod:`fsd.moments.algorithm2`)."""
 
     name = "algorithm2"
     reference_side = staticmethod(reference_moments)
@@ -348,7 +344,7 @@ class Algorithm2(_ChainEvaluator):
 
 
 class ExactMoments(_ChainEvaluator):
-    """Exact moments on a chain of flat layers (:mod:`fsd.exact_moments`, the adjoint)."""
+    """Exact moments on a chain of flat layers (:mod:`fsd.moments.exact`, the adjoint)."""
 
     name = "exact"
     reference_side = staticmethod(reference_blocks)
@@ -365,7 +361,7 @@ class ExactMoments(_ChainEvaluator):
               weights: Sequence[float]) -> dict[str, Any]:
         """Components concatenated, θ0 repeated per component, factors zero-padded."""
         stacked = self._stack_common(parts, params0, weights, per_summary=False)
-        # per affine layer a dict of blocks (fsd.exact_moments.reference_blocks)
+        # per affine layer a dict of blocks (fsd.moments.exact.reference_blocks)
         stacked["reference"] = [
             {name: (_cat_padded if name in ("factor", "p0") else torch.cat)(
                 [p["reference"][j][name] for p in parts])
@@ -375,7 +371,7 @@ class ExactMoments(_ChainEvaluator):
 
 
 class ConvAlgorithm2(Evaluator):
-    """Algorithm 2 on a chain of convolutions, pools and flat layers (:mod:`fsd.conv_moments`)."""
+    """Algorithm 2 on a chain of convolutions, pools and flat layers (``algorithm2_conv``)."""
 
     name = "algorithm2-conv"
     statistics = frozenset({"routing"})
@@ -406,7 +402,7 @@ class ConvAlgorithm2(Evaluator):
 
 
 class GraphExactMoments(Evaluator):
-    """Exact moments on any traced graph of flat layers (:mod:`fsd.graph_moments`)."""
+    """Exact moments on any traced graph of flat layers (:mod:`fsd.moments.exact_graph`)."""
 
     name = "exact-graph"
     walks = "graph"
@@ -416,7 +412,7 @@ class GraphExactMoments(Evaluator):
         self.prepare(walk, summary)  # the plan refuses what it cannot propagate
 
     def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
-        """The graph's plan (:func:`fsd.graph_moments.graph_plan`) and the input moments."""
+        """The graph's plan (:func:`fsd.moments.exact_graph.graph_plan`) and the input moments."""
         plan = graph_plan(walk, summary.params0, int(summary.input_shape[0]),
                           summary.mean.dtype)
         return {"plan": plan, "params0": summary.params0, "mean": summary.mean,
@@ -434,7 +430,7 @@ class GraphExactMoments(Evaluator):
 
 
 class _Variant(_ChainEvaluator):
-    """The moment variants of :mod:`fsd.corrected_moments` (prototypes, MLP chains)."""
+    """The moment variants of :mod:`fsd.moments.corrected` (prototypes, MLP chains)."""
 
     def stack_key(self, summary: MomentSummary) -> tuple | None:
         """Prototypes: evaluated one by one."""

@@ -1,6 +1,6 @@
 """BGLN-D with exact moments on any traced graph of flat layers: residual and branching MLPs.
 
-:mod:`fsd.exact_moments` propagates the joint raw second moments of (a0, Δa) along a chain.
+:mod:`fsd.moments.exact` propagates the joint raw second moments of (a0, Δa) along a chain.
 A graph with a skip connection (``x + block(x)``), a concatenation of two branches or any
 other fan-out needs more: the tensors that meet at an addition are correlated, through the
 input they share and through the gates upstream of it. This module keeps the joint raw
@@ -11,22 +11,22 @@ second moment of *every tensor still to be used*:
 and walks the graph once in order (:func:`graph_plan`). Every operation appends its
 output's coordinates to ξ and drops those of nodes no later operation reads:
 
-- an affine layer (an :class:`~fsd.rules.AffineRule` whose moments are flat: Linear,
+- an affine layer (an :class:`~fsd.model.rules.AffineRule` whose moments are flat: Linear,
   BatchNorm1d): s0 = W0 a0 + b0, Δs = ΔW a0 + Δb + W1 Δa — rows linear in ξ, so with A the
   rows, M ← [[M, (AM)ᵀ], [AM, A M Aᵀ]];
 - a parameter-free operation that is affine row by row (``+``, ``-``, ``torch.cat``,
   ``view``/``reshape``/``flatten``, slicing, scaling by a constant, Dropout and Identity at
   evaluation, …): its Jacobian is read off at fit by evaluating it on basis rows, and its
   affinity is checked on random rows; a0 and Δa map by it like an affine layer;
-- an activation BGLN gates (:func:`fsd.plan.gate_nodes`): a0 = r ⊙ s0 + φ(0), Δa = g ⊙ Δs
+- an activation BGLN gates (:func:`fsd.model.plan.gate_nodes`): a0 = r ⊙ s0 + φ(0), Δa = g ⊙ Δs
   with the pair (r, g) of each unit independent of everything else. Cross moments with any
   other coordinate are gated by the means E[r], E[g] (linear in ξ, as above); within the new
   block the Hadamard products E[r rᵀ] ⊙ · etc. add the gates' variances on the diagonal
-  (:class:`fsd.rules.GateMoments`).
+  (:class:`fsd.model.rules.GateMoments`).
 
 The result, tr(P E[Δz Δzᵀ] Pᵀ), is exact under the BGLN model with Gaussian inputs — the
 expectation of BGLN-S on the same graph — and for a chain equals
-:func:`fsd.exact_moments.delta_second_moment_adjoint`. The cost is that of dense products
+:func:`fsd.moments.exact.delta_second_moment_adjoint`. The cost is that of dense products
 with M, whose size is 1 + the widths of the inputs plus twice those of the live tensors:
 for a chain the specialised module is faster, for graphs this is the exact answer.
 
@@ -34,8 +34,8 @@ Operations with parameters but no flat affine rule (LayerNorm, attention, a para
 ``forward``), operations that are not affine (softmax, a product of two activations) and
 tensors that are not flat feature vectors (a view to an image before a convolution) raise
 ``NotImplementedError`` naming the graph node and the walkers that take such a model
-(:func:`fsd.support.advice`: for non-flat tensors those that take
-:attr:`~fsd.support.Feature.UNFLAT` graphs); BGLN-S and LAFTR take them.
+(:func:`fsd.model.support.advice`: for non-flat tensors those that take
+:attr:`~fsd.model.support.Feature.UNFLAT` graphs); BGLN-S and LAFTR take them.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_flatten
 
-from . import rules, support
-from .covariance import Covariance
-from .graph import evaluate, unwrap
-from .plan import read
-from .rules import AffineRule, GateRule, is_affine, is_gate
+from ..covariance import Covariance
+from ..model import rules, support
+from ..model.plan import read
+from ..model.rules import AffineRule, GateRule, is_affine, is_gate
+from ..model.tracing import evaluate, unwrap
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class GraphStep:
         jacobians: ``"linear"``: one (out, in) matrix per input, in the order of ``inputs``.
         constant: ``"linear"``: the output at zero inputs (out,).
         module: ``"gate"``: the activation module (for a function call such as ``F.relu``,
-            the equivalent module :func:`fsd.plan.gate_nodes` gives).
+            the equivalent module :func:`fsd.model.plan.gate_nodes` gives).
         drop: names of nodes that no later step reads once this one has run.
     """
 
@@ -106,7 +106,7 @@ def _refuse(node: fx.Node, why: str, *features: support.Feature) -> NotImplement
     """The one-line refusal at ``node``, with the table's advice for ``features``.
 
     ``features``: what the model has that this walk cannot take; by default an operation
-    that is not affine (:attr:`fsd.support.Feature.NON_AFFINE`).
+    that is not affine (:attr:`fsd.model.support.Feature.NON_AFFINE`).
     """
     features = features or (support.Feature.NON_AFFINE,)
     return NotImplementedError(
@@ -417,7 +417,7 @@ def graph_second_moment(plan: GraphPlan, model: nn.Module, params0: Mapping[str,
         mean: input means (G, d).
         cov: input covariances in any form of :mod:`fsd.covariance`.
         gate_statistics: the stored gate statistics by path (firing frequencies, or a smooth
-            gate's moments; :meth:`fsd.rules.GateRule.gate_moments`).
+            gate's moments; :meth:`fsd.model.rules.GateRule.gate_moments`).
         output_rows: (k', k) or (G, k', k) rows selecting outputs.
 
     Returns:

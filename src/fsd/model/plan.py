@@ -2,12 +2,13 @@
 
 :func:`read` reads a model's ``forward`` once per model and structure (its forward and its
 submodules by path and identity; a changed one is read again) into a :class:`Plan`: the
-torch.fx graph of the rule tracer (:mod:`fsd.graph`), each module call's key, the activations
+torch.fx graph of the rule tracer (:mod:`fsd.model.tracing`), each module call's key, the
+activations
 BGLN gates, every node with its kind, and — where the forward is one — its chain of steps.
 :func:`trace` gives that chain as rule-tagged layers (a plain ``nn.Sequential`` is its chain
-without tracing); LAFTR's and BGLN-S's graph walk (:mod:`fsd.linearize`) and BGLN-D's exact
-moments on graphs (:mod:`fsd.graph_moments`) walk :attr:`Plan.nodes`. The one other trace
-is :func:`fsd.graph.runnable`'s, with the same tracer: a fresh graph it may change, for
+without tracing); LAFTR's and BGLN-S's graph walk (:mod:`fsd.model.linearize`) and BGLN-D's exact
+moments on graphs (:mod:`fsd.moments.exact_graph`) walk :attr:`Plan.nodes`. The one other trace
+is :func:`fsd.model.tracing.runnable`'s, with the same tracer: a fresh graph it may change, for
 recording statistics at fit.
 """
 
@@ -20,7 +21,9 @@ from functools import cached_property
 from torch import fx, nn
 
 from . import rules, support
-from .graph import (
+from .hooks import forward_hooks
+from .rules import TracedLayer, UnsupportedModuleError, rule_for
+from .tracing import (
     _gate_call,
     _is_batch_size,
     _replacement,
@@ -28,8 +31,6 @@ from .graph import (
     call_site_paths,
     unwrap,
 )
-from .hooks import forward_hooks
-from .rules import TracedLayer, UnsupportedModuleError, rule_for
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class PlanNode:
         kind: ``"input"`` (the placeholder), ``"parameter"`` (a ``get_attr``), ``"gate"``
             (an activation BGLN gates: :attr:`Plan.gates`), ``"module"`` (another module
             call), ``"operation"`` (a function or method call) or ``"output"``.
-        path: a module call's key (:func:`fsd.graph.call_site_paths`) or a gate's path;
+        path: a module call's key (:func:`fsd.model.tracing.call_site_paths`) or a gate's path;
             ``None`` for other nodes.
         module: the module called (a gate call's equivalent module); ``None`` for others.
         last_use: the position of the last node that reads it (−1: none does).
@@ -114,7 +115,8 @@ class Plan:
         """``model``'s forward as a torch.fx graph, traced with the rule tracer (cached).
 
         Modules that have a rule are leaves (one ``call_module`` node each), so node names, and
-        hence paths, are those of :func:`chain` and :func:`fsd.graph.runnable`. The graph is shared:
+        hence paths, are those of :func:`chain` and :func:`fsd.model.tracing.runnable`. The graph
+        is shared:
         read it, do not change it.
 
         Raises:
@@ -132,7 +134,8 @@ class Plan:
     def gates(self) -> dict[fx.Node, GateNode]:
         """The activations BGLN gates in :func:`traced_graph`, by node, in graph order.
 
-        A gate node is a call of a module whose rule is a :class:`~fsd.rules.GateRule` (path: the
+        A gate node is a call of a module whose rule is a :class:`~fsd.model.rules.GateRule` (path:
+        the
         module's path), or a function call that the chain reads as such a module (``F.relu``,
         ``torch.relu``, ``x.relu()``, ``F.leaky_relu``, ``F.gelu``, ``F.silu``, ``torch.tanh``,
         ``torch.sigmoid``, ``F.elu``, ``F.softplus``, …; path: the node's name) — in both cases
@@ -172,7 +175,7 @@ class Plan:
             return str(error)
 
     def chain(self) -> list[ChainStep]:
-        """The steps of ``model``'s ``forward`` as a chain (see :mod:`fsd.graph`).
+        """The steps of ``model``'s ``forward`` as a chain (see :mod:`fsd.model.tracing`).
 
         Raises:
             UnsupportedModuleError: the model cannot be traced, its graph branches, or an
@@ -304,7 +307,7 @@ def _step(name: str, node: fx.Node, modules: dict[str, nn.Module],
     what = getattr(node.target, "__name__", str(node.target))
     raise UnsupportedModuleError(
         f"operation {what} ({node.op}) at graph node '{node.name}' of {name}.forward has no "
-        f"rule; BGLN-D supports the modules of fsd.rules.RULES, their functional "
+        f"rule; BGLN-D supports the modules of fsd.model.rules.RULES, their functional "
         f"forms (F.relu, F.leaky_relu, F.gelu, torch.tanh, …) and flattening. "
         f"Use the module form (e.g. nn.ReLU()), register a rule for a module that does it "
         f"(fsd.register_rule), or {support.advice(support.BGLN_D, support.Feature.NO_RULE)}")
@@ -326,8 +329,8 @@ def trace(model: nn.Module) -> list[TracedLayer]:
     torch.fx (:func:`chain`). A module without parameters or buffers (a ReLU, a
     max-pool) may be called at several positions: each call is its own layer, under its
     position's path in a Sequential or its call's graph node name in a traced class
-    (:func:`fsd.graph.call_site_paths`), with its own statistics. Raises
-    :class:`~fsd.rules.UnsupportedModuleError` naming the class and path of the first module
+    (:func:`fsd.model.tracing.call_site_paths`), with its own statistics. Raises
+    :class:`~fsd.model.rules.UnsupportedModuleError` naming the class and path of the first module
     that has no rule, of a module with parameters used at two positions (the chain walkers
     read a layer's parameters by its path), or of the graph node where a traced model stops
     being a chain.

@@ -1,7 +1,7 @@
-"""torch.fx for models written as classes: the rule tracer and what :mod:`fsd.plan` reads.
+"""torch.fx for models written as classes: the rule tracer and what :mod:`fsd.model.plan` reads.
 
-:mod:`fsd.plan` reads a model's ``forward`` once with this module's tracer, which stops at
-every module with a rule (:mod:`fsd.rules`), and reads the graph as a chain where it is one:
+:mod:`fsd.model.plan` reads a model's ``forward`` once with this module's tracer, which stops at
+every module with a rule (:mod:`fsd.model.rules`), and reads the graph as a chain where it is one:
 modules called in ``forward`` (nested ones included), and the functional forms of the
 parameter-free layers, which are replaced by the equivalent module so that every step has a
 rule and a path:
@@ -18,9 +18,9 @@ A module's path is its attribute path (``"body.0"``); a replaced call's path is 
 node's name (``"relu"``, ``"flatten_1"``). Wrappers are looked through: ``torch.compile``
 (``_orig_mod``) and ``DistributedDataParallel``/``DataParallel`` (``module``). A graph that is
 not a chain (a residual ``+``, ``torch.cat`` of two branches) or an operation without a rule
-raises :class:`~fsd.rules.UnsupportedModuleError` naming the operation and its node: BGLN-D
-needs the chain. LAFTR and BGLN-S take any graph (:mod:`fsd.linearize`), reading its gates
-with :func:`fsd.plan.gate_nodes` — the same tracer, so the same paths; ExactFSD, NTK, EWC and
+raises :class:`~fsd.model.rules.UnsupportedModuleError` naming the operation and its node: BGLN-D
+needs the chain. LAFTR and BGLN-S take any graph (:mod:`fsd.model.linearize`), reading its gates
+with :func:`fsd.model.plan.gate_nodes` — the same tracer, so the same paths; ExactFSD, NTK, EWC and
 KFAC run the model's own forward.
 
 Call sites: a module called at more than one place in ``forward`` (torchvision's
@@ -354,7 +354,8 @@ def runnable(model: nn.Module) -> nn.Module:
     ``model`` itself, unless its forward calls parameter-free layers as functions (activations
     such as ``F.relu``, and flattening): then an ``fx.GraphModule`` sharing its modules and
     parameters, in which those calls are modules named by their graph nodes' names (the paths
-    of :func:`fsd.plan.chain` and :func:`fsd.plan.gate_nodes`), so that statistics can be
+    of :func:`fsd.model.plan.chain` and :func:`fsd.model.plan.gate_nodes`), so that statistics can
+    be
     recorded at every activation. Any traceable graph works, not only a chain: the other
     operations stay as they are.
 

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from . import distributed, support
-from .calls import (
+from ..model import support
+from ..model.calls import (
     Output,
     bind,
     check_call_meta,
@@ -35,10 +35,11 @@ from .calls import (
     is_integer_input,
     select_output,
 )
-from .graph import unwrap
-from .precision import float32_view
-from .signature import check_signature, normalize, parameter_signature
-from .validation import (
+from ..model.signature import check_signature, normalize, parameter_signature
+from ..model.tracing import unwrap
+from ..precision import float32_view
+from ..statistics import distributed
+from ..validation import (
     SummaryFormatError,
     check_common,
     checksum_damage,
@@ -338,7 +339,7 @@ class Estimator:
             model: the reference network. Its dtype and device are used throughout.
             data: batches of ``x`` or ``(x, y, ...)`` (a ``DataLoader``, a list), a
                 ``TensorDataset``, or one batch (a tensor or an ``(x, y)`` tuple); see
-                :data:`fsd.estimator.Data`. Labels are needed only for class-conditional
+                :data:`fsd.estimators.base.Data`. Labels are needed only for class-conditional
                 summaries.
             outputs: restrict the distance to these output units (e.g. one task's head).
             statistics: a :class:`fsd.StatisticsCollector` that recorded the data already
@@ -351,7 +352,7 @@ class Estimator:
                 for a tuple. ``outputs`` then picks units of that tensor.
             forward_kwargs: keyword arguments for every forward call besides ``x``, e.g.
                 ``{"task": 3}`` for ``forward(x, task)``; JSON-serialisable. Both are stored
-                in the summary and used by :meth:`distance` (:mod:`fsd.calls`).
+                in the summary and used by :meth:`distance` (:mod:`fsd.model.calls`).
 
         Returns:
             ``self``.
@@ -365,7 +366,7 @@ class Estimator:
             ValueError: in one line, before any statistic is collected: a parameter or
                 buffer that is NaN, infinite or on the ``meta`` device (the first is named),
                 empty data, data the model cannot run on, bad ``outputs``.
-            fsd.distributed.DistributedFitError: under torch.distributed, on every rank
+            fsd.statistics.distributed.DistributedFitError: under torch.distributed, on every rank
                 alike, when one rank fails those checks or the ranks' θ0 differ.
 
         A float16 or bfloat16 model is fitted in float32 (:mod:`fsd.precision`).
@@ -441,7 +442,7 @@ class Estimator:
 
         ``model`` itself when ``fit`` got neither; otherwise a view sharing the model's
         parameters under the same names whose ``forward(x)`` is
-        ``model.forward(x, **forward_kwargs)[output]`` (:func:`fsd.calls.bind`).
+        ``model.forward(x, **forward_kwargs)[output]`` (:func:`fsd.model.calls.bind`).
         """
         return bind(model, self._meta.get("output"), self._meta.get("forward_kwargs"))
 

@@ -54,10 +54,10 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 from tqdm.auto import tqdm
 
-from .estimator import Estimator, as_batches
-from .ewc import EWC
-from .linearized import BGLN
-from .metrics import pointwise_distance
+from ..estimators.base import Estimator, as_batches
+from ..estimators.ewc import EWC
+from ..estimators.linearized import BGLN
+from ..metrics import pointwise_distance
 
 #: Methods that solve a PBRF with their distance term.
 PBRF_METHODS: tuple[str, ...] = ("exact", "ewc", "bgln-d")

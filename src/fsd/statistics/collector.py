@@ -4,7 +4,8 @@
   accumulated in float64 with Chan et al.'s pairwise update, so batches and shards merge exactly.
 - :class:`GateAccumulator`: Bernoulli means μ = fraction of examples for which each unit's
   pre-activation is > 0 (per unit; for conv, per channel × position) — or, for a smooth
-  activation, the means of its gate pair's moments (:meth:`fsd.rules.GateRule.gate_statistics`)
+  activation, the means of its gate pair's moments
+  (:meth:`fsd.model.rules.GateRule.gate_statistics`)
   — as a running mean or an exponential moving average.
 - :class:`StatisticsCollector`: hooks a model so both are collected while it runs — during
   :meth:`fsd.BGLN.fit` or during the last epoch of training, as the paper does — optionally
@@ -21,13 +22,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..model.hooks import recording_hook
+from ..model.linearize import graph_gates
+from ..model.plan import trace
+from ..model.rules import TracedLayer, UnsupportedModuleError, is_gate
+from ..model.tracing import unwrap
 from . import distributed
-from .graph import unwrap
-from .hooks import recording_hook
-from .interpreter import TracedLayer
-from .linearize import graph_gates
-from .plan import trace
-from .rules import UnsupportedModuleError, is_gate
 
 
 class MomentAccumulator:
@@ -161,7 +161,7 @@ class Statistics:
             (G, o, o)) of the reference network's real inputs to it (``layer_moments=True``).
         smooth_gates: the gate paths whose ``gate_means`` are a smooth gate's moments.
         routing: per MaxPool2d path, how often each position of each window was its argmax,
-            (G, C, H', W', k·k) (:func:`fsd.rules.routing_statistics`; with gates).
+            (G, C, H', W', k·k) (:func:`fsd.model.rules.routing_statistics`; with gates).
     """
 
     weights: Tensor
@@ -213,10 +213,10 @@ class StatisticsCollector:
         model: the network: a chain of supported layers (``nn.Sequential`` or a class), or,
             for gate statistics alone (BGLN-S), any graph torch.fx traces — a residual
             network too. Activations must be modules here (a ``F.relu`` call cannot be
-            hooked: :meth:`fsd.BGLN.fit` with data runs :func:`fsd.graph.runnable` instead).
+            hooked: :meth:`fsd.BGLN.fit` with data runs :func:`fsd.model.tracing.runnable` instead).
             An activation or max-pool module called at several places (torchvision's
             ``self.relu``) records each call under its own call site's path
-            (:func:`fsd.graph.call_site_paths`), counting its calls from each forward of
+            (:func:`fsd.model.tracing.call_site_paths`), counting its calls from each forward of
             ``model``.
         moments: collect input moments (``"full"``, ``"diag"``) or not (``None``).
         gates: collect gate statistics (ReLU-family firing frequencies, smooth gates' moments).
@@ -250,7 +250,7 @@ class StatisticsCollector:
                 # a graph that is not a chain (BGLN-S): its activations wherever they are,
                 # one per call site
                 layers = graph_gates(model)
-        # what each layer's rule collects (fsd.rules.Rule.collects)
+        # what each layer's rule collects (fsd.model.rules.Rule.collects)
         gate_layers = ([layer for layer in layers if layer.rule.collects == "gates"]
                        if gates else [])
         self.gate_paths = [layer.path for layer in gate_layers]
@@ -459,7 +459,7 @@ class StatisticsCollector:
 
         Under torch.distributed (a process group of more than one rank), every rank's
         records are merged first, so each rank gets the statistics of the union of the
-        shards (:mod:`fsd.distributed`); call it on every rank.
+        shards (:mod:`fsd.statistics.distributed`); call it on every rank.
         """
         moment_acc, gate_acc, layer_acc, counted, input_shape = self._merged_over_ranks()
         keys = sorted(set(moment_acc) | set(gate_acc) | set(counted))

@@ -2,10 +2,11 @@
 
 An estimator evaluates the model with one of a few *walkers*: the model's own forward
 (ExactFSD, NTK, EWC, KFAC), the linearized pass over any graph torch.fx traces (LAFTR and
-BGLN-S, :mod:`fsd.linearize`), Algorithm 2's walk along a chain of layers with rules
-(BGLN-D, CNN chains too, :mod:`fsd.interpreter`, :mod:`fsd.conv_moments`), or exact moments
+BGLN-S, :mod:`fsd.model.linearize`), Algorithm 2's walk along a chain of layers with rules
+(BGLN-D, CNN chains too, :mod:`fsd.moments.algorithm2`, :mod:`fsd.moments.algorithm2_conv`), or
+exact moments
 on MLP chains and graphs of flat layers (BGLN-D with ``moments="exact"``,
-:mod:`fsd.exact_moments`, :mod:`fsd.graph_moments`). A walker that meets a :class:`Feature`
+:mod:`fsd.moments.exact`, :mod:`fsd.moments.exact_graph`). A walker that meets a :class:`Feature`
 of the model it cannot take refuses in one line: what failed and where, then
 :func:`advice`, which names from :data:`WALKERS` every walker that takes that feature. A new
 estimator is one :class:`Walker` entry; every refusal names it where it applies.
@@ -114,7 +115,7 @@ def walker_of(estimator: type, config: Mapping[str, Any]) -> Walker:
                 and all(config.get(k) == v for k, v in w.options.items())]
         if rows:
             return max(rows, key=lambda w: len(w.options))
-    raise KeyError(f"no row of fsd.support.WALKERS for {estimator.__name__} {dict(config)}")
+    raise KeyError(f"no row of fsd.model.support.WALKERS for {estimator.__name__} {dict(config)}")
 
 
 def takers(*features: Feature, failing: Walker | None = None) -> list[Walker]:

@@ -2,7 +2,7 @@
 
 Continual learning sums D(θ, θ_i, p_i) over all previous tasks i at every step.
 :class:`SummarySet` returns that (weighted) sum. BGLN-D summaries whose evaluator stacks them
-(:meth:`fsd.evaluators.Evaluator.stack`: Algorithm 2 and exact moments on chains) and that
+(:meth:`fsd.moments.evaluators.Evaluator.stack`: Algorithm 2 and exact moments on chains) and that
 share a call, an evaluator and a covariance form are evaluated in one batched pass — their
 mixture components stacked along the component dimension — so the number of operations per
 call does not grow with the number of tasks. Other estimators are evaluated one by one.
@@ -15,13 +15,13 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from .calls import call_key
-from .estimator import Estimator, evaluation_mode, model_dtype_device
-from .graph import unwrap
-from .interpreter import model_state
+from ..model.calls import call_key
+from ..model.plan import trace
+from ..model.signature import model_state
+from ..model.tracing import unwrap
+from ..precision import float32_view
+from .base import Estimator, evaluation_mode, model_dtype_device
 from .linearized import BGLN
-from .plan import trace
-from .precision import float32_view
 
 
 def _batch_key(estimator: Estimator) -> tuple | None:

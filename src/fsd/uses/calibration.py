@@ -22,8 +22,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .estimator import Data, Estimator
-from .exact import ExactFSD
+from ..estimators.base import Data, Estimator
+from ..estimators.exact_fsd import ExactFSD
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,12 @@
-"""LAFTR on any traceable graph: every operation linearized around the reference network.
+"""LAFTR's linearized forward pass (paper eqs. 4–9), on chains and on any traceable graph.
 
-The chain walker (:func:`fsd.interpreter.propagate_linearized`) covers chains of rule-tagged
-layers. This module evaluates LAFTR's definition on a torch.fx graph of any shape — residual
+On a chain of rule-tagged layers, :func:`propagate_linearized` runs the reference network θ0
+as usual and the other network θ linearized around it at every nonlinearity. Differences are
+propagated directly (Δs = ΔW a0 + W1 Δa + Δb), which avoids the cancellation of subtracting
+two nearly equal outputs. The gates are supplied by the caller: the reference's own
+1{s0 > 0} (LAFTR, :func:`true_gates`) or Bernoulli draws (BGLN-S).
+
+The rest of this module evaluates LAFTR's definition on a torch.fx graph of any shape — residual
 additions, concatenations, normalisation layers, attention, smooth activations — by carrying
 through every node the reference value a0 and the difference Δa of the linearized network:
 
@@ -18,13 +23,14 @@ through every node the reference value a0 and the difference Δa of the lineariz
 For a ReLU network this is exactly the chain walker's result (gates 1{s0 > 0}); for a
 network without nonlinearities it is the exact FSD.
 
-BGLN-S walks the same graph with a gate callback (:data:`fsd.interpreter.GateFn`): at every
-activation BGLN gates (:func:`fsd.plan.gate_nodes` — a module with a gate rule, or
+BGLN-S walks the same graph with a gate callback (:data:`fsd.model.rules.GateFn`): at every
+activation BGLN gates (:func:`fsd.model.plan.gate_nodes` — a module with a gate rule, or
 ``F.relu``, ``F.gelu``, ``torch.tanh``, … called as a function) the callback gives the
 reference activation a0 and the gate g, and Δa = g·Δs; every other operation is linearized
 as above, around the reference values the gated activations produce (as the chain walker
 routes a max-pool by the gated reference). The graph is traced with the rule tracer of
-:mod:`fsd.graph`, so a gate's path is the one :func:`fsd.graph.runnable` gives the module that
+:mod:`fsd.model.tracing`, so a gate's path is the one :func:`fsd.model.tracing.runnable` gives the
+module that
 records its statistics at fit.
 """
 
@@ -40,17 +46,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import autodiff, rules
-from .graph import arguments, evaluate, out_of_place, unwrap
-from .interpreter import GateFn, TracedLayer, true_gates
 from .plan import GateNode, read
-from .rules import UnsupportedModuleError, is_affine
+from .rules import GateFn, TracedLayer, UnsupportedModuleError, is_affine, is_gate
+from .signature import model_state
+from .tracing import arguments, evaluate, out_of_place, unwrap
 
 
 def graph_gates(model: nn.Module) -> list[TracedLayer]:
     """The activations BGLN-S gates in ``model``'s graph, in graph order, with their rules.
 
     Paths are a module's attribute path, or the graph node's name for a function call
-    (:func:`fsd.plan.gate_nodes`): the paths under which the statistics are stored. An
+    (:func:`fsd.model.plan.gate_nodes`): the paths under which the statistics are stored. An
     activation module called at several places (torchvision's ``self.relu``) is one gate per
     call, each keyed by its call's graph node name, so each has its own statistics.
 
@@ -73,11 +79,11 @@ def linearized_outputs(model: nn.Module, reference: Mapping[str, Tensor], x: Ten
         reference: θ0's parameters and buffers by name (:meth:`fsd.Estimator.reference_state`).
         x: inputs (n, ...).
         gate: ``None`` — LAFTR: every operation linearized at the reference (JVPs); or a
-            callback ``gate(layer, s0) -> (a0, g)`` (:data:`fsd.interpreter.GateFn`) called at
-            every gate node of the graph (:func:`fsd.plan.gate_nodes`) with a
-            :class:`~fsd.interpreter.TracedLayer` (path, module, rule) and the reference
+            callback ``gate(layer, s0) -> (a0, g)`` (:data:`fsd.model.rules.GateFn`) called at
+            every gate node of the graph (:func:`fsd.model.plan.gate_nodes`) with a
+            :class:`~fsd.model.rules.TracedLayer` (path, module, rule) and the reference
             pre-activation: the node's reference value becomes a0 and its difference g·Δs
-            (BGLN-S's draws; :func:`fsd.interpreter.true_gates` gives LAFTR's result).
+            (BGLN-S's draws; :func:`fsd.model.linearize.true_gates` gives LAFTR's result).
 
     Returns:
         ``(z0, dz)``, differentiable in the model's parameters through ``dz``.
@@ -219,3 +225,62 @@ def _add(a: Any, b: Any) -> Any:
     if isinstance(a, Tensor):
         return a + b
     return tuple(_add(x, y) for x, y in zip(a, b, strict=True))
+
+
+def true_gates(layer: TracedLayer, s0: Tensor) -> tuple[Tensor, Tensor]:
+    """LAFTR's gates: (φ(s0), φ'(s0)) of the reference network itself."""
+    rule = layer.rule
+    assert is_gate(rule)  # called at gate layers only
+    return rule.reference_gates(layer.module, s0)
+
+
+def propagate_linearized(
+    layers: list[TracedLayer],
+    params0: Mapping[str, Tensor],
+    params1: Mapping[str, Tensor] | None,
+    x: Tensor,
+    gate: GateFn = true_gates,
+) -> tuple[Tensor, Tensor | None]:
+    """Run the reference network and the network linearized around it.
+
+    Args:
+        layers: output of :func:`trace`.
+        params0: reference parameters θ0 (detached).
+        params1: parameters θ of the other network, or ``None`` to run the reference only.
+        x: inputs, shape (n, *input_shape).
+        gate: the reference activation and the gate at every gate layer (:data:`GateFn`).
+
+    Returns:
+        ``(z0, dz)``: reference outputs and output differences z1 − z0 (``None`` when
+        ``params1`` is ``None``). With ``true_gates``, z0 is f(x, θ0), and dz is exact for
+        networks without nonlinearities.
+    """
+    a0, da = x, None
+    for layer in layers:  # each layer's step is its rule's (fsd.model.rules.Rule.linearized)
+        a0, da = layer.rule.linearized(layer, a0, da, params0, params1, gate)
+    if params1 is not None and da is None:
+        da = torch.zeros_like(a0)
+    return a0, da
+
+
+def linearized_pass(model: nn.Module, layers: list[TracedLayer] | None,
+                    reference: Mapping[str, Tensor], x: Tensor,
+                    gate: GateFn | None = None) -> tuple[Tensor, Tensor]:
+    """LAFTR's pass for ``model`` around ``reference``: over its chain, or else its graph.
+
+    Args:
+        model: the moved network (its parameters and buffers are θ).
+        layers: the model's chain (:func:`fsd.trace`), or ``None`` to walk its graph.
+        reference: θ0's parameters and buffers by name.
+        x: inputs (n, ...).
+        gate: the gates (:data:`fsd.model.rules.GateFn`; BGLN-S's draws), or ``None`` for
+            the reference's own (LAFTR).
+
+    Returns:
+        ``(z0, dz)``: reference outputs and the linearized network's output differences.
+    """
+    if layers is None:
+        return linearized_outputs(model, reference, x, gate)
+    z0, dz = propagate_linearized(layers, reference, model_state(model), x, gate or true_gates)
+    assert dz is not None  # the moved parameters were given
+    return z0, dz

@@ -1,8 +1,8 @@
 """BGLN-D variants between Algorithm 2 and exact moments: ablations and a corrected estimator.
 
 A prototype (not exported from :mod:`fsd`; :class:`BGLNVariant` is built by name). Algorithm 2
-(:func:`fsd.interpreter.delta_moments`) differs from exact moments
-(:mod:`fsd.exact_moments`) in two places: it gates second moments by μμᵀ instead of
+(:func:`fsd.moments.algorithm2.delta_moments`) differs from exact moments
+(:mod:`fsd.moments.exact`) in two places: it gates second moments by μμᵀ instead of
 Q = μμᵀ + diag(μ(1−μ)) (it drops the gates' own variance), and it drops Cov(a0, Δa).
 
 **Ablations** (:func:`ablated_second_moment`): the exact recursion on the joint raw second
@@ -55,12 +55,11 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from .covariance import Covariance
-from .exact_moments import _homogeneous_delta, _homogeneous_layer, input_factor, input_offsets
-from .interpreter import TracedLayer
-from .rules import GateMoments, UnsupportedModuleError, is_affine, is_gate
+from ..covariance import Covariance
+from ..model.rules import GateMoments, TracedLayer, UnsupportedModuleError, is_affine, is_gate
+from .exact import _homogeneous_delta, _homogeneous_layer, input_factor, input_offsets
 
-#: the variants :class:`fsd.moment_variants.BGLNVariant` computes (``moments=``)
+#: the variants :class:`fsd.estimators.variants.BGLNVariant` computes (``moments=``)
 VARIANTS: tuple[str, ...] = ("corrected", "no-gate-variance", "no-cross-covariance")
 
 
@@ -141,7 +140,7 @@ def ablated_second_moment(
             instead of Q, on the reference and the difference side.
         cross_covariance: ``False`` sets Cov(a0, Δa) = 0 after every gate (Algorithm 2).
 
-    Both ``True``: :func:`fsd.exact_moments.delta_second_moment`; both ``False``: Algorithm 2.
+    Both ``True``: :func:`fsd.moments.exact.delta_second_moment`; both ``False``: Algorithm 2.
     """
     steps = _affine_steps(layers, gate_means)
     phi, residual = input_factor(mean, cov)

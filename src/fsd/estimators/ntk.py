@@ -10,11 +10,11 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from . import autodiff, support
-from .coreset import Reservoir
-from .estimator import Data, Estimator, iter_batches
-from .metrics import check_metric, pointwise_distance
-from .validation import SummaryFormatError, positive_int, require
+from ..metrics import check_metric, pointwise_distance
+from ..model import autodiff, support
+from ..statistics.coreset import Reservoir
+from ..validation import SummaryFormatError, positive_int, require
+from .base import Data, Estimator, iter_batches
 
 
 class NTK(Estimator):
@@ -22,9 +22,9 @@ class NTK(Estimator):
 
     The Jacobian-vector product is computed by forward-mode AD (``torch.func.jvp``), which
     stays differentiable w.r.t. θ. Works with any ``nn.Module``: attention runs its
-    differentiable kernels (:func:`fsd.autodiff.differentiable_kernels`), and a model with an
+    differentiable kernels (:func:`fsd.model.autodiff.differentiable_kernels`), and a model with an
     operation that has no forward-mode derivative (``weight_norm``, oneDNN's LSTM) takes the
-    product as two reverse-mode ones instead (:func:`fsd.autodiff.double_vjp`, same value).
+    product as two reverse-mode ones instead (:func:`fsd.model.autodiff.double_vjp`, same value).
     ``fit`` takes the product once on a stored input and raises ``ValueError`` in one line if
     neither mode can differentiate the model. ``distance`` works under ``torch.no_grad()`` and
     ``torch.inference_mode()`` too (returning the value without a graph).

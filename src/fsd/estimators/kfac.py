@@ -36,7 +36,7 @@ diagonal Gauss–Newton block: the diagonal of F restricted to p,
     D_p = E_x[Σ_k (J_pᵀ h_k)²],
 
 taken with the same exact Hessian factors h_k as G, from per-example gradients
-(:func:`fsd.autodiff.squared_gradients`). Its penalty is ½ Σ D_p ⊙ Δp², EWC's form; the
+(:func:`fsd.model.autodiff.squared_gradients`). Its penalty is ½ Σ D_p ⊙ Δp², EWC's form; the
 blocks between parameters are dropped as between layers.
 """
 
@@ -49,16 +49,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from . import autodiff, distributed, support
-from .estimator import Data, Estimator, iter_batches
-from .metrics import check_metric, output_hessian_factors
-from .validation import (
+from ..metrics import check_metric, output_hessian_factors
+from ..model import autodiff, support
+from ..statistics import distributed
+from ..validation import (
     SummaryFormatError,
     require,
     require_nonnegative,
     require_psd,
     require_shape,
 )
+from .base import Data, Estimator, iter_batches
 
 _DIAGONAL = "kfac_diag."  # the prefix of a diagonal block's field, then the parameter's name
 

@@ -14,7 +14,7 @@ with R00 = E[ã0 ã0ᵀ], R0Δ = E[ã0 Δaᵀ], RΔΔ = E[Δa Δaᵀ]. The resul
 the expectation of BGLN-S with Gaussian inputs to machine precision, with no sampling.
 
 A smooth activation's gate is a pair (r, g) — a0 = r·s0 + φ(0), Δa = g·Δs
-(:class:`fsd.rules.GateMoments`) — and gates R00, R0Δ, RΔΔ by Q_rr, Q_rg, Q_gg; for a ReLU
+(:class:`fsd.model.rules.GateMoments`) — and gates R00, R0Δ, RΔΔ by Q_rr, Q_rg, Q_gg; for a ReLU
 all three are Q. The constant φ(0) is folded into the next affine layer's bias column
 (W̃ → [W, b + φ(0)·W1], and ΔW̃ likewise), so the recursion itself is unchanged.
 
@@ -30,9 +30,16 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from .covariance import Covariance, sampling_factor
-from .interpreter import TracedLayer, affine_rule
-from .rules import GateMoments, GateRule, UnsupportedModuleError, is_affine, is_gate
+from ..covariance import Covariance, sampling_factor
+from ..model.rules import (
+    GateMoments,
+    GateRule,
+    TracedLayer,
+    UnsupportedModuleError,
+    is_affine,
+    is_gate,
+)
+from .algorithm2 import affine_rule
 
 
 def _homogeneous(weight: Tensor, bias: Tensor | None) -> Tensor:

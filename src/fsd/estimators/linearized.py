@@ -7,14 +7,14 @@ and evaluate the network linearized around the reference at every nonlinearity:
   slope φ'(s0)) at every input.
 - :class:`BGLN` replaces each gate by an independent Bernoulli(μ), μ the unit's firing
   frequency on the data (a smooth activation by a random secant/slope pair with the data's
-  moments, :mod:`fsd.rules`). BGLN-S draws inputs and gates (one gate draw per sample);
+  moments, :mod:`fsd.model.rules`). BGLN-S draws inputs and gates (one gate draw per sample);
   BGLN-D (``deterministic=True``) propagates means and covariances (paper Algorithm 2).
 
-A chain of rule-tagged layers (:func:`fsd.trace`) is walked by :mod:`fsd.interpreter`. Any
+A chain of rule-tagged layers (:func:`fsd.trace`) is walked by :mod:`fsd.moments.algorithm2`. Any
 other graph torch.fx traces (residual additions, concatenations, LayerNorm, attention) is
-walked node by node by :mod:`fsd.linearize`: LAFTR linearizes every operation; BGLN-S gates
-the activations (:func:`fsd.linearize.graph_gates`, statistics recorded at fit on
-:func:`fsd.graph.runnable`) and linearizes every other operation as LAFTR does. BGLN-D
+walked node by node by :mod:`fsd.model.linearize`: LAFTR linearizes every operation; BGLN-S gates
+the activations (:func:`fsd.model.linearize.graph_gates`, statistics recorded at fit on
+:func:`fsd.model.tracing.runnable`) and linearizes every other operation as LAFTR does. BGLN-D
 propagates moments along a chain and refuses other graphs at ``fit``.
 """
 
@@ -26,28 +26,20 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from . import evaluators, support
-from .autodiff import one_line
-from .coreset import Reservoir
-from .covariance import Covariance, low_rank_plus_diagonal, sample, sampling_factor
-from .estimator import Data, Estimator, iter_batches
-from .graph import runnable
-from .hooks import forward_hooks
-from .interpreter import (
-    GateFn,
-    TracedLayer,
-    layer_signature,
-    model_state,
-    propagate_linearized,
-    true_gates,
-)
-from .linearize import graph_gates, linearized_outputs
-from .metrics import check_metric, pointwise_distance
-from .plan import trace
-from .rules import SMOOTH_MOMENTS, UnsupportedModuleError, is_gate
-from .signature import parameter_signature
-from .statistics import StatisticsCollector
-from .validation import (
+from ..covariance import Covariance, low_rank_plus_diagonal, sample, sampling_factor
+from ..metrics import check_metric, pointwise_distance
+from ..model import support
+from ..model.autodiff import one_line
+from ..model.hooks import forward_hooks
+from ..model.linearize import graph_gates, linearized_outputs, linearized_pass, true_gates
+from ..model.plan import trace
+from ..model.rules import SMOOTH_MOMENTS, GateFn, TracedLayer, UnsupportedModuleError, is_gate
+from ..model.signature import layer_signature, model_state, parameter_signature
+from ..model.tracing import runnable
+from ..moments import evaluators
+from ..statistics.collector import StatisticsCollector
+from ..statistics.coreset import Reservoir
+from ..validation import (
     SummaryFormatError,
     positive_int,
     require,
@@ -57,6 +49,7 @@ from .validation import (
     require_psd,
     require_shape,
 )
+from .base import Data, Estimator, iter_batches
 
 INPUTS = ("coreset", "gaussian")
 COVARIANCES = ("full", "diag", "lowrank")
@@ -85,7 +78,7 @@ class _LinearizedEstimator(Estimator):
         layers = self._chain(model)
         if layers is not None:
             return layer_signature(layers)
-        # a graph walked node by node (fsd.linearize) is checked by its parameters; BGLN-S's
+        # a graph walked node by node (fsd.model.linearize) is checked by its parameters; BGLN-S's
         # also by its activations (type, hyper-parameters), whose statistics the summary
         # stores by path
         signature: list = parameter_signature(model)
@@ -94,7 +87,7 @@ class _LinearizedEstimator(Estimator):
         return signature
 
     def _chain(self, model: nn.Module) -> list[TracedLayer] | None:
-        """The model's chain of layers; ``None`` for a graph walked by :mod:`fsd.linearize`.
+        """The model's chain of layers; ``None`` for a graph walked by :mod:`fsd.model.linearize`.
 
         LAFTR and BGLN-S take any graph torch.fx traces; BGLN-D re-raises the chain's error.
         """
@@ -121,7 +114,7 @@ class _LinearizedEstimator(Estimator):
 
     @property
     def _walker(self) -> support.Walker:
-        """This estimator's row of the support table (:mod:`fsd.support`)."""
+        """This estimator's row of the support table (:mod:`fsd.model.support`)."""
         return support.walker_of(type(self), self.config)
 
     @property
@@ -233,7 +226,7 @@ class _LinearizedEstimator(Estimator):
         """Walk the graph once on one input, as ``distance`` does, or refuse in one line.
 
         An operation that neither forward mode nor two reverse-mode products differentiate
-        (:func:`fsd.autodiff.jvp`) would fail every ``distance``; it fails ``fit`` instead.
+        (:func:`fsd.model.autodiff.jvp`) would fail every ``distance``; it fails ``fit`` instead.
         """
         x = self._state.get("coreset.x")
         if x is None:
@@ -352,7 +345,7 @@ class _LinearizedEstimator(Estimator):
                           + [SMOOTH_MOMENTS])
             require_gate_moments(stored, key)
         # statistics are keyed by call site (a module path, or a call's graph node name,
-        # fsd.graph.call_site_paths), and the signature records every call site's path
+        # fsd.model.tracing.call_site_paths), and the signature records every call site's path
         signature = self._meta.get("signature")
         sites = {e.get("path") for e in signature if isinstance(e, dict)} \
             if isinstance(signature, list) else set()
@@ -457,10 +450,7 @@ class _LinearizedEstimator(Estimator):
             return true_gates(layer, s0)
 
         with torch.no_grad():
-            if layers is None:
-                linearized_outputs(model, self.reference_state(), probe, record)
-            else:
-                propagate_linearized(layers, self.reference_state(), None, probe, record)
+            linearized_pass(model, layers, self.reference_state(), probe, record)
         groups = self._state["weights"].shape[0] if "weights" in self._state else 1
         for path, shape in units.items():
             if f"gate_moments.{path}" in self._state:
@@ -486,21 +476,11 @@ class _LinearizedEstimator(Estimator):
             walk = evaluators.as_walk(evaluator, layers, model)
             return evaluator.distance(walk, self.moment_parts(walk, self.reference_state()),
                                       model_state(model))
-        if layers is None:  # LAFTR or BGLN-S on a graph that is not a chain
-            x, group, sample_weights = self._inputs()
-            gate = self._sampled_gates(group) if self.bernoulli else None
-            z0, dz = linearized_outputs(model, self.reference_state(), x, gate)
-            rho = pointwise_distance(self.config["metric"], self._select(z0).detach(),
-                                     self._select(dz))
-            return (sample_weights * rho).sum()
-        params0 = self.reference_state()
-        params1 = model_state(model)
         x, group, sample_weights = self._inputs()
-        gate = self._sampled_gates(group) if self.bernoulli else true_gates
-        z0, dz = propagate_linearized(layers, params0, params1, x, gate)
-        assert dz is not None  # params1 was given
-        reference = self._select(z0)
-        rho = pointwise_distance(self.config["metric"], reference, self._select(dz))
+        gate = self._sampled_gates(group) if self.bernoulli else None
+        z0, dz = linearized_pass(model, layers, self.reference_state(), x, gate)
+        rho = pointwise_distance(self.config["metric"], self._select(z0).detach(),
+                                 self._select(dz))
         return (sample_weights * rho).sum()
 
     def _layer_moments(self) -> dict[str, tuple[Tensor, Tensor]] | None:
@@ -512,7 +492,7 @@ class _LinearizedEstimator(Estimator):
 
     @property
     def _evaluator(self) -> evaluators.Evaluator:
-        """BGLN-D's evaluator, as the summary records it (:mod:`fsd.evaluators`)."""
+        """BGLN-D's evaluator, as the summary records it (:mod:`fsd.moments.evaluators`)."""
         return evaluators.recorded(self._meta, self.config)
 
     def _moment_summary(self, params0: dict[str, Tensor]) -> evaluators.MomentSummary:
@@ -534,7 +514,7 @@ class _LinearizedEstimator(Estimator):
                 placement and serve every later ``distance``: pass that).
 
         Returns:
-            The evaluator's prepared parts (:meth:`fsd.evaluators.Evaluator.prepare`): for
+            The evaluator's prepared parts (:meth:`fsd.moments.evaluators.Evaluator.prepare`): for
             the chain evaluators ``{"reference", "gate_means", "output_rows", "weights",
             "params0"}`` — the reference-side moments, the gate statistics by path, the rows
             selecting the fitted outputs, the mixture weights and θ0.
@@ -576,22 +556,22 @@ class BGLN(_LinearizedEstimator):
     """Bernoulli-gated linear network (paper §3.2–3.5): BGLN-S and BGLN-D.
 
     ReLU-family activations get Bernoulli gates; smooth ones (GELU, SiLU, Tanh, Sigmoid, ELU,
-    Softplus) a random secant/slope pair with the moments measured at fit (:mod:`fsd.rules`).
+    Softplus) a random secant/slope pair with the moments measured at fit (:mod:`fsd.model.rules`).
 
     BGLN-S takes any model LAFTR takes: a chain of layers with rules, or any graph torch.fx
     traces (residual additions, ``torch.cat``, LayerNorm, attention, …), where it gates the
     activations — modules with a gate rule and ``F.relu``/``F.gelu``/``torch.tanh``/… calls,
     whose statistics ``fit`` stores by module path or graph node name — and linearizes every
-    other operation like LAFTR (:mod:`fsd.linearize`). An activation or max-pool module called
+    other operation like LAFTR (:mod:`fsd.model.linearize`). An activation or max-pool module called
     at several places has statistics per call, keyed by the call's graph node name
-    (:func:`fsd.graph.call_site_paths`). BGLN-D with ``moments="paper"``
+    (:func:`fsd.model.tracing.call_site_paths`). BGLN-D with ``moments="paper"``
     walks chains; with ``moments="exact"`` it also takes graphs of flat layers — residual
-    additions, concatenations — (:mod:`fsd.graph_moments`).
+    additions, concatenations — (:mod:`fsd.moments.exact_graph`).
 
     Args:
         deterministic: ``False`` — BGLN-S, Monte Carlo over inputs and gates;
             ``True`` — BGLN-D, moment propagation (Euclidean metric, Gaussian inputs; on
-            convolutional networks Algorithm 2 only, :mod:`fsd.conv_moments`).
+            convolutional networks Algorithm 2 only, :mod:`fsd.moments.algorithm2_conv`).
         inputs: ``"gaussian"`` (stored mean/covariance) or ``"coreset"`` (stored inputs with
             Bernoulli gates; BGLN-S only).
         covariance: ``"lowrank"`` (the default: top-``rank`` eigenpairs plus a diagonal
@@ -601,7 +581,7 @@ class BGLN(_LinearizedEstimator):
         rank: eigenpairs kept by ``covariance="lowrank"`` (default 32).
         moments: BGLN-D only. ``"paper"`` — Algorithm 2 (drops Cov(a0, Δa) and the gates'
             variance); ``"exact"`` — joint raw second moments of (a0, Δa) propagated exactly,
-            equal to the expectation of BGLN-S (see :mod:`fsd.exact_moments`).
+            equal to the expectation of BGLN-S (see :mod:`fsd.moments.exact`).
         reference: BGLN-D only. ``"propagated"`` — reference-side moments pushed through the
             gated network from the input moments; ``"layerwise"`` — the reference network's
             real input mean and covariance stored at every affine layer at ``fit``.

@@ -1,0 +1,1 @@
+"""The FSD estimators (one :class:`~fsd.estimators.base.Estimator` interface) and summary sets."""

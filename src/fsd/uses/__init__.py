@@ -1,0 +1,1 @@
+"""What the estimators are used for: a continual-learning penalty, calibration, influence."""
