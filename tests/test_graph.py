@@ -2,7 +2,7 @@
 
 Ground truth: every traced model computes the same function as an ``nn.Sequential`` holding
 the same weights, so every estimator must give it the same distance (the Sequential path is
-checked against brute force in test_estimators.py and test_interpreter.py).
+checked against brute force in test_estimators.py and test_chain.py).
 """
 
 from __future__ import annotations

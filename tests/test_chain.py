@@ -1,4 +1,4 @@
-"""fsd.moments.algorithm2: tracing models, the linearized forward pass and Algorithm 2's moments."""
+"""Chains: tracing models (fsd.trace), the linearized forward pass, Algorithm 2's moments."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from torch import nn
 
 import fsd
 from conftest import DTYPE, cnn, labelled_batches, mlp, perturbed, stack
-from fsd.moments import algorithm2 as interpreter
+from fsd.model.linearize import propagate_linearized
+from fsd.model.rules import TracedLayer
+from fsd.model.signature import layer_signature
+from fsd.moments import algorithm2
 from fsd.testing import dense_algorithm2, linearized_outputs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -72,7 +75,7 @@ def test_trace_refuses_an_empty_model():
 
 
 def test_layer_signature_records_types_hyper_parameters_and_shapes():
-    signature = interpreter.layer_signature(fsd.trace(cnn(seed=0)))
+    signature = layer_signature(fsd.trace(cnn(seed=0)))
     assert [entry["type"] for entry in signature] == [
         "Conv2d", "ReLU", "MaxPool2d", "Conv2d", "ReLU", "AvgPool2d", "Flatten", "Linear"]
     assert signature[0] == {"path": "0", "type": "Conv2d",
@@ -97,8 +100,8 @@ def test_propagate_linearized_matches_the_brute_force_linearization(make, shape)
     params0 = {k: v.detach() for k, v in model.named_parameters()}
     params1 = dict(other.named_parameters())
     with torch.no_grad():
-        z0, dz = interpreter.propagate_linearized(layers, params0, params1, xs)
-        z0_only, none = interpreter.propagate_linearized(layers, params0, None, xs)
+        z0, dz = propagate_linearized(layers, params0, params1, xs)
+        z0_only, none = propagate_linearized(layers, params0, None, xs)
         pairs = [linearized_outputs(model, other, x) for x in xs]
         torch.testing.assert_close(z0, model(xs), rtol=1e-12, atol=1e-12)
     assert none is None and torch.equal(z0_only, z0)
@@ -114,14 +117,14 @@ def test_propagate_linearized_applies_the_callers_gates():
     xs = stack(labelled_batches(7, (4,), seed=6))[0]
     seen = []
 
-    def open_gates(layer: interpreter.TracedLayer, s0: torch.Tensor
+    def open_gates(layer: TracedLayer, s0: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         seen.append(layer.path)
         return s0, torch.ones_like(s0)
 
     params0 = {k: v.detach() for k, v in model.named_parameters()}
     with torch.no_grad():
-        z0, dz = interpreter.propagate_linearized(fsd.trace(model), params0,
+        z0, dz = propagate_linearized(fsd.trace(model), params0,
                                                   dict(other.named_parameters()), xs,
                                                   open_gates)
 
@@ -137,7 +140,7 @@ def test_propagate_linearized_without_parameterized_differences_gives_zero():
     # a parameter-free model: the other network is the reference, Δz is exactly zero
     model = nn.Sequential(nn.Flatten(), nn.ReLU())
     x = torch.randn(3, 2, 2, dtype=DTYPE)
-    z0, dz = interpreter.propagate_linearized(fsd.trace(model), {}, {}, x)
+    z0, dz = propagate_linearized(fsd.trace(model), {}, {}, x)
     assert torch.equal(z0, model(x)) and torch.equal(dz, torch.zeros_like(z0))
 
 
@@ -162,8 +165,8 @@ def test_moments_of_two_components_each_match_dense_algorithm2():
     params1 = dict(other.named_parameters())
     rows = torch.eye(4, dtype=DTYPE)[[3, 1]]
     with torch.no_grad():
-        reference = interpreter.reference_moments(layers, params0, mean, cov, gates)
-        mean_d, trace_d = interpreter.delta_moments(layers, params0, params1, reference, gates,
+        reference = algorithm2.reference_moments(layers, params0, mean, cov, gates)
+        mean_d, trace_d = algorithm2.delta_moments(layers, params0, params1, reference, gates,
                                                     rows)
         assert mean_d.shape == (2, 2) and trace_d.shape == (2,)
         for c in range(2):
@@ -174,7 +177,7 @@ def test_moments_of_two_components_each_match_dense_algorithm2():
         # the components differ, so a mix-up between them would be seen
         assert abs(float(trace_d[0] - trace_d[1])) > 1e-3 * float(trace_d.abs().max())
     # at θ = θ0 both parts are exactly zero
-    mean_0, trace_0 = interpreter.delta_moments(layers, params0, params0, reference, gates, rows)
+    mean_0, trace_0 = algorithm2.delta_moments(layers, params0, params0, reference, gates, rows)
     assert float(mean_0.abs().max()) == 0.0 and float(trace_0.abs().max()) == 0.0
 
 
@@ -184,16 +187,16 @@ def test_check_moment_support_chooses_the_flat_or_the_convolutional_path():
     image_mlp = nn.Sequential(nn.Linear(4, 3))
     partial = nn.Sequential(nn.Flatten(2), nn.Linear(4, 3))
     for model, shape in ((cnn(seed=0), (1, 8, 8)), (image_mlp, (1, 2, 4)), (partial, (1, 2, 4))):
-        assert interpreter.check_moment_support(fsd.trace(model), shape) is False
+        assert algorithm2.check_moment_support(fsd.trace(model), shape) is False
         with pytest.raises(NotImplementedError, match=r"moments='exact'.*MLPs only"):
-            interpreter.check_moment_support(fsd.trace(model), shape, exact=True)
+            algorithm2.check_moment_support(fsd.trace(model), shape, exact=True)
         with pytest.raises(NotImplementedError, match="reference='layerwise'"):
-            interpreter.check_moment_support(fsd.trace(model), shape, layerwise=True)
+            algorithm2.check_moment_support(fsd.trace(model), shape, layerwise=True)
     flat = nn.Sequential(nn.Flatten(), nn.Linear(8, 3), nn.ReLU(), nn.Dropout(), nn.Linear(3, 2))
-    assert interpreter.check_moment_support(fsd.trace(flat), (1, 2, 4), exact=True) is True
+    assert algorithm2.check_moment_support(fsd.trace(flat), (1, 2, 4), exact=True) is True
 
 
 def test_delta_moments_needs_a_parameterized_layer():
     layers = fsd.trace(nn.Sequential(nn.ReLU()))
     with pytest.raises(fsd.UnsupportedModuleError, match="no parameterized layer"):
-        interpreter.delta_moments(layers, {}, {}, [], {}, torch.eye(2, dtype=DTYPE))
+        algorithm2.delta_moments(layers, {}, {}, [], {}, torch.eye(2, dtype=DTYPE))
