@@ -35,10 +35,10 @@ lint: $(STAMP)
 	$(VENV)/bin/pyright src
 
 # API reference from the docstrings (docs/api/, not committed); warnings fail the build.
-# fsd's __all__ hides its submodules from pdoc, so each module is named (src/fsd/*.py and
-# the sub-packages' modules; a sub-package is named by its folder).
-FSD_MODULES := $(sort $(patsubst %.__init__,%,$(basename $(subst /,.,$(patsubst src/%,%,\
-	$(filter-out src/fsd/__init__.py,$(wildcard src/fsd/*.py src/fsd/*/*.py)))))))
+# fsd's __all__ hides its submodules from pdoc, so each is named: the modules at the top
+# (src/fsd/*.py) and the sub-packages, whose own modules pdoc then walks.
+FSD_MODULES := $(sort $(subst /,.,$(patsubst src/%.py,%,$(filter-out src/fsd/__init__.py,\
+	$(wildcard src/fsd/*.py))) $(patsubst src/%/__init__.py,%,$(wildcard src/fsd/*/__init__.py))))
 docs: $(STAMP)
 	$(PY) -W error -m pdoc --docformat google -o docs/api fsd $(FSD_MODULES)
 
