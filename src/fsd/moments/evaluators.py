@@ -34,8 +34,7 @@ from ..model import support
 from ..model.linearize import propagate_linearized
 from ..model.rules import TracedLayer, UnsupportedModuleError, is_affine
 from ..validation import SummaryFormatError
-from . import algorithm2_conv as conv_moments
-from . import corrected as corrected_moments
+from . import algorithm2_conv, corrected
 from .algorithm2 import affine_rule, check_moment_support, delta_moments, reference_moments
 from .exact import delta_second_moment_adjoint, reference_blocks
 from .exact_graph import graph_plan, graph_second_moment
@@ -382,9 +381,9 @@ class ConvAlgorithm2(Evaluator):
                             device=summary.mean.device)
         with torch.no_grad():
             z0, _ = propagate_linearized(walk, summary.params0, None, probe)
-            steps = conv_moments.moment_steps(walk)
+            steps = algorithm2_conv.moment_steps(walk)
             statistics = {**summary.gate_means, **summary.routing}
-            reference = conv_moments.reference_side(steps, summary.params0, summary.mean,
+            reference = algorithm2_conv.reference_side(steps, summary.params0, summary.mean,
                                                     summary.covariance, statistics,
                                                     summary.input_shape)
         return {"output_rows": summary.output_rows(z0[0].numel()), "weights": summary.weights,
@@ -394,7 +393,7 @@ class ConvAlgorithm2(Evaluator):
     def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
                  ) -> Tensor:
         """½‖E[Δz]‖² + ½ tr Cov(Δz) through the convolutional steps."""
-        mean_d, trace = conv_moments.delta_side(
+        mean_d, trace = algorithm2_conv.delta_side(
             parts["steps"], parts["params0"], params1, parts["reference"], parts["statistics"],
             parts["output_rows"], parts["input_shape"])
         per_group = 0.5 * mean_d.pow(2).sum(-1) + 0.5 * trace.clamp_min(0)
@@ -441,7 +440,7 @@ class _Variant(_ChainEvaluator):
         parts = self._common(walk, summary)
         if self.name != "no-cross-covariance":
             with torch.no_grad():
-                parts["reference"] = corrected_moments.corrected_reference(
+                parts["reference"] = corrected.corrected_reference(
                     walk, summary.params0, summary.mean, summary.covariance,
                     summary.gate_means)
         parts.update(params0=summary.params0, mean=summary.mean,
@@ -452,11 +451,11 @@ class _Variant(_ChainEvaluator):
                  ) -> Tensor:
         """½ of the variant's second moment, mixed over components."""
         if self.name == "no-cross-covariance":
-            value = corrected_moments.ablated_second_moment(
+            value = corrected.ablated_second_moment(
                 walk, parts["params0"], params1, parts["mean"], parts["covariance"],
                 parts["gate_means"], parts["output_rows"], cross_covariance=False)
         else:  # without the gate variance: the mean-gate network, by the rows alone
-            value = corrected_moments.corrected_second_moment(
+            value = corrected.corrected_second_moment(
                 walk, parts["params0"], params1, parts["reference"], parts["gate_means"],
                 parts["output_rows"], gate_variance=self.name == "corrected")
         assert isinstance(value, Tensor)
