@@ -8,10 +8,9 @@ Inputs: 2,000 random 3×32×32 images with a rank-64 covariance plus noise — C
 this machine, and the cost depends on the shapes, not the values. Prints, side by side in
 one process, medians of distance + backward for BGLN-D (Algorithm 2 on the CNN,
 :mod:`fsd.moments.algorithm2_conv`) with low-rank (r = 32, 64) and diagonal input covariances, over
-one
-head (10 logits) and all 60; BGLN-S with 200 samples; and a plain training step (forward,
-cross-entropy, backward) at batch 512 (the paper's) and 128. Peak memory of one call after
-a first (warm) one, above what was allocated before it (:func:`peak_mib`).
+one head (10 logits) and all 60; BGLN-S with 200 samples; and a plain training step (forward,
+cross-entropy, backward) at batch 512 (the paper's) and 128. Peak memory of one call after a first
+(warm) one, above what was allocated before it (:func:`peak_mib`).
 """
 
 from __future__ import annotations

@@ -182,8 +182,8 @@ def test_moments_of_two_components_each_match_dense_algorithm2():
 
 
 def test_check_moment_support_chooses_the_flat_or_the_convolutional_path():
-    # convolutions, or a Linear on unflattened images: fsd.moments.algorithm2_conv (Algorithm 2
-    # only)
+    # convolutions, or a Linear on unflattened images: fsd.moments.algorithm2_conv
+    # (Algorithm 2 only)
     image_mlp = nn.Sequential(nn.Linear(4, 3))
     partial = nn.Sequential(nn.Flatten(2), nn.Linear(4, 3))
     for model, shape in ((cnn(seed=0), (1, 8, 8)), (image_mlp, (1, 2, 4)), (partial, (1, 2, 4))):

@@ -128,8 +128,7 @@ def test_split_cifar100_paper_settings():
     assert {"finetune", "laftr", "laftr-coreset", "bgln-s", "bgln-s-cw", "ntk"} <= \
         set(CNN_METHODS)
     # Algorithm 2 runs on the CNN (fsd.moments.algorithm2_conv), and K-FAC (KFC's convolution
-    # factors);
-    # exact moments do not
+    # factors); exact moments do not
     assert {"bgln-d", "bgln-d-cw", "bgln-d-var", "osla"} <= set(CNN_METHODS)
     assert not {"bgln-d-exact", "bgln-d-layerwise"} & set(CNN_METHODS)
     assert continual.default_hyperparameters("split-cifar100", "bgln-d")["rank"] == 64

@@ -1,8 +1,8 @@
 """BGLN-D (Algorithm 2) on convolutional networks against a dense float64 transcription.
 
 The library never forms a convolution's matrix or a (C·H·W)² covariance
-(:mod:`fsd.moments.algorithm2_conv`); :func:`fsd.testing.dense_algorithm2_cnn` does both, on 8×8
-images.
+(:mod:`fsd.moments.algorithm2_conv`); :func:`fsd.testing.dense_algorithm2_cnn` does both, on
+8×8 images.
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ def test_classwise_bgln_d_on_a_cnn_mixes_the_dense_components():
 
 
 def test_the_convolutional_path_on_an_mlp_is_the_mlp_path():
-    # two implementations of Algorithm 2: fsd.moments.algorithm2_conv against
-    # fsd.moments.algorithm2's
+    # two implementations of Algorithm 2: fsd.moments.algorithm2_conv against the chain walk of
+    # fsd.moments.algorithm2
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6),
                           nn.Tanh(), nn.Linear(6, 3)).to(DTYPE).eval()

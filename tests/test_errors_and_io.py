@@ -338,8 +338,8 @@ def test_bgln_d_on_cnn_runs_algorithm2_and_refuses_exact_moments():
     model, data = cnn(seed=0), labelled_batches(6, (1, 8, 8), seed=1)
     with pytest.raises(NotImplementedError, match="moments='exact'"):
         fsd.BGLN(deterministic=True, moments="exact").fit(model, data)
-    # Algorithm 2 (fsd.moments.algorithm2_conv, checked in test_conv_moments.py) and BGLN-S handle
-    # it
+    # Algorithm 2 (fsd.moments.algorithm2_conv, checked in test_conv_moments.py) and BGLN-S
+    # handle it
     for est in (fsd.BGLN(deterministic=True), fsd.BGLN(num_samples=4)):
         assert float(est.fit(model, data).distance(perturbed(model))) > 0
 

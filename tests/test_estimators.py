@@ -1,9 +1,10 @@
 """Ground-truth tests of every FSD estimator against independent brute-force computations.
 
-Each reference is written from the paper's definitions (§3, Algorithms 1–2, Appendix B) with
-plain numpy/torch loops, below or in fsd.testing, without using fsd.moments.algorithm2.
-Everything runs in float64 so exact identities are checked to ~1e-10 relative; Monte Carlo
-estimators are checked to 5 standard errors estimated from repeated independent calls.
+Each reference is written from the paper's definitions (§3, Algorithms 1–2, Appendix B) with plain
+numpy/torch loops, below or in fsd.testing, without using the library's own walks
+(fsd.model.linearize, fsd.moments). Everything runs in float64 so exact identities are checked to
+~1e-10 relative; Monte Carlo estimators are checked to 5 standard errors estimated from repeated
+independent calls.
 """
 
 from __future__ import annotations

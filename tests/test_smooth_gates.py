@@ -136,7 +136,8 @@ def test_stored_gate_moments_are_the_data_averages_of_the_secant_and_slope_pair(
 
 @pytest.mark.parametrize("name", ["gelu", "softplus"])
 def test_laftr_on_a_smooth_chain_equals_the_graph_linearization(name):
-    # the chain walker (φ(s0), φ'(s0) by rule) against fsd.model.linearize's JVP of each operation
+    # the chain pass (propagate_linearized: φ(s0), φ'(s0) by rule) against the graph pass's JVP
+    # of each operation (linearized_outputs)
     model = _mlp(ACTIVATIONS[name], widths=(4, 7, 6, 3))
     moved = _moved(model)
     x = _data(50, 4)

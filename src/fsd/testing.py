@@ -1,8 +1,8 @@
 """Reference implementations that tests and benchmarks check the library against.
 
 Each one is written directly from the paper's definitions, slowly and densely, and uses none
-of the library's own machinery (no :mod:`fsd.moments.algorithm2`, no :mod:`fsd.covariance`), so an
-error in the library cannot hide in its reference:
+of the library's own machinery (no :mod:`fsd.model.linearize`, no :mod:`fsd.moments`, no
+:mod:`fsd.covariance`), so an error in the library cannot hide in its reference:
 
 - :func:`dense_algorithm2` — BGLN-D, paper Algorithm 2, line by line in float64 with the
   covariances pushed forwards as dense matrices.

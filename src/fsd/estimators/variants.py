@@ -2,8 +2,8 @@
 
 The maths is :mod:`fsd.moments.corrected`; the evaluators that run it are in
 :mod:`fsd.moments.evaluators`. Not part of the public API: the ablations and the corrected
-estimator,
-for the fidelity study and continual-learning experiments (``fsd_experiments.presets``).
+estimator, for the fidelity study and continual-learning experiments
+(``fsd_experiments.presets``).
 """
 
 from __future__ import annotations

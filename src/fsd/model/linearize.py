@@ -20,18 +20,17 @@ through every node the reference value a0 and the difference Δa of the lineariz
   ``nn.Conv2d`` use the affine rule's form (ΔW a0 + W1 Δa + Δb, no cancellation);
 - a parameter read directly in ``forward`` (``self.position``) enters with Δ = p1 − p0.
 
-For a ReLU network this is exactly the chain walker's result (gates 1{s0 > 0}); for a
-network without nonlinearities it is the exact FSD.
+For a ReLU network this is exactly the result of :func:`propagate_linearized` (gates
+1{s0 > 0}); for a network without nonlinearities it is the exact FSD.
 
 BGLN-S walks the same graph with a gate callback (:data:`fsd.model.rules.GateFn`): at every
 activation BGLN gates (:func:`fsd.model.plan.gate_nodes` — a module with a gate rule, or
 ``F.relu``, ``F.gelu``, ``torch.tanh``, … called as a function) the callback gives the
 reference activation a0 and the gate g, and Δa = g·Δs; every other operation is linearized
-as above, around the reference values the gated activations produce (as the chain walker
+as above, around the reference values the gated activations produce (as the chain pass
 routes a max-pool by the gated reference). The graph is traced with the rule tracer of
-:mod:`fsd.model.tracing`, so a gate's path is the one :func:`fsd.model.tracing.runnable` gives the
-module that
-records its statistics at fit.
+:mod:`fsd.model.tracing`, so a gate's path is the one :func:`fsd.model.tracing.runnable` gives
+the module that records its statistics at fit.
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ def linearized_outputs(model: nn.Module, reference: Mapping[str, Tensor], x: Ten
             every gate node of the graph (:func:`fsd.model.plan.gate_nodes`) with a
             :class:`~fsd.model.rules.TracedLayer` (path, module, rule) and the reference
             pre-activation: the node's reference value becomes a0 and its difference g·Δs
-            (BGLN-S's draws; :func:`fsd.model.linearize.true_gates` gives LAFTR's result).
+            (BGLN-S's draws; :func:`true_gates` gives LAFTR's result).
 
     Returns:
         ``(z0, dz)``, differentiable in the model's parameters through ``dz``.
@@ -244,7 +243,7 @@ def propagate_linearized(
     """Run the reference network and the network linearized around it.
 
     Args:
-        layers: output of :func:`trace`.
+        layers: output of :func:`fsd.trace`.
         params0: reference parameters θ0 (detached).
         params1: parameters θ of the other network, or ``None`` to run the reference only.
         x: inputs, shape (n, *input_shape).

@@ -3,12 +3,11 @@
 :func:`read` reads a model's ``forward`` once per model and structure (its forward and its
 submodules by path and identity; a changed one is read again) into a :class:`Plan`: the
 torch.fx graph of the rule tracer (:mod:`fsd.model.tracing`), each module call's key, the
-activations
-BGLN gates, every node with its kind, and — where the forward is one — its chain of steps.
-:func:`trace` gives that chain as rule-tagged layers (a plain ``nn.Sequential`` is its chain
+activations BGLN gates, every node with its kind, and — where the forward is one — its chain of
+steps. :func:`trace` gives that chain as rule-tagged layers (a plain ``nn.Sequential`` is its chain
 without tracing); LAFTR's and BGLN-S's graph walk (:mod:`fsd.model.linearize`) and BGLN-D's exact
-moments on graphs (:mod:`fsd.moments.exact_graph`) walk :attr:`Plan.nodes`. The one other trace
-is :func:`fsd.model.tracing.runnable`'s, with the same tracer: a fresh graph it may change, for
+moments on graphs (:mod:`fsd.moments.exact_graph`) walk :attr:`Plan.nodes`. The one other trace is
+:func:`fsd.model.tracing.runnable`'s, with the same tracer: a fresh graph it may change, for
 recording statistics at fit.
 """
 
@@ -116,8 +115,7 @@ class Plan:
 
         Modules that have a rule are leaves (one ``call_module`` node each), so node names, and
         hence paths, are those of :func:`chain` and :func:`fsd.model.tracing.runnable`. The graph
-        is shared:
-        read it, do not change it.
+        is shared: read it, do not change it.
 
         Raises:
             UnsupportedModuleError: fx cannot trace the forward (data-dependent control
@@ -134,13 +132,12 @@ class Plan:
     def gates(self) -> dict[fx.Node, GateNode]:
         """The activations BGLN gates in :func:`traced_graph`, by node, in graph order.
 
-        A gate node is a call of a module whose rule is a :class:`~fsd.model.rules.GateRule` (path:
-        the
-        module's path), or a function call that the chain reads as such a module (``F.relu``,
-        ``torch.relu``, ``x.relu()``, ``F.leaky_relu``, ``F.gelu``, ``F.silu``, ``torch.tanh``,
-        ``torch.sigmoid``, ``F.elu``, ``F.softplus``, …; path: the node's name) — in both cases
-        only where its input depends on the model's input: an activation of parameters alone
-        (``F.softplus(self.scale)``) is not a unit's response to the data and is linearized.
+        A gate node is a call of a module whose rule is a :class:`~fsd.model.rules.GateRule`
+        (path: the module's path), or a function call that the chain reads as such a module
+        (``F.relu``, ``torch.relu``, ``x.relu()``, ``F.leaky_relu``, ``F.gelu``, ``F.silu``,
+        ``torch.tanh``, ``torch.sigmoid``, ``F.elu``, ``F.softplus``, …; path: the node's name) — in
+        both cases only where its input depends on the model's input: an activation of parameters
+        alone (``F.softplus(self.scale)``) is not a unit's response to the data and is linearized.
         """
         return self._traced[2]
 

@@ -17,14 +17,14 @@ estimator family needs from that operation:
   (:meth:`AffineRule.affine_matrix`), which the walkers compose.
 
 The walkers (:mod:`fsd.moments.algorithm2`, :mod:`fsd.moments.exact`,
-:mod:`fsd.moments.algorithm2_conv`) are
-generic; adding a layer type means registering a rule (:func:`register_rule`). Where a walk's
-structure depends on the operation type, a walker reads the rule's :attr:`Rule.kind`
-(:func:`is_affine`, :func:`is_fixed`, :func:`is_gate`, :func:`is_pool`), never its class.
+:mod:`fsd.moments.algorithm2_conv`) are generic; adding a layer type means registering a rule
+(:func:`register_rule`). Where a walk's structure depends on the operation type, a walker reads the
+rule's :attr:`Rule.kind` (:func:`is_affine`, :func:`is_fixed`, :func:`is_gate`, :func:`is_pool`),
+never its class.
 
 The traced layer (:class:`TracedLayer`) and the gate callback (:data:`GateFn`) that rules
-receive are defined here, in the module the walkers import, and re-exported by
-:mod:`fsd.moments.algorithm2`.
+receive are defined here, in the module the walkers import (the old path ``fsd.interpreter``
+still hands them on, with a warning, for one release).
 """
 
 from __future__ import annotations
@@ -119,10 +119,9 @@ class Rule(ABC):
             none by default.
         flat_moments: ``flat_moments(module) -> bool``: whether BGLN-D's moment propagation
             on flattened feature vectors (the MLP path:
-            :func:`fsd.moments.algorithm2.reference_moments`,
-            :mod:`fsd.moments.exact`) supports this particular module; ``False`` by default,
-            which sends BGLN-D to Algorithm 2 on layer outputs of any shape
-            (:mod:`fsd.moments.algorithm2_conv`).
+            :func:`fsd.moments.algorithm2.reference_moments`, :mod:`fsd.moments.exact`) supports
+            this particular module; ``False`` by default, which sends BGLN-D to Algorithm 2 on layer
+            outputs of any shape (:mod:`fsd.moments.algorithm2_conv`).
     """
 
     apply: Callable[..., Any]
@@ -314,8 +313,7 @@ class FixedRule(Rule):
     vectors, so ``flat_moments`` may be true only for a layer that is the identity there (a
     Flatten to (n, features), Dropout, Identity); for any other map, e.g. a scaling, leave it
     ``False``: BGLN-D then takes the path of :mod:`fsd.moments.algorithm2_conv`, which applies the
-    map.
-    ``fit`` refuses a rule that claims it for a map that is not the identity on a probe.
+    map. ``fit`` refuses a rule that claims it for a map that is not the identity on a probe.
     """
 
     kind: ClassVar[str] = "fixed"

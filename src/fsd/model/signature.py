@@ -3,7 +3,7 @@
 A summary is only meaningful for the architecture it was fitted on. Every estimator stores a
 JSON-able signature of the reference model at ``fit`` and compares the calling model's
 signature with it in ``distance``. Black-box estimators use :func:`parameter_signature`;
-the linearized ones use the per-layer signature of :func:`fsd.model.signature.layer_signature`.
+the linearized ones use the per-layer signature of :func:`layer_signature`.
 """
 
 from __future__ import annotations

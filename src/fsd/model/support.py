@@ -4,12 +4,11 @@ An estimator evaluates the model with one of a few *walkers*: the model's own fo
 (ExactFSD, NTK, EWC, KFAC), the linearized pass over any graph torch.fx traces (LAFTR and
 BGLN-S, :mod:`fsd.model.linearize`), Algorithm 2's walk along a chain of layers with rules
 (BGLN-D, CNN chains too, :mod:`fsd.moments.algorithm2`, :mod:`fsd.moments.algorithm2_conv`), or
-exact moments
-on MLP chains and graphs of flat layers (BGLN-D with ``moments="exact"``,
-:mod:`fsd.moments.exact`, :mod:`fsd.moments.exact_graph`). A walker that meets a :class:`Feature`
-of the model it cannot take refuses in one line: what failed and where, then
-:func:`advice`, which names from :data:`WALKERS` every walker that takes that feature. A new
-estimator is one :class:`Walker` entry; every refusal names it where it applies.
+exact moments on MLP chains and graphs of flat layers (BGLN-D with ``moments="exact"``,
+:mod:`fsd.moments.exact`, :mod:`fsd.moments.exact_graph`). A walker that meets a :class:`Feature` of
+the model it cannot take refuses in one line: what failed and where, then :func:`advice`, which
+names from :data:`WALKERS` every walker that takes that feature. A new estimator is one
+:class:`Walker` entry; every refusal names it where it applies.
 
 ``tests/test_support.py`` fits every walker the advice names on a model of each feature, so
 the table claims no support that does not exist.

@@ -355,8 +355,7 @@ def runnable(model: nn.Module) -> nn.Module:
     such as ``F.relu``, and flattening): then an ``fx.GraphModule`` sharing its modules and
     parameters, in which those calls are modules named by their graph nodes' names (the paths
     of :func:`fsd.model.plan.chain` and :func:`fsd.model.plan.gate_nodes`), so that statistics can
-    be
-    recorded at every activation. Any traceable graph works, not only a chain: the other
+    be recorded at every activation. Any traceable graph works, not only a chain: the other
     operations stay as they are.
 
     Raises:

@@ -32,10 +32,9 @@ def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]
     The flat path (:func:`reference_moments`, :mod:`fsd.moments.exact`) needs flat feature
     vectors at every affine layer; anything else with convolutions, pooling or images takes
     :mod:`fsd.moments.algorithm2_conv` (Algorithm 2 only: exact moments and layer-wise statistics
-    would
-    carry (C·H·W)² second moments). Exact moments need an affine layer before every gate.
-    The flat path knows affine, parameter-free and gate layers only; a layer of any other
-    rule (a user's own :class:`~fsd.model.rules.Rule` subclass) takes the other path too.
+    would carry (C·H·W)² second moments). Exact moments need an affine layer before every gate. The
+    flat path knows affine, parameter-free and gate layers only; a layer of any other rule (a user's
+    own :class:`~fsd.model.rules.Rule` subclass) takes the other path too.
     """
     flat = len(input_shape) == 1
     supported = True
@@ -104,8 +103,8 @@ def _moment_steps(layers: list[TracedLayer]) -> list[TracedLayer | tuple[TracedL
     between two affine layers it would also drop a correlation that the composed layer
     keeps. Parameter-free layers are the identity on the flat vectors BGLN-D works on
     (what :attr:`fsd.model.rules.Rule.flat_moments` promises for a
-    :class:`~fsd.model.rules.FixedRule`),
-    so they are left out; the path holds no other layers (:func:`check_moment_support`).
+    :class:`~fsd.model.rules.FixedRule`), so they are left out; the path holds no other layers
+    (:func:`check_moment_support`).
     """
     steps: list[TracedLayer | tuple[TracedLayer, ...]] = []
     run: list[TracedLayer] = []
@@ -182,7 +181,7 @@ def reference_moments(
     """Mean and covariance of the reference activations a0 entering every affine map.
 
     Args:
-        layers: output of :func:`trace`.
+        layers: output of :func:`fsd.trace`.
         params0: reference parameters θ0 (and buffers) by name.
         mean: input means, (G, d) for G mixture components.
         cov: input covariances in any form of :mod:`fsd.covariance`.
@@ -261,7 +260,7 @@ def delta_moments(
     then BatchNorm) are composed into one map first (:func:`_moment_steps`).
 
     Args:
-        layers: output of :func:`trace`.
+        layers: output of :func:`fsd.trace`.
         params0: reference parameters (and buffers); each may carry a leading dimension R
             of reference networks, so summaries of several reference networks are evaluated
             in one batched pass. R must divide the number of components G, and each

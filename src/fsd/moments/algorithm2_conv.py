@@ -1,11 +1,10 @@
 """BGLN-D (paper Algorithm 2) on convolutional networks, without (C·H·W)² covariances.
 
 The MLP path (:func:`fsd.moments.algorithm2.reference_moments` /
-:func:`~fsd.moments.algorithm2.delta_moments`)
-pushes o × o covariances forwards. A convolutional layer's o = C·H·W makes that impossible
-at image sizes (32·32·32 units: a 4 GB matrix per layer), so here every covariance stays in
-the factored form of the input, C_in = L Lᵀ + diag(D), and every map is applied as the
-layer's own operation (a convolution, never its dense matrix):
+:func:`~fsd.moments.algorithm2.delta_moments`) pushes o × o covariances forwards. A convolutional
+layer's o = C·H·W makes that impossible at image sizes (32·32·32 units: a 4 GB matrix per layer), so
+here every covariance stays in the factored form of the input, C_in = L Lᵀ + diag(D), and every map
+is applied as the layer's own operation (a convolution, never its dense matrix):
 
 - the reference side: C_l = P_l C_in P_lᵀ, with P_l the reference network's *linear* map
   from the input to layer l's input (weights W0 without biases, gates scaled by their mean

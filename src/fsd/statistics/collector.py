@@ -3,10 +3,9 @@
 - :class:`MomentAccumulator`: mean and (full or diagonal) covariance of flattened inputs,
   accumulated in float64 with Chan et al.'s pairwise update, so batches and shards merge exactly.
 - :class:`GateAccumulator`: Bernoulli means μ = fraction of examples for which each unit's
-  pre-activation is > 0 (per unit; for conv, per channel × position) — or, for a smooth
-  activation, the means of its gate pair's moments
-  (:meth:`fsd.model.rules.GateRule.gate_statistics`)
-  — as a running mean or an exponential moving average.
+  pre-activation is > 0 (per unit; for conv, per channel × position) — or, for a smooth activation,
+  the means of its gate pair's moments (:meth:`fsd.model.rules.GateRule.gate_statistics`) — as a
+  running mean or an exponential moving average.
 - :class:`StatisticsCollector`: hooks a model so both are collected while it runs — during
   :meth:`fsd.BGLN.fit` or during the last epoch of training, as the paper does — optionally
   per class.
