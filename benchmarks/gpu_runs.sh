@@ -6,21 +6,21 @@
 # Needs MNIST under .devdata/mnist (copy of the data directory's mnist/, git-ignored and
 # carried). Dry run on a CPU:
 #   DEV=cpu EXTRA="--train-subset 64 --test-subset 32 --epochs 1 --tasks 2" STOP=200 \
-#     PY=.venv/bin/python OUT=/tmp/dry bash benchmarks/gpu_runs.sh RUNS
+#     PY=.venv/bin/python OUT=dry-run bash benchmarks/gpu_runs.sh RUNS
 # Measured on an H200 (12 runs + the tests, 2026-11-28): Split MNIST bgln-d 3.3 min per seed,
 # bgln-d-exact 5.2; Permuted MNIST (width 512) bgln-d ~60 s per task, bgln-s 20-100 s per task
 # growing with the task count, so a 10-task Permuted seed does not fit one 10-minute call.
 set -u
 START=$(date +%s)
 DEV=${DEV:-cuda}; EXTRA=${EXTRA:-}; STOP=${STOP:-490}; PY=${PY:-python3}
-OUTDIR=${OUT:-/tmp/outdir}; mkdir -p $OUTDIR
+W=$(mktemp -d)  # the runs, their logs and checkpoints
+OUTDIR=$(realpath -m "${OUT:-$W/out}"); mkdir -p "$OUTDIR"
 D=$PWD/.devdata
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 FSD_NO_DOWNLOAD=1 OMP_NUM_THREADS=1 FSD_DATA_DIR=$D
-W=/tmp/w; rm -rf $W; mkdir -p $W
 if [ "$DEV" = cuda ]; then
   nvidia-smi -L; $PY -c "import torch;print(torch.__version__, torch.cuda.get_device_name())"
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
-  mkdir -p /tmp/mps /tmp/mpslog; nvidia-cuda-mps-control -d && echo "MPS on" || echo "MPS off"
+  export CUDA_MPS_PIPE_DIRECTORY=$W/mps CUDA_MPS_LOG_DIRECTORY=$W/mpslog
+  mkdir -p $W/mps $W/mpslog; nvidia-cuda-mps-control -d && echo "MPS on" || echo "MPS off"
 fi
 run() {  # slug benchmark args...
   slug=$1; shift
@@ -40,6 +40,7 @@ while [ $(( $(date +%s) - START )) -lt $STOP ]; do
 done
 echo "stopping at $(( $(date +%s) - START )) s"; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv 2>/dev/null
 pkill -f "fsd_experiments cl" ; sleep 2
-cd $W && for d in */; do d=${d%/}; ls $d/checkpoints 2>/dev/null | tr '\n' ' ' >> $d.log; done
-tar czf $OUTDIR/runs.tgz --exclude=checkpoints --exclude='*.png' . ; ls -la $OUTDIR; tail -3 $OUTDIR/pytest.log
+cd $W && for d in */; do d=${d%/}; [ -d $d/checkpoints ] && ls $d/checkpoints | tr '\n' ' ' >> $d.log; done
+tar czf $OUTDIR/runs.tgz --exclude=checkpoints --exclude='*.png' --exclude=./out --exclude=./mps \
+  --exclude=./mpslog . ; ls -la $OUTDIR; tail -3 $OUTDIR/pytest.log
 for f in *.log; do echo "== $f"; grep -E "task|rc=|gap done|Error" $f | tail -4; done
