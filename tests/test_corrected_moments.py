@@ -7,9 +7,16 @@ import torch
 from torch import nn
 
 import fsd
+from fsd.covariance import low_rank_plus_diagonal
 from fsd.estimators.variants import BGLNVariant
 from fsd.model.signature import model_state
-from fsd.moments.corrected import ablated_second_moment, corrected_second_moment
+from fsd.moments.corrected import (
+    ablated_second_moment,
+    corrected_reference,
+    corrected_second_moment,
+    truncated_input,
+)
+from fsd.moments.exact import input_factor
 
 
 def _mlp(hidden=2, seed=0, d=5, width=6, outputs=3):
@@ -227,3 +234,79 @@ def test_combine_evaluates_variants_one_by_one():
     expected = sum(float(s.distance(moved)) for s in summaries)
     torch.testing.assert_close(float(fsd.combine(summaries).distance(moved)), expected,
                                rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("options", [{"covariance": "full"}, {"covariance": "lowrank", "rank": 4},
+                                     {"covariance": "full", "classwise": True}])
+def test_truncated_input_keeps_every_input_variance(options):
+    model, data = _mlp(), _data()
+    est = _fit("corrected", model, data, **options)
+    phi, residual = input_factor(est._state["input.mean"], est.input_covariance())
+    for rank in (1, 2, 3):
+        cut, cut_residual = truncated_input(phi, residual, rank)
+        assert cut.shape[-1] == rank + 1 and cut_residual is not None
+        before = phi.pow(2).sum(-1) + (0 if residual is None else residual)
+        torch.testing.assert_close(cut.pow(2).sum(-1) + cut_residual, before, rtol=1e-12, atol=0)
+        torch.testing.assert_close(cut[..., -1], phi[..., -1], rtol=0, atol=0)  # [m; 1] kept
+    assert truncated_input(phi, residual, phi.shape[-1]) == (phi, residual)
+
+
+@pytest.mark.parametrize("options", [{"covariance": "full"}, {"covariance": "lowrank", "rank": 4}])
+def test_injection_rank_sizes_only_the_correction_from_the_cut_covariance(options):
+    # independent path: the correction of a summary whose covariance *is* the cut one
+    # (top eigenpairs plus the diagonal they miss, fsd.covariance.low_rank_plus_diagonal),
+    # the signal of the summary with the whole covariance
+    model, data = _mlp(hidden=3, d=5), _data()
+    moved = _moved(model)
+    full = _fit("corrected", model, data, **options)
+    cut = _fit("corrected", model, data, injection_rank=2, **options)
+    assert cut.config["injection_rank"] == 2 and "injection_rank" not in full.config
+    layers, params0, params1 = fsd.trace(model), full.reference_state(), model_state(moved)
+
+    def parts_of(estimator, covariance=None):
+        parts = estimator.moment_parts(layers, params0)
+        reference = parts["reference"] if covariance is None else corrected_reference(
+            layers, params0, estimator._state["input.mean"], covariance, parts["gate_means"])
+        return corrected_second_moment(layers, params0, params1, reference,
+                                       parts["gate_means"], parts["output_rows"], parts=True)
+
+    # the cut keeps the top directions of the stored factor and moves the rest of it, with
+    # a stored diagonal, into the diagonal
+    covariance = full.input_covariance()
+    root, diagonal = covariance if isinstance(covariance, tuple) else (None, None)
+    factor, missed = low_rank_plus_diagonal(covariance if root is None else root @ root.mT, 2)
+    if diagonal is not None:
+        missed = missed + diagonal
+    signal, correction = parts_of(cut)
+    torch.testing.assert_close(signal, parts_of(full)[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(correction, parts_of(full, (factor, missed))[1], rtol=1e-9,
+                               atol=0)
+    assert float((correction - parts_of(full)[1]).abs().max()) > 1e-8  # the cut matters here
+    # a rank at or above the stored one changes nothing
+    wide = _fit("corrected", model, data, injection_rank=5, **options)
+    torch.testing.assert_close(wide.distance(moved), full.distance(moved), rtol=1e-12, atol=0)
+
+
+def test_injection_rank_with_deterministic_gates_is_exact_moments():
+    model, data = _mlp(hidden=3), _data()
+    moved = _moved(model)
+    cut = _fit("corrected", model, data, covariance="full", injection_rank=1)
+    exact = _fit("exact", model, data, covariance="full")
+    for est in (exact, cut):
+        _with_firing(est, lambda mu: (mu > 0.5).to(mu.dtype))
+    torch.testing.assert_close(cut.distance(moved), exact.distance(moved), rtol=1e-10, atol=0)
+
+
+def test_injection_rank_is_checked_and_saved(tmp_path):
+    model, data = _mlp(), _data()
+    est = _fit("corrected", model, data, covariance="lowrank", rank=3, injection_rank=1)
+    est.save(tmp_path / "s.pt")
+    loaded = fsd.load(tmp_path / "s.pt")
+    assert loaded.config["injection_rank"] == 1
+    torch.testing.assert_close(loaded.distance(_moved(model)), est.distance(_moved(model)),
+                               rtol=0, atol=0)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="positive integer"):
+            BGLNVariant(injection_rank=bad)
+    with pytest.raises(ValueError, match="moments='corrected' only"):
+        BGLNVariant(moments="no-gate-variance", injection_rank=4)

@@ -501,7 +501,7 @@ class _LinearizedEstimator(Estimator):
             covariance=self.input_covariance(), gate_means=self._gate_means(),
             routing=self._routing(), layer_moments=self._layer_moments(),
             weights=self._state["weights"], input_shape=tuple(self._meta["input_shape"]),
-            select=self._select)
+            select=self._select, config=self.config)
 
     def moment_parts(self, walk: list[TracedLayer] | nn.Module, params0: dict[str, Tensor]
                      ) -> dict[str, Any]:

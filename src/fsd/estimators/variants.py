@@ -26,13 +26,28 @@ class BGLNVariant(BGLN):
             equal to :func:`fsd.moments.corrected.ablated_second_moment` with
             ``gate_variance=False``, at Algorithm 2's cost) or ``"no-cross-covariance"``
             (:func:`fsd.moments.corrected.ablated_second_moment`, dense).
+        injection_rank: with ``moments="corrected"``, size the gates' injected variance from
+            the input covariance cut to this many directions plus its diagonal
+            (:func:`fsd.moments.corrected.truncated_input`); ``None`` (the default) uses the
+            whole stored covariance. The mean-gate network's term always uses all of it.
         **options: as :class:`fsd.BGLN`; ``deterministic`` must be ``True``.
     """
 
-    def __init__(self, moments: str = "corrected", **options: Any) -> None:
+    def __init__(self, moments: str = "corrected", injection_rank: int | None = None,
+                 **options: Any) -> None:
         if moments not in VARIANTS:
             raise ValueError(f"moments must be one of {', '.join(VARIANTS)}, got {moments!r}")
         if not options.pop("deterministic", True):
             raise ValueError("BGLNVariant is deterministic (a BGLN-D)")
+        if injection_rank is not None:
+            if moments != "corrected":
+                raise ValueError(f"injection_rank applies to moments='corrected' only, not "
+                                 f"{moments!r}")
+            if isinstance(injection_rank, bool) or not isinstance(injection_rank, int) \
+                    or injection_rank < 1:
+                raise ValueError(f"injection_rank must be a positive integer, got "
+                                 f"{injection_rank!r}")
         super().__init__(deterministic=True, **options)
         self.config["moments"] = moments
+        if injection_rank is not None:  # absent otherwise: summaries stay as they were
+            self.config["injection_rank"] = injection_rank

@@ -57,7 +57,15 @@ from torch import Tensor
 
 from ..covariance import Covariance
 from ..model.rules import GateMoments, TracedLayer, UnsupportedModuleError, is_affine, is_gate
-from .exact import _homogeneous_delta, _homogeneous_layer, input_factor, input_offsets
+from .algorithm2 import affine_rule
+from .exact import (
+    _homogeneous,
+    _homogeneous_delta,
+    _homogeneous_layer,
+    _shifted,
+    input_factor,
+    input_offsets,
+)
 
 #: the variants :class:`fsd.estimators.variants.BGLNVariant` computes (``moments=``)
 VARIANTS: tuple[str, ...] = ("corrected", "no-gate-variance", "no-cross-covariance")
@@ -106,6 +114,15 @@ def _matrices(step: _Step, params0: Mapping[str, Tensor], params1: Mapping[str, 
     w0h = _homogeneous_layer(step.layer, params0, step.offset)[0]
     w1 = _homogeneous_layer(step.layer, params1, 0.0)[1]
     return w0h, w1, _homogeneous_delta(step.layer, params0, params1, step.offset)
+
+
+def _delta_matrices(step: _Step, params0: Mapping[str, Tensor], params1: Mapping[str, Tensor]
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """(W1, ΔW, ΔW̃) of an affine step, ΔW formed first; W̃0 comes from the reference."""
+    rule = affine_rule(step.layer)
+    w1 = rule.affine_matrix(step.layer.module, params1, step.layer.path)[0]
+    dw, db = rule.affine_delta_matrix(step.layer.module, params0, params1, step.layer.path)
+    return w1, dw, _shifted(_homogeneous(dw, db), dw, step.offset)
 
 
 def _trace_rows(rows: Tensor, second: Tensor) -> Tensor:
@@ -196,12 +213,34 @@ def _gate_parts(gate: GateMoments | None, like: Tensor) -> tuple[Tensor, ...]:
             gate.delta_variance)
 
 
+def truncated_input(phi: Tensor, residual: Tensor | None, rank: int
+                    ) -> tuple[Tensor, Tensor | None]:
+    """(Φ', D'): the ``rank`` largest columns of Φ's covariance part, the rest as a diagonal.
+
+    Φ = [[L, m], [0, 1]] (G, d + 1, q) and D from :func:`fsd.moments.exact.input_factor`. Φ'
+    keeps, per component, the ``rank`` columns of L with the largest norms (the top
+    eigen-directions) and the mean column; D' = D + the dropped columns' squares, so
+    Φ'Φ'ᵀ + diag(D') has the same diagonal as ΦΦᵀ + diag(D): every input keeps its variance,
+    the dropped directions lose their correlations. ``(phi, residual)`` itself when L has at
+    most ``rank`` columns.
+    """
+    root = phi[..., :-1]
+    if root.shape[-1] <= rank:
+        return phi, residual
+    order = root.pow(2).sum(-2).topk(rank, dim=-1).indices.sort(dim=-1).values
+    kept = root.gather(-1, order.unsqueeze(-2).expand(*root.shape[:-1], rank))
+    dropped = (root.pow(2).sum(-1) - kept.pow(2).sum(-1)).clamp_min(0)
+    return (torch.cat([kept, phi[..., -1:]], dim=-1),
+            dropped if residual is None else residual + dropped)
+
+
 def corrected_reference(
     layers: list[TracedLayer],
     params0: Mapping[str, Tensor],
     mean: Tensor,
     cov: Covariance,
     gate_means: Mapping[str, Tensor],
+    injection_rank: int | None = None,
 ) -> list[dict[str, Tensor]]:
     """The θ-independent part of :func:`corrected_second_moment`, per affine layer.
 
@@ -209,9 +248,22 @@ def corrected_reference(
     (G, in + 1, q)); ``"f0"`` — that of s0 at its output; ``"t00"`` — the diagonally carried
     part of E s0² (residual and injections); ``"e00"`` — the factor part of E s0²; and
     ``"residual"`` (first layer, if any) — D.
+
+    With ``injection_rank`` the diagonals that size the injections are pushed forward from the
+    input covariance cut to that rank plus its diagonal (:func:`truncated_input`), so the
+    correction's forward pass costs o·(rank + 1) per output unit instead of o·q; the first
+    layer's block then also holds the full input, ``"signal_factor"`` (and
+    ``"signal_residual"`` when the input has a diagonal part), from which the mean-gate
+    network's term is computed exactly.
     """
     steps = _affine_steps(layers, gate_means)
     phi, residual = input_factor(mean, cov)
+    signal: dict[str, Tensor] = {}
+    if injection_rank is not None:
+        signal["signal_factor"] = phi
+        if residual is not None:
+            signal["signal_residual"] = residual
+        phi, residual = truncated_input(phi, residual, injection_rank)
     constant = phi[..., -1:, :]  # the row of the constant coordinate, [0 … 0 1]
     out: list[dict[str, Tensor]] = []
     factor, carried = phi, None
@@ -224,15 +276,20 @@ def corrected_reference(
             carried = er.pow(2) * prev["t00"] + injected
             factor = torch.cat([er.unsqueeze(-1) * prev["f0"], constant], dim=-2)
         f0 = w0h @ factor
-        block = {"factor": factor, "f0": f0, "e00": f0.pow(2).sum(-1)}
+        # W̃0, W0 and W0² are θ-independent: kept for every call of the Δ side
+        w0 = w0h[..., :-1].contiguous()
+        block = {"factor": factor, "f0": f0, "e00": f0.pow(2).sum(-1), "w0h": w0h, "w0": w0,
+                 "w0sq": w0.pow(2)}
         if index == 0:
+            block.update(signal)
             t00 = f0.new_zeros(f0.shape[:-1])
             if residual is not None:
                 block["residual"] = residual
+                block["w0d"] = w0h * residual.unsqueeze(-2)  # W̃0 diag(D)
                 t00 = t00 + residual @ w0h.pow(2).mT
         else:
             assert carried is not None
-            t00 = carried @ w0h[..., :-1].pow(2).mT
+            t00 = carried @ block["w0sq"].mT
         block["t00"] = t00
         out.append(block)
     return out
@@ -267,7 +324,8 @@ def corrected_second_moment(
     last = len(steps) - 1
     for index, step in enumerate(steps):
         block = reference[index]
-        w0h, w1, dwh = _matrices(step, params0, params1)
+        w0h = block["w0h"]
+        w1, dw, dwh = _delta_matrices(step, params0, params1)
         mats.append((w0h, dwh, w1))
         parts_gate = _gate_parts(step.gate, dwh)
         gates.append(parts_gate)
@@ -301,13 +359,15 @@ def corrected_second_moment(
             tdd = t0d
             residual = block.get("residual")
             if residual is not None:  # the residual enters with a diagonal covariance
-                t0d = t0d + (residual.unsqueeze(-2) * w0h * dwh).sum(-1)
-                tdd = tdd + residual @ dwh.pow(2).mT
+                t0d = t0d + (dwh * block["w0d"]).sum(-1)
+                tdd = tdd + residual @ (dwh * dwh).mT
         else:
             assert c00 is not None and c0d is not None and cdd is not None
-            w0, dw = w0h[..., :-1], dwh[..., :-1]
-            t0d = c00 @ (w0 * dw).mT + c0d @ (w0 * w1).mT
-            tdd = c00 @ dw.pow(2).mT + 2 * (c0d @ (dw * w1).mT) + cdd @ w1.pow(2).mT
+            # the squared weights W0⊙ΔW, ΔW², ΔW⊙W1, W1² by W1 = W0 + ΔW: two products of
+            # ΔW per call (A = W0⊙ΔW, B = ΔW²) and the stored W0², no difference of squares
+            a, b, w0sq = block["w0"] * dw, dw * dw, block["w0sq"]
+            t0d = (c00 + c0d) @ a.mT + c0d @ w0sq.mT
+            tdd = (c00 + 2 * c0d + cdd) @ b.mT + (2 * (c0d + cdd)) @ a.mT + cdd @ w0sq.mT
         fd_prev, t0d_prev, tdd_prev = fd, t0d, tdd
 
     # backward: the rows carrying a0 and Δa to PΔz through the mean-gate network
@@ -327,9 +387,13 @@ def corrected_second_moment(
             if constant is not None:
                 h0 = torch.cat([h0[..., :-1], h0[..., -1:] + constant.unsqueeze(-1)], dim=-1)
             block = reference[0]
-            signal = (h0 @ block["factor"]).pow(2).sum((-1, -2))
-            if "residual" in block:
-                signal = signal + (h0.pow(2) * block["residual"].unsqueeze(-2)).sum((-1, -2))
+            # the full input where the injections were sized from a cut one
+            full = "signal_factor" in block
+            factor = block["signal_factor" if full else "factor"]
+            residual = block.get("signal_residual" if full else "residual")
+            signal = (h0 @ factor).pow(2).sum((-1, -2))
+            if residual is not None:
+                signal = signal + (h0.pow(2) * residual.unsqueeze(-2)).sum((-1, -2))
             break
         hd = s_d @ w1
         constant = h0[..., -1] if constant is None else constant + h0[..., -1]

@@ -23,7 +23,7 @@ pass — *stacks* several prepared summaries along the mixture-component dimensi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
@@ -57,6 +57,8 @@ class MomentSummary:
         weights: the mixture weights (G,).
         input_shape: one example's shape.
         select: restricts outputs (…, k) to the units the summary was fitted on.
+        config: the estimator's configuration, for evaluators that take options
+            (``injection_rank`` of :class:`Corrected`).
     """
 
     params0: dict[str, Tensor]
@@ -68,6 +70,7 @@ class MomentSummary:
     weights: Tensor
     input_shape: tuple[int, ...]
     select: Callable[[Tensor], Tensor]
+    config: Mapping[str, Any] = field(default_factory=dict)
 
     def output_rows(self, size: int, contiguous: bool = True) -> Tensor:
         """The rows selecting the fitted outputs among ``size`` (k', size)."""
@@ -442,7 +445,7 @@ class _Variant(_ChainEvaluator):
             with torch.no_grad():
                 parts["reference"] = corrected.corrected_reference(
                     walk, summary.params0, summary.mean, summary.covariance,
-                    summary.gate_means)
+                    summary.gate_means, summary.config.get("injection_rank"))
         parts.update(params0=summary.params0, mean=summary.mean,
                      covariance=summary.covariance)
         return parts
