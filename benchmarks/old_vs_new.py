@@ -10,7 +10,9 @@ random data, then times distance + backward at a moved model, old and new interl
 low-rank r = 64; one summary and ``fsd.combine`` of 9), exact moments on the width-256
 chain (one and 9), the residual graph of width 256 (exact moments), the paper's CIFAR
 CNN (Algorithm 2, low-rank r = 64), and the linearized pass of LAFTR (coreset; chain and
-residual graph) and BGLN-S (chain) at width 256. A refactor should leave every ratio near 1.
+residual graph) and BGLN-S (chain) at width 256, and the corrected recursion
+(``fsd.estimators.variants``) at widths 256 and 512. A refactor should leave every ratio
+near 1.
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ def _penalty(package: Any, build: Callable[[], nn.Module], shape: tuple[int, ...
     kind = config.pop("estimator", "bgln-d")
     make = {"bgln-d": lambda: package.BGLN(deterministic=True, **config),
             "bgln-s": lambda: package.BGLN(**config),
-            "laftr": lambda: package.LAFTR(**config)}[kind]
+            "laftr": lambda: package.LAFTR(**config),
+            "corrected": lambda: importlib.import_module(
+                f"{package.__name__}.estimators.variants").BGLNVariant(**config)}[kind]
     fitted = [make().fit(_moved(model), data) for _ in range(summaries)]
     target = package.combine(fitted) if summaries > 1 else fitted[0]
     moved = _moved(model)
@@ -137,6 +141,9 @@ def main() -> None:
         "laftr-w256": (lambda: _mlp(256), (784,), 1, {"estimator": "laftr"}),
         "bgln-s-w256": (lambda: _mlp(256), (784,), 1, {"estimator": "bgln-s"}),
         "laftr-graph-w256": (lambda: Residual(256), (784,), 1, {"estimator": "laftr"}),
+        # the corrected recursion (a prototype: fsd.estimators.variants.BGLNVariant)
+        "corrected-w256": (lambda: _mlp(256), (784,), 1, {**lowrank, "estimator": "corrected"}),
+        "corrected-w512": (lambda: _mlp(512), (784,), 1, {**lowrank, "estimator": "corrected"}),
     }
     chosen = args.cases.split(",") if args.cases else list(cases)
     print(f"torch {torch.__version__}, {platform.machine()}, {args.threads} thread(s), "
