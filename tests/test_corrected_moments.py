@@ -48,6 +48,16 @@ def _data(n=400, d=5, classes=3, seed=0):
     return [(x, torch.randint(0, classes, (n,), generator=g))]
 
 
+def _uneven_data(n=300, d=5, seed=0):
+    """Three classes whose inputs span 2, 3 and 5 dimensions: class-wise covariance factors
+    of different ranks, zero-padded to the widest."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, k, generator=g, dtype=torch.float64)
+          @ torch.randn(k, d, generator=g, dtype=torch.float64) + 0.3 * c
+          for c, k in enumerate((2, 3, d))]
+    return [(torch.cat(xs), torch.arange(3).repeat_interleave(n))]
+
+
 def _fit(moments, model, data, **options):
     if moments in ("paper", "exact"):
         return fsd.BGLN(deterministic=True, moments=moments, **options).fit(model, data)
@@ -239,7 +249,7 @@ def test_combine_evaluates_variants_one_by_one():
 @pytest.mark.parametrize("options", [{"covariance": "full"}, {"covariance": "lowrank", "rank": 4},
                                      {"covariance": "full", "classwise": True}])
 def test_truncated_input_keeps_every_input_variance(options):
-    model, data = _mlp(), _data()
+    model, data = _mlp(), _uneven_data()
     est = _fit("corrected", model, data, **options)
     phi, residual = input_factor(est._state["input.mean"], est.input_covariance())
     for rank in (1, 2, 3):
@@ -248,15 +258,24 @@ def test_truncated_input_keeps_every_input_variance(options):
         before = phi.pow(2).sum(-1) + (0 if residual is None else residual)
         torch.testing.assert_close(cut.pow(2).sum(-1) + cut_residual, before, rtol=1e-12, atol=0)
         torch.testing.assert_close(cut[..., -1], phi[..., -1], rtol=0, atol=0)  # [m; 1] kept
+        # per component, the kept columns are that component's top eigen-directions
+        root = phi[..., :-1, :-1]
+        top, _ = low_rank_plus_diagonal(root @ root.mT, rank)
+        kept = cut[..., :-1, :-1]
+        torch.testing.assert_close(kept @ kept.mT, top @ top.mT, rtol=0, atol=1e-12)
     assert truncated_input(phi, residual, phi.shape[-1]) == (phi, residual)
 
 
-@pytest.mark.parametrize("options", [{"covariance": "full"}, {"covariance": "lowrank", "rank": 4}])
+@pytest.mark.parametrize("options", [
+    {"covariance": "full"}, {"covariance": "lowrank", "rank": 4},
+    {"covariance": "full", "classwise": True},
+    {"covariance": "lowrank", "rank": 4, "classwise": True}])
 def test_injection_rank_sizes_only_the_correction_from_the_cut_covariance(options):
     # independent path: the correction of a summary whose covariance *is* the cut one
     # (top eigenpairs plus the diagonal they miss, fsd.covariance.low_rank_plus_diagonal),
-    # the signal of the summary with the whole covariance
-    model, data = _mlp(hidden=3, d=5), _data()
+    # the signal of the summary with the whole covariance; class-wise with classes of
+    # different ranks, so each component's cut is its own
+    model, data = _mlp(hidden=3, d=5), _uneven_data() if options.get("classwise") else _data()
     moved = _moved(model)
     full = _fit("corrected", model, data, **options)
     cut = _fit("corrected", model, data, injection_rank=2, **options)

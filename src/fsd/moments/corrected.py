@@ -42,7 +42,9 @@ E[s0_i Δs_i], E Δs_i² at each gate, which are pushed forward:
 
 It is exact (float64 round-off) for one gated layer, and for two gated layers when the input
 covariance has no diagonal residual (full, or low rank of full rank): there the only
-carried covariance is one injection's (diagonal) through one affine layer. With all
+carried covariance is one injection's (diagonal) through one affine layer. With
+``injection_rank`` (:func:`truncated_input`) the injections are sized from a cut covariance
+that has a diagonal residual, so these hold for that covariance's injections only. With all
 μ ∈ {0, 1} the injections vanish and it equals exact moments; without its injections it
 is exact moments without the gate variance (the mean-gate network).
 """
@@ -229,7 +231,10 @@ def truncated_input(phi: Tensor, residual: Tensor | None, rank: int
         return phi, residual
     order = root.pow(2).sum(-2).topk(rank, dim=-1).indices.sort(dim=-1).values
     kept = root.gather(-1, order.unsqueeze(-2).expand(*root.shape[:-1], rank))
-    dropped = (root.pow(2).sum(-1) - kept.pow(2).sum(-1)).clamp_min(0)
+    # the dropped columns' squares summed directly (not total − kept: no cancellation)
+    keep = torch.zeros(root.shape[0], root.shape[-1], dtype=torch.bool, device=root.device)
+    keep.scatter_(-1, order, True)
+    dropped = (root.pow(2) * (~keep).unsqueeze(-2)).sum(-1)
     return (torch.cat([kept, phi[..., -1:]], dim=-1),
             dropped if residual is None else residual + dropped)
 
