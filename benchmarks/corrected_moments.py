@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--widths", default="256,512")
     parser.add_argument("--injection-rank", type=int, default=8)
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.add_argument("--note", default="", help="what else ran on the machine (for --json)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     x, y, source = load_inputs(args.data_dir)
@@ -89,7 +90,7 @@ def main() -> None:
             t = {m: statistics.median(times[m, k]) for m in summaries}
             error = {m: max(abs(r - 1) for r in ratios[m][:k]) for m in ratios}
             row = {"width": width, "K": k, **{f"{m}_ms": round(t[m], 3) for m in t},
-                   **{f"{m}_max_error": error[m] for m in error}}
+                   **{f"{m}_max_error": float(f"{error[m]:.3g}") for m in error}}
             rows.append(row)
             print(f"| {width} | {k} | {t['paper']:.2f} | {t['exact']:.2f} | "
                   f"{t['corrected']:.2f} | {t['injections']:.2f} | "
@@ -103,6 +104,8 @@ def main() -> None:
                                   f"{args.injection_rank}",
                        "date": time.strftime("%Y-%m-%d"),
                        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                       "note": args.note, "covariance": "lowrank r=64", "outputs": 10,
+                       "fit_examples": args.examples,
                        "torch": torch.__version__, "threads": torch.get_num_threads(),
                        "inputs": source, "injection_rank": args.injection_rank, "rows": rows},
                       f, indent=1)
