@@ -314,9 +314,10 @@ def corrected_second_moment(
     """tr(P E[Δz Δzᵀ] Pᵀ) (G,) by the mean-gate network plus the carried gate variance.
 
     See the module's docstring for the derivation and where it is exact. ``reference`` is
-    :func:`corrected_reference`'s output. ``gate_variance=False`` leaves the correction out:
-    the mean-gate network alone, which is exact moments without the gate variance
-    (:func:`ablated_second_moment`), at Algorithm 2's cost (rows pulled back only). With
+    :func:`corrected_reference`'s output for the same ``params0`` (its blocks hold θ0's
+    matrices, which are not read from ``params0`` again). ``gate_variance=False`` leaves the
+    correction out: the mean-gate network alone, which is exact moments without the gate
+    variance (:func:`ablated_second_moment`), at Algorithm 2's cost (rows pulled back only). With
     ``parts=True`` returns the two terms (mean-gate network, correction) separately.
     """
     steps = _affine_steps(layers, gate_means)
