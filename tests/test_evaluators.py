@@ -93,10 +93,14 @@ def test_load_refuses_an_evaluator_that_is_unknown_or_not_the_configurations(rec
         fsd.from_payload(estimator.to_payload())
 
 
-def test_prototype_variants_refuse_a_cnn_at_fit():
+def test_the_dense_ablation_refuses_a_cnn_at_fit_and_the_corrected_recursion_takes_it():
     with pytest.raises(NotImplementedError, match="walks MLP chains only") as info:
-        BGLNVariant(moments="corrected").fit(cnn(), labelled_batches(32, (1, 8, 8)))
+        BGLNVariant(moments="no-cross-covariance").fit(cnn(), labelled_batches(32, (1, 8, 8)))
     assert "\n" not in str(info.value)
+    for moments, name in (("corrected", "corrected-conv"),
+                          ("no-gate-variance", "no-gate-variance-conv")):
+        fitted = BGLNVariant(moments=moments).fit(cnn(), labelled_batches(32, (1, 8, 8)))
+        assert fitted._meta["evaluator"] == name
 
 
 def test_the_registry_refuses_what_is_not_an_evaluator_and_names_the_known_ones():

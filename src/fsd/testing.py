@@ -9,6 +9,9 @@ of the library's own machinery (no :mod:`fsd.model.linearize`, no :mod:`fsd.mome
 - :func:`dense_algorithm2_cnn` — the same for any chain (convolutions, BatchNorm, pooling,
   smooth activations) with every layer as a dense matrix built from torch's own functional
   form, for tiny networks.
+- :func:`dense_bgln_cnn` — the exact moments of BGLN (gates' own variance, Cov(a0, Δa) and
+  a max-pool's random one-hot routing kept) for any chain, with the joint raw second moments
+  of (a0, Δa) as dense matrices, for tiny networks.
 - :func:`enumerated_gates` / :func:`enumerated_gate_pairs` — the exact expectation of BGLN's
   ½‖Δz‖² (what BGLN-S estimates and exact-moment BGLN-D computes), by enumerating every
   configuration of the gates of a small network (Bernoulli gates, or any discrete law of a
@@ -265,6 +268,126 @@ def dense_algorithm2_cnn(model0: nn.Module, model1: nn.Module, input_shape: Sequ
         rows = torch.as_tensor(list(outputs), dtype=torch.long)
         e_da, c_da = e_da[rows], c_da[rows][:, rows]
     return 0.5 * e_da @ e_da + 0.5 * torch.trace(c_da)
+
+
+def dense_bgln_cnn(model0: nn.Module, model1: nn.Module, input_shape: Sequence[int],
+                   mean: Any, cov: Any,
+                   gates: Sequence[tuple[Any, Any, Any, Any, Any, float]],
+                   routings: Sequence[Any], outputs: Sequence[int] | None = None) -> Tensor:
+    """E[½‖Δz‖²] of BGLN on any chain of layers, exactly, with dense matrices, in float64.
+
+    The joint raw second moments of ([a0; 1], Δa) are pushed forwards (no omission): an
+    affine run maps them exactly; an activation a0 = r·s0 + φ(0), Δa = g·Δs with
+    independent per-unit gate pairs multiplies them by E[r]E[g]ᵀ-style outer products and
+    adds the pairs' own (co)variances on the diagonal; a max-pool routes each window by an
+    independent random one-hot choice R with E[R] = π, so E[R X Rᵀ] = Π X Πᵀ plus, on the
+    diagonal, Σ_p π_p X_pp − (Π X Πᵀ)_ww. Layers are dense matrices as in
+    :func:`dense_algorithm2_cnn`. This is what BGLN-S estimates by sampling. Feasible only for
+    tiny networks.
+
+    Args:
+        model0: the reference network θ0.
+        model1: the network θ (the result is differentiable in its parameters).
+        input_shape: shape of one input.
+        mean: (d,) mean of the flattened inputs.
+        cov: (d, d) their covariance.
+        gates: per activation, in order, (E[r], E[g], Var r, Cov(r, g), Var g, φ(0)) over
+            its flattened units (a ReLU with firing frequencies μ: (μ, μ, v, v, v, 0) with
+            v = μ(1 − μ)).
+        routings: per MaxPool2d, in order, its routing frequencies (C, H', W', k·k).
+        outputs: restrict Δz to these output units.
+
+    Returns:
+        A 0-dim float64 tensor.
+    """
+    leaves0, leaves1 = list(_leaves(model0)), list(_leaves(model1))
+    shape = tuple(input_shape)
+    m = _float64(mean).reshape(-1)
+    d = m.shape[0]
+    # raw moments of ã0 = [a0; 1] (d+1, d+1), E[ã0 Δaᵀ] (d+1, d) and E[Δa Δaᵀ] (d, d)
+    m00 = torch.zeros(d + 1, d + 1, dtype=torch.float64)
+    m00[:d, :d] = _float64(cov) + torch.outer(m, m)
+    m00[:d, d] = m00[d, :d] = m
+    m00[d, d] = 1.0
+    m0d = torch.zeros(d + 1, d, dtype=torch.float64)
+    mdd = torch.zeros(d, d, dtype=torch.float64)
+    gate_index = pool_index = 0
+    run: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
+
+    def last_row(size: int) -> Tensor:
+        """[0 … 0 1] of length size + 1: the constant coordinate."""
+        row = torch.zeros(1, size + 1, dtype=torch.float64)
+        row[0, size] = 1.0
+        return row
+
+    def homogeneous(w: Tensor, b: Tensor) -> Tensor:
+        return torch.cat([torch.cat([w, b[:, None]], 1), last_row(w.shape[1])], 0)
+
+    def apply_run() -> None:
+        nonlocal m00, m0d, mdd
+        size = mdd.shape[0]
+        w0 = w1 = torch.eye(size, dtype=torch.float64)
+        b0 = b1 = torch.zeros(size, dtype=torch.float64)
+        for v0, c0, v1, c1 in run:
+            w0, b0, w1, b1 = v0 @ w0, v0 @ b0 + c0, v1 @ w1, v1 @ b1 + c1
+        w0t = homogeneous(w0, b0)
+        dwt = torch.cat([w1 - w0, (b1 - b0)[:, None]], 1)
+        cross = dwt @ m0d @ w1.T
+        m0d, mdd = (w0t @ (m00 @ dwt.T + m0d @ w1.T),
+                    dwt @ m00 @ dwt.T + cross + cross.T + w1 @ mdd @ w1.T)
+        m00 = w0t @ m00 @ w0t.T
+        run.clear()
+
+    def routed(route: Tensor, x: Tensor) -> Tensor:
+        """E[R X Rᵀ] for one-hot rows R drawn window by window with E[R] = ``route``."""
+        mean_part = route @ x @ route.T
+        own = route @ torch.diagonal(x)  # Σ_p π_wp X_pp
+        return mean_part + torch.diag(own - torch.diagonal(mean_part))
+
+    for l0, l1 in zip(leaves0, leaves1, strict=True):
+        matrix0, bias0, out_shape = _dense_layer(l0, shape)
+        if matrix0 is not None:
+            matrix1, bias1, _ = _dense_layer(l1, shape)
+            assert matrix1 is not None
+            zero = torch.zeros(matrix0.shape[0], dtype=torch.float64)
+            run.append((matrix0, zero if bias0 is None else bias0,
+                        matrix1, zero if bias1 is None else bias1))
+        else:
+            if run:
+                apply_run()
+            size = mdd.shape[0]
+            if isinstance(l0, nn.MaxPool2d):
+                route = _routing_matrix(l0, shape, routings[pool_index])
+                pool_index += 1
+                route_h = torch.block_diag(route, torch.ones(1, 1, dtype=torch.float64))
+                top = routed(route, m00[:size, :size])
+                m00 = route_h @ m00 @ route_h.T
+                m00[:-1, :-1] = top
+                top = routed(route, m0d[:size])
+                m0d = route_h @ m0d @ route.T
+                m0d[:-1] = top
+                mdd = routed(route, mdd)
+            else:
+                er, eg, vr, crg, vg, offset = gates[gate_index]
+                gate_index += 1
+                er, eg, vr, crg, vg = (_float64(v).reshape(-1) for v in (er, eg, vr, crg, vg))
+                gate_h = torch.cat([torch.cat([torch.diag(er), float(offset) * torch.ones(
+                    size, 1, dtype=torch.float64)], 1), last_row(size)], 0)
+                own00 = vr * torch.diagonal(m00)[:size]
+                own0d = crg * torch.diagonal(m0d[:size])
+                own_dd = vg * torch.diagonal(mdd)
+                m00 = gate_h @ m00 @ gate_h.T
+                m00[:size, :size] += torch.diag(own00)
+                m0d = gate_h @ m0d * eg
+                m0d[:size] += torch.diag(own0d)
+                mdd = torch.outer(eg, eg) * mdd + torch.diag(own_dd)
+        shape = out_shape
+    if run:
+        apply_run()
+    if outputs is not None:
+        rows = torch.as_tensor(list(outputs), dtype=torch.long)
+        mdd = mdd[rows][:, rows]
+    return 0.5 * torch.trace(mdd)
 
 
 def enumerated_gates(model0: nn.Module, model1: nn.Module, mean: Any, cov: Any,

@@ -75,11 +75,13 @@ class Preset:
     def convolutional(self) -> bool:
         """Runs on convolutional networks (``fsd cl --model cnn``).
 
-        All but BGLN-D with exact moments or layer-wise statistics, which would carry
-        (C·H·W)² second moments (Algorithm 2 runs, :mod:`fsd.moments.algorithm2_conv`).
+        All but BGLN-D with exact moments or layer-wise statistics and the dense ablation
+        without Cov(a0, Δa), which would carry (C·H·W)² second moments (Algorithm 2 runs,
+        :mod:`fsd.moments.algorithm2_conv`, and the corrected recursion and mean-gate network,
+        :mod:`fsd.moments.corrected_conv`).
         """
-        if self.estimator is BGLNVariant:  # MLP chains only
-            return False
+        if self.estimator is BGLNVariant:  # the dense ablation walks MLP chains only
+            return self.options.get("moments") != "no-cross-covariance"
         if self.estimator is BGLN:
             return not self.options.get("deterministic", False) or (
                 self.options.get("moments", "paper") == "paper"
@@ -168,9 +170,9 @@ _ROWS: tuple[Preset, ...] = (
            {"deterministic": True, "moments": "exact", "reference": "layerwise",
             "covariance": "full"},
            family="bgln-d", layer_moments=True, **_FULL),
-    # prototypes (fsd.moments.corrected, MLPs only): exact moments without the gates' own
-    # variance / without Cov(a0, Δa) — Algorithm 2's two omissions, one at a time — and the
-    # mean-gate network plus the gate variance carried by the mean-gate rows
+    # prototypes (fsd.moments.corrected, corrected_conv on CNNs): exact moments without the
+    # gates' own variance / without Cov(a0, Δa) — Algorithm 2's two omissions, one at a
+    # time — and the mean-gate network plus the gate variance carried by the mean-gate rows
     Preset("bgln-d-no-gate-variance", "BGLN-D (no gate variance)", BGLNVariant,
            {"moments": "no-gate-variance", "covariance": "full"}, family="bgln-d", **_FULL),
     Preset("bgln-d-no-cross-covariance", "BGLN-D (no cross-covariance)", BGLNVariant,

@@ -1,9 +1,9 @@
 """BGLN-D with a moment recursion between Algorithm 2 and exact moments (prototypes).
 
-The maths is :mod:`fsd.moments.corrected`; the evaluators that run it are in
-:mod:`fsd.moments.evaluators`. Not part of the public API: the ablations and the corrected
-estimator, for the fidelity study and continual-learning experiments
-(``fsd_experiments.presets``).
+The maths is :mod:`fsd.moments.corrected` (:mod:`fsd.moments.corrected_conv` on CNNs); the
+evaluators that run it are in :mod:`fsd.moments.evaluators`. Not part of the public API: the
+ablations and the corrected estimator, for the fidelity study and continual-learning
+experiments (``fsd_experiments.presets``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from .linearized import BGLN
 class BGLNVariant(BGLN):
     """BGLN-D whose moments are one of :data:`fsd.moments.corrected.VARIANTS` (prototype).
 
-    MLP chains only (no convolutional path, no graphs: ``fit`` refuses them); summaries are
-    evaluated one by one.
+    Chains only (no graphs: ``fit`` refuses them). ``"corrected"`` and ``"no-gate-variance"``
+    also walk chains with convolutions and pools (:mod:`fsd.moments.corrected_conv`);
+    ``"no-cross-covariance"`` (dense) MLP chains only. Summaries are evaluated one by one.
 
     Args:
         moments: ``"corrected"`` (:func:`fsd.moments.corrected.corrected_second_moment`);

@@ -314,7 +314,16 @@ class FixedRule(Rule):
     Flatten to (n, features), Dropout, Identity); for any other map, e.g. a scaling, leave it
     ``False``: BGLN-D then takes the path of :mod:`fsd.moments.algorithm2_conv`, which applies the
     map. ``fit`` refuses a rule that claims it for a map that is not the identity on a probe.
+
+    Attributes:
+        squared: ``squared(module, v)``: the map with every coefficient squared,
+            Σ_i J_ji² v_i, which carries independent per-unit variances through the layer
+            (the corrected recursion, :mod:`fsd.moments.corrected_conv`); ``None`` (the
+            default) where it is not known, which that recursion refuses. For a selection
+            (each output a copy of one input: Flatten, Dropout, Identity) it is ``apply``.
     """
+
+    squared: Callable[[Any, Tensor], Tensor] | None = None
 
     kind: ClassVar[str] = "fixed"
 
@@ -720,6 +729,28 @@ def _avgpool(m: nn.AvgPool2d, x: Tensor) -> Tensor:
                         m.count_include_pad, m.divisor_override)
 
 
+def _avgpool_squared(m: nn.AvgPool2d, x: Tensor) -> Tensor:
+    """Σ_i J_ji² x_i of an average pool.
+
+    Every weight of window j is the same c_j, so it is c_j times the window's sum, with
+    c_j = pool(1)_j / (the number of inputs in window j).
+    """
+    def summed(v: Tensor) -> Tensor:
+        return F.avg_pool2d(v, m.kernel_size, m.stride, m.padding, m.ceil_mode,
+                            count_include_pad=False, divisor_override=1)
+    ones = torch.ones_like(x[:1])
+    weight = _avgpool(m, ones) / summed(ones)
+    return summed(x) * weight.pow(2)
+
+
+def _flatten(m: nn.Flatten, x: Tensor) -> Tensor:
+    return x.flatten(m.start_dim, m.end_dim)
+
+
+def _identity(m: nn.Module, x: Tensor) -> Tensor:
+    return x
+
+
 def _always(m: nn.Module) -> bool:
     return True
 
@@ -797,14 +828,14 @@ register_rule(nn.LeakyReLU, GateRule(
     hyper=lambda m: {"negative_slope": m.negative_slope}, flat_moments=_always,
     negative_slope=lambda m: float(m.negative_slope)))
 register_rule(nn.MaxPool2d, MaxPoolRule(apply=_maxpool, hyper=_pool_hyper))
-register_rule(nn.AvgPool2d, FixedRule(apply=_avgpool, hyper=_pool_hyper))
+register_rule(nn.AvgPool2d, FixedRule(apply=_avgpool, hyper=_pool_hyper,
+                                      squared=_avgpool_squared))
 register_rule(nn.Flatten, FixedRule(
-    apply=lambda m, x: x.flatten(m.start_dim, m.end_dim),
-    hyper=lambda m: {"start_dim": m.start_dim, "end_dim": m.end_dim},
-    flat_moments=lambda m: m.start_dim == 1 and m.end_dim == -1))
+    apply=_flatten, hyper=lambda m: {"start_dim": m.start_dim, "end_dim": m.end_dim},
+    flat_moments=lambda m: m.start_dim == 1 and m.end_dim == -1, squared=_flatten))
 # Dropout is the identity at evaluation, which is where FSD is measured.
-register_rule(nn.Dropout, FixedRule(apply=lambda m, x: x, flat_moments=_always))
-register_rule(nn.Identity, FixedRule(apply=lambda m, x: x, flat_moments=_always))
+register_rule(nn.Dropout, FixedRule(apply=_identity, flat_moments=_always, squared=_identity))
+register_rule(nn.Identity, FixedRule(apply=_identity, flat_moments=_always, squared=_identity))
 
 # Smooth activations: elementwise, so flat moments hold; the hyper-parameters that change φ
 # are part of the signature

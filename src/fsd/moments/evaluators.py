@@ -9,7 +9,9 @@ E‖Δz‖² takes one of several walks of the model, each an :class:`Evaluator`
 - ``"exact"``: exact moments on a chain of flat layers (:mod:`fsd.moments.exact`);
 - ``"exact-graph"``: exact moments on a graph of flat layers (:mod:`fsd.moments.exact_graph`);
 - ``"corrected"``, ``"no-gate-variance"``, ``"no-cross-covariance"``: the corrected recursion
-  and two ablations on chains of flat layers (:mod:`fsd.moments.corrected`, prototypes).
+  and two ablations on chains of flat layers (:mod:`fsd.moments.corrected`, prototypes);
+- ``"corrected-conv"``, ``"no-gate-variance-conv"``: the first two on chains with convolutions
+  and pools (:mod:`fsd.moments.corrected_conv`, prototypes).
 
 ``fit`` picks one (:func:`choose`) and the summary records its name (``meta["evaluator"]``);
 the estimator's distance and :class:`fsd.SummarySet`'s batching talk to the interface only.
@@ -34,7 +36,7 @@ from ..model import support
 from ..model.linearize import propagate_linearized
 from ..model.rules import TracedLayer, UnsupportedModuleError, is_affine
 from ..validation import SummaryFormatError
-from . import algorithm2_conv, corrected
+from . import algorithm2_conv, corrected, corrected_conv
 from .algorithm2 import affine_rule, check_moment_support, delta_moments, reference_moments
 from .exact import delta_second_moment_adjoint, reference_blocks
 from .exact_graph import graph_plan, graph_second_moment
@@ -158,6 +160,9 @@ def names() -> list[str]:
 
 # ----- the choice at fit -------------------------------------------------------------------
 _CHAIN_NAMES: dict[str, str] = {"paper": "algorithm2", "exact": "exact"}
+#: the evaluator of each ``moments`` on a chain with convolutions or pools
+_CONV_NAMES: dict[str, str] = {"paper": "algorithm2-conv", "corrected": "corrected-conv",
+                               "no-gate-variance": "no-gate-variance-conv"}
 
 
 def choose(layers: list[TracedLayer] | None, config: Mapping[str, Any],
@@ -182,11 +187,11 @@ def choose(layers: list[TracedLayer] | None, config: Mapping[str, Any],
     flat = check_moment_support(layers, input_shape, exact=moments == "exact",
                                 layerwise=config.get("reference") == "layerwise")
     if not flat:
-        if moments != "paper":
-            use = support.advice(support.BGLN_D, support.Feature.UNFLAT)
-            raise NotImplementedError(f"BGLN-D with moments={moments!r} walks MLP chains "
-                                      f"only; {use}")
-        return get("algorithm2-conv")
+        if moments in _CONV_NAMES:
+            return get(_CONV_NAMES[moments])
+        use = support.advice(support.BGLN_D, support.Feature.UNFLAT)
+        raise NotImplementedError(f"BGLN-D with moments={moments!r} walks MLP chains "
+                                  f"only; {use}")
     return get(_CHAIN_NAMES.get(moments, moments))
 
 
@@ -223,8 +228,9 @@ def recorded(meta: Mapping[str, Any], config: Mapping[str, Any]) -> Evaluator:
         raise SummaryFormatError(f"{source}: unknown evaluator {name!r} (known: "
                                  f"{', '.join(sorted(_EVALUATORS))}; an evaluator of your "
                                  f"own is registered by importing its module)")
-    allowed = {"paper": ("algorithm2", "algorithm2-conv"), "exact": ("exact", "exact-graph")
-               }.get(config["moments"], (config["moments"],))
+    allowed = {"exact": ("exact", "exact-graph")}.get(
+        config["moments"], (_CHAIN_NAMES.get(config["moments"], config["moments"]),
+                            _CONV_NAMES.get(config["moments"])))
     if name not in allowed:
         raise SummaryFormatError(f"{source}: {name!r} does not evaluate moments="
                                  f"{config['moments']!r}")
@@ -483,8 +489,58 @@ class NoCrossCovariance(_Variant):
     name = "no-cross-covariance"
 
 
+class _ConvVariant(Evaluator):
+    """The corrected recursion on chains with convolutions and pools (prototype)."""
+
+    statistics = frozenset({"routing"})
+
+    def check(self, walk: Walk, summary: MomentSummary) -> None:
+        """The routing check, and refuse a parameter-free layer whose rule has no squared map."""
+        super().check(walk, summary)
+        if self.name == "corrected-conv":
+            corrected_conv.check_squared(walk)
+
+    def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
+        """The steps, the reference side and the output rows (from a probe's output size)."""
+        probe = torch.zeros((1, *summary.input_shape), dtype=summary.mean.dtype,
+                            device=summary.mean.device)
+        with torch.no_grad():
+            z0, _ = propagate_linearized(walk, summary.params0, None, probe)
+            steps = algorithm2_conv.moment_steps(walk)
+            statistics = {**summary.gate_means, **summary.routing}
+            reference = corrected_conv.conv_reference(
+                steps, summary.params0, summary.mean, summary.covariance, statistics,
+                summary.input_shape, summary.config.get("injection_rank"),
+                injections=self.name == "corrected-conv")
+        return {"output_rows": summary.output_rows(z0[0].numel()), "weights": summary.weights,
+                "steps": steps, "statistics": statistics, "reference": reference,
+                "params0": summary.params0}
+
+    def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
+                 ) -> Tensor:
+        """½ E‖PΔz‖², mixed over components."""
+        value = corrected_conv.conv_second_moment(
+            parts["steps"], parts["params0"], params1, parts["reference"], parts["statistics"],
+            parts["output_rows"], gate_variance=self.name == "corrected-conv")
+        assert isinstance(value, Tensor)
+        return (parts["weights"] * 0.5 * value.clamp_min(0)).sum()
+
+
+class ConvCorrected(_ConvVariant):
+    """The corrected recursion on chains with convolutions and pools."""
+
+    name = "corrected-conv"
+
+
+class ConvNoGateVariance(_ConvVariant):
+    """The mean-gate network alone on chains with convolutions and pools."""
+
+    name = "no-gate-variance-conv"
+
+
 for _evaluator in (Algorithm2(), ExactMoments(), ConvAlgorithm2(), GraphExactMoments(),
-                   Corrected(), NoGateVariance(), NoCrossCovariance()):
+                   Corrected(), NoGateVariance(), NoCrossCovariance(), ConvCorrected(),
+                   ConvNoGateVariance()):
     register(_evaluator)
 
 
