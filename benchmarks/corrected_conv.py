@@ -1,0 +1,210 @@
+"""Penalty cost and value of the corrected recursion on CNNs, beside Algorithm 2 and BGLN-S.
+
+Run:  .venv/bin/python benchmarks/corrected_conv.py [--threads 1] [--repeats 5] [--json F]
+
+Two CNNs at initialisation, float32, each with a reference θ0 and a perturbed θ (noise 0.01
+on every parameter): the paper's Split CIFAR-100 CNN (``cifar_cnn``, 60 logits, inputs
+3×32×32) and the Split Fashion-MNIST CNN (``conv_net`` on 1×28×28, 10 logits). Inputs: 2,000
+random images with a rank-64 covariance plus noise (the cost depends on the shapes, not the
+values). Summaries over the first head (10 logits), a low-rank r = 64 input covariance plus its
+diagonal (as ``fsd cl`` stores them):
+
+- BGLN-D, Algorithm 2 (:mod:`fsd.moments.algorithm2_conv`);
+- the corrected recursion (:mod:`fsd.moments.corrected_conv`), with the whole covariance and
+  with the injections sized from its top ``--injection-rank`` directions;
+- the mean-gate network alone (the corrected recursion without its injections).
+
+Penalty = ``distance`` + backward, medians in ms of ``--repeats`` calls, the estimators
+interleaved over three rounds in one process so that drifting load hits them alike. Value:
+each estimate divided by two Monte-Carlo means, each of ``--mc-calls`` calls of
+``--mc-samples`` samples, with their standard errors:
+
+- BGLN-S (``fsd.BGLN()``), whose max-pools route by the argmax of each sampled reference
+  activation (LAFTR's linearization), with Bernoulli gates;
+- the BGLN the corrected recursion computes, sampled directly (:func:`sampled_bgln`): the same
+  gates, and every max-pool window routed by an independent one-hot draw with E = π.
+
+The first ratio compares with BGLN-S; the second isolates the recursion's approximation from
+the difference in how the two models route. The last column is each estimate over the true FSD,
+½ E‖z_θ(x) − z_θ0(x)‖² on the head over the 2,000 inputs the summaries were fitted on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fsd
+from fsd.estimators.variants import BGLNVariant
+from fsd_experiments.models import cifar_cnn, conv_net
+from penalty import median_ms, perturbed
+
+
+def _images(n: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    d = 1
+    for size in shape:
+        d *= size
+    basis = torch.randn(d, 64, generator=g) / 8
+    return (torch.randn(n, 64, generator=g) @ basis.T
+            + 0.3 * torch.randn(n, d, generator=g)).view(n, *shape)
+
+
+def _routed(pool: nn.MaxPool2d, v: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
+    """Each window of ``v`` (n, C, H, W) routed to its drawn position ``pick`` (n, C, H', W', 1)."""
+    samples, channels, out_h, out_w = pick.shape[:4]
+    cols = F.unfold(v.flatten(0, 1).unsqueeze(1), pool.kernel_size, stride=pool.stride)
+    cols = cols.view(samples, channels, -1, out_h, out_w)
+    return cols.permute(0, 1, 3, 4, 2).gather(-1, pick).squeeze(-1)
+
+
+def sampled_bgln(summary: fsd.BGLN, model0: nn.Sequential, model1: nn.Sequential,
+                 outputs: int, samples: int, generator: torch.Generator) -> float:
+    """One Monte-Carlo estimate of E[½‖PΔz‖²] of BGLN with independently routed max-pools.
+
+    Reads a fitted summary's Gaussian input moments (low rank plus diagonal), firing
+    frequencies and routing frequencies; walks a flat ``nn.Sequential`` of Conv2d, Linear, ReLU,
+    MaxPool2d, Flatten and Dropout (evaluation), the differences propagated directly.
+    """
+    moments = summary._moment_summary(summary.reference_state())
+    factor, residual = moments.covariance  # (1, d, r), (1, d)
+    mean = moments.mean[0]
+    z = torch.randn(samples, factor.shape[-1], generator=generator)
+    noise = torch.randn(samples, mean.shape[0], generator=generator)
+    x = mean + z @ factor[0].T + noise * residual[0].clamp_min(0).sqrt()
+    a0 = x.view(samples, *moments.input_shape)
+    da: torch.Tensor | None = None
+    for (path, m0), m1 in zip(model0.named_children(), model1.children(), strict=True):
+        if isinstance(m0, (nn.Conv2d, nn.Linear)):
+            assert isinstance(m1, type(m0))
+            def op(v, w, b, m=m0):
+                if isinstance(m, nn.Conv2d):
+                    return F.conv2d(v, w, b, m.stride, m.padding, m.dilation, m.groups)
+                return F.linear(v, w, b)
+            step = op(a0, m1.weight - m0.weight, m1.bias - m0.bias)
+            da = step if da is None else step + op(da, m1.weight, None)
+            a0 = op(a0, m0.weight, m0.bias)
+        elif isinstance(m0, nn.ReLU):
+            mu = moments.gate_means[path][0]
+            gate = torch.bernoulli(mu.expand_as(a0).float(), generator=generator)
+            a0 = gate * a0
+            da = None if da is None else gate * da
+        elif isinstance(m0, nn.MaxPool2d):
+            pi = moments.routing[path][0].float()  # (C, H', W', k·k)
+            channels, out_h, out_w, window = pi.shape
+            u = torch.rand(samples, channels, out_h, out_w, 1, generator=generator)
+            pick = (u > pi.cumsum(-1)).sum(-1, keepdim=True).clamp_max(window - 1)
+
+            a0 = _routed(m0, a0, pick)
+            da = None if da is None else _routed(m0, da, pick)
+        elif isinstance(m0, nn.Flatten):
+            a0 = a0.flatten(1)
+            da = None if da is None else da.flatten(1)
+        elif not isinstance(m0, nn.Dropout):
+            raise TypeError(f"sampled_bgln does not walk {type(m0).__name__}")
+    assert da is not None
+    return float(0.5 * da[:, :outputs].pow(2).sum(-1).mean())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--injection-rank", type=int, default=8)
+    parser.add_argument("--mc-calls", type=int, default=20)
+    parser.add_argument("--mc-samples", type=int, default=512)
+    parser.add_argument("--models", default="cifar,fashion")
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.add_argument("--note", default="", help="what else ran on the machine (for --json)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+               f"{torch.get_num_threads()} thread(s)")
+    print(f"# {machine}")
+    rank = args.injection_rank
+    names = ["Algorithm 2", "corrected", f"corrected, injection rank {rank}", "mean-gate network"]
+    print("| CNN | estimator | ms | / Algorithm 2 | estimate / BGLN-S mean | BGLN-S mean ± s.e. "
+          "| estimate / sampled BGLN | sampled BGLN mean ± s.e. | estimate / true FSD |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    rows: list[dict] = []
+    for which in args.models.split(","):
+        torch.manual_seed(0)
+        if which == "cifar":
+            model, shape = cifar_cnn(heads=6).eval(), (3, 32, 32)
+        else:
+            model, shape = conv_net((1, 28, 28), 10).eval(), (1, 28, 28)
+        moved = perturbed(model, 1e-2, seed=1)
+        data = _images(2000, shape, 2)
+        common = dict(covariance="lowrank", rank=64)
+        estimators = {
+            names[0]: fsd.BGLN(deterministic=True, **common),
+            names[1]: BGLNVariant(moments="corrected", **common),
+            names[2]: BGLNVariant(moments="corrected", injection_rank=rank, **common),
+            names[3]: BGLNVariant(moments="no-gate-variance", **common),
+        }
+        for estimator in estimators.values():
+            estimator.fit(model, data, outputs=range(10), progress=False)
+        sampled = fsd.BGLN(num_samples=args.mc_samples, seed=0, **common).fit(
+            model, data, outputs=range(10), progress=False)
+        with torch.no_grad():
+            draws = torch.stack([sampled.distance(moved) for _ in range(args.mc_calls)])
+        mc_mean = float(draws.mean())
+        mc_error = float(draws.std() / args.mc_calls ** 0.5)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            routed = torch.tensor([sampled_bgln(estimators[names[1]], model, moved, 10,
+                                                args.mc_samples, g)
+                                   for _ in range(args.mc_calls)])
+        routed_mean = float(routed.mean())
+        with torch.no_grad():
+            true_fsd = float(0.5 * (moved(data)[:, :10] - model(data)[:, :10]).pow(2).sum(-1)
+                             .mean())
+        routed_error = float(routed.std() / args.mc_calls ** 0.5)
+        times: dict[str, list[float]] = {name: [] for name in estimators}
+        for _ in range(3):
+            for name, estimator in estimators.items():
+                def call(e=estimator, m=moved) -> None:
+                    e.distance(m).backward()
+                times[name].append(median_ms(call, args.repeats, warmup=1))
+        base = statistics.median(times[names[0]])
+        for name, estimator in estimators.items():
+            ms = statistics.median(times[name])
+            with torch.no_grad():
+                value = float(estimator.distance(moved))
+            row = {"cnn": which, "estimator": name, "ms": ms, "ratio": ms / base,
+                   "estimate": value, "bgln_s_mean": mc_mean, "bgln_s_standard_error": mc_error,
+                   "estimate_over_bgln_s": value / mc_mean,
+                   "sampled_routing_mean": routed_mean,
+                   "sampled_routing_standard_error": routed_error,
+                   "estimate_over_sampled_routing": value / routed_mean,
+                   "true_fsd": true_fsd, "estimate_over_true": value / true_fsd}
+            rows.append(row)
+            print(f"| {which} | {name} | {ms:.1f} | {ms / base:.2f}x | "
+                  f"{value / mc_mean:.3f} | {mc_mean:.4g} ± {mc_error:.2g} | "
+                  f"{value / routed_mean:.3f} | {routed_mean:.4g} ± {routed_error:.2g} | "
+                  f"{value / true_fsd:.3f} |",
+                  flush=True)
+        for name, mean, error in (("BGLN-S", mc_mean, mc_error),
+                                  ("sampled BGLN, random routing", routed_mean, routed_error)):
+            rows.append({"cnn": which, "estimator": name, "estimate": mean,
+                         "standard_error": error, "estimate_over_bgln_s": mean / mc_mean,
+                         "estimate_over_sampled_routing": mean / routed_mean,
+                         "true_fsd": true_fsd, "estimate_over_true": mean / true_fsd})
+            print(f"| {which} | {name} (Monte Carlo) | – | – | {mean / mc_mean:.3f} | | "
+                  f"{mean / routed_mean:.3f} | | {mean / true_fsd:.3f} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"machine": machine, "note": args.note, "repeats": args.repeats,
+                       "injection_rank": rank, "mc_calls": args.mc_calls,
+                       "mc_samples": args.mc_samples, "rows": rows}, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
