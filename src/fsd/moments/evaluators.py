@@ -378,10 +378,9 @@ class ExactMoments(_ChainEvaluator):
         return stacked
 
 
-class ConvAlgorithm2(Evaluator):
-    """Algorithm 2 on a chain of convolutions, pools and flat layers (``algorithm2_conv``)."""
+class _ConvEvaluator(Evaluator):
+    """An evaluator of chains with convolutions and pools: the steps, statistics and rows."""
 
-    name = "algorithm2-conv"
     statistics = frozenset({"routing"})
 
     def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
@@ -392,12 +391,27 @@ class ConvAlgorithm2(Evaluator):
             z0, _ = propagate_linearized(walk, summary.params0, None, probe)
             steps = algorithm2_conv.moment_steps(walk)
             statistics = {**summary.gate_means, **summary.routing}
-            reference = algorithm2_conv.reference_side(steps, summary.params0, summary.mean,
-                                                    summary.covariance, statistics,
-                                                    summary.input_shape)
+            reference = self._reference(steps, summary, statistics)
         return {"output_rows": summary.output_rows(z0[0].numel()), "weights": summary.weights,
                 "steps": steps, "statistics": statistics, "reference": reference,
                 "params0": summary.params0, "input_shape": summary.input_shape}
+
+    @abstractmethod
+    def _reference(self, steps: list, summary: MomentSummary,
+                   statistics: dict[str, Tensor]) -> dict[str, Any]:
+        """What the walk keeps from θ0 and the statistics."""
+
+
+class ConvAlgorithm2(_ConvEvaluator):
+    """Algorithm 2 on a chain of convolutions, pools and flat layers (``algorithm2_conv``)."""
+
+    name = "algorithm2-conv"
+
+    def _reference(self, steps: list, summary: MomentSummary,
+                   statistics: dict[str, Tensor]) -> dict[str, Any]:
+        return algorithm2_conv.reference_side(steps, summary.params0, summary.mean,
+                                              summary.covariance, statistics,
+                                              summary.input_shape)
 
     def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
                  ) -> Tensor:
@@ -489,10 +503,8 @@ class NoCrossCovariance(_Variant):
     name = "no-cross-covariance"
 
 
-class _ConvVariant(Evaluator):
+class _ConvVariant(_ConvEvaluator):
     """The corrected recursion on chains with convolutions and pools (prototype)."""
-
-    statistics = frozenset({"routing"})
 
     def check(self, walk: Walk, summary: MomentSummary) -> None:
         """The routing check, and refuse a parameter-free layer whose rule has no squared map."""
@@ -500,21 +512,12 @@ class _ConvVariant(Evaluator):
         if self.name == "corrected-conv":
             corrected_conv.check_squared(walk)
 
-    def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
-        """The steps, the reference side and the output rows (from a probe's output size)."""
-        probe = torch.zeros((1, *summary.input_shape), dtype=summary.mean.dtype,
-                            device=summary.mean.device)
-        with torch.no_grad():
-            z0, _ = propagate_linearized(walk, summary.params0, None, probe)
-            steps = algorithm2_conv.moment_steps(walk)
-            statistics = {**summary.gate_means, **summary.routing}
-            reference = corrected_conv.conv_reference(
-                steps, summary.params0, summary.mean, summary.covariance, statistics,
-                summary.input_shape, summary.config.get("injection_rank"),
-                injections=self.name == "corrected-conv")
-        return {"output_rows": summary.output_rows(z0[0].numel()), "weights": summary.weights,
-                "steps": steps, "statistics": statistics, "reference": reference,
-                "params0": summary.params0}
+    def _reference(self, steps: list, summary: MomentSummary,
+                   statistics: dict[str, Tensor]) -> dict[str, Any]:
+        return corrected_conv.conv_reference(
+            steps, summary.params0, summary.mean, summary.covariance, statistics,
+            summary.input_shape, summary.config.get("injection_rank"),
+            injections=self.name == "corrected-conv")
 
     def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
                  ) -> Tensor:
