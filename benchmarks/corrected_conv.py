@@ -12,7 +12,9 @@ diagonal (as ``fsd cl`` stores them):
 - BGLN-D, Algorithm 2 (:mod:`fsd.moments.algorithm2_conv`);
 - the corrected recursion (:mod:`fsd.moments.corrected_conv`), with the whole covariance and
   with the injections sized from its top ``--injection-rank`` directions;
-- the mean-gate network alone (the corrected recursion without its injections).
+- the mean-gate network alone (the corrected recursion without its injections);
+- the corrected recursion with each ReLU → max-pool pair as one draw per window
+  (``pool_routing="fired"``, :func:`fsd.model.rules.fired_routing_statistics`).
 
 Penalty = ``distance`` + backward, medians in ms of ``--repeats`` calls, the estimators
 interleaved over three rounds in one process so that drifting load hits them alike. Value:
@@ -129,7 +131,8 @@ def main() -> None:
                f"{torch.get_num_threads()} thread(s)")
     print(f"# {machine}")
     rank = args.injection_rank
-    names = ["Algorithm 2", "corrected", f"corrected, injection rank {rank}", "mean-gate network"]
+    names = ["Algorithm 2", "corrected", f"corrected, injection rank {rank}", "mean-gate network",
+             "corrected, fired pools"]
     print("| CNN | estimator | ms | / Algorithm 2 | estimate / BGLN-S mean | BGLN-S mean ± s.e. "
           "| estimate / sampled BGLN | sampled BGLN mean ± s.e. | estimate / true FSD |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -148,6 +151,7 @@ def main() -> None:
             names[1]: BGLNVariant(moments="corrected", **common),
             names[2]: BGLNVariant(moments="corrected", injection_rank=rank, **common),
             names[3]: BGLNVariant(moments="no-gate-variance", **common),
+            names[4]: BGLNVariant(moments="corrected", pool_routing="fired", **common),
         }
         for estimator in estimators.values():
             estimator.fit(model, data, outputs=range(10), progress=False)

@@ -163,6 +163,45 @@ def test_routing_statistics_against_a_window_by_window_argmax(k, s, p):
     assert torch.equal(got, _brute_routing(x, k, s, p))
 
 
+@pytest.mark.parametrize("k, s, p", [(2, 2, 0), (3, 2, 1)])
+def test_fired_routing_is_the_argmax_where_the_window_maximum_is_positive(k, s, p):
+    # a ReLU's output: many zeros, so windows whose maximum is 0 occur
+    x = torch.relu(torch.randn(4, 2, 7, 6, generator=torch.Generator().manual_seed(6),
+                               dtype=DTYPE) - 0.8)
+    brute = _brute_routing(x, k, s, p)
+    got = rules.fired_routing_statistics(nn.MaxPool2d(k, s, p), x)
+    positive = (_windows_max(x, k, s, p) > 0).unsqueeze(-1)
+    assert bool((~positive).any()) and bool(positive.any())  # both kinds of window occur
+    assert torch.equal(got, brute * positive)
+
+
+def _windows_max(x: torch.Tensor, k: int, s: int, p: int) -> torch.Tensor:
+    """Each window's maximum over its in-image positions, by loops."""
+    n, c, h, w = x.shape
+    out_h, out_w = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
+    out = torch.full((n, c, out_h, out_w), -float("inf"), dtype=x.dtype)
+    for e, ch, i, j in itertools.product(range(n), range(c), range(out_h), range(out_w)):
+        for a, b in itertools.product(range(k), range(k)):
+            r, q = i * s - p + a, j * s - p + b
+            if 0 <= r < h and 0 <= q < w:
+                out[e, ch, i, j] = max(float(out[e, ch, i, j]), float(x[e, ch, r, q]))
+    return out
+
+
+def test_the_collector_keeps_routing_and_fired_routing_apart():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+    x = torch.randn(50, 1, 6, 6, generator=torch.Generator().manual_seed(7), dtype=DTYPE)
+    model = model.double()
+    with fsd.StatisticsCollector(model, moments=None) as collector:
+        with collector.record():
+            model(x)
+    stats = collector.finalize()
+    a = torch.relu(model[0](x)).detach()
+    torch.testing.assert_close(stats.routing["2"][0], _brute_routing(a, 2, 2, 0).mean(0))
+    torch.testing.assert_close(stats.fired_routing["2"][0],
+                               rules.fired_routing_statistics(model[2], a).mean(0))
+
+
 def test_the_expected_routing_of_one_hot_frequencies_is_the_max_pool():
     x = torch.randn(5, 2, 6, 6, generator=torch.Generator().manual_seed(5), dtype=DTYPE)
     pool = nn.MaxPool2d(3, 2, 1)

@@ -137,6 +137,91 @@ def test_corrected_conv_is_exact_for_one_gate_and_a_pool(moved_scale):
     assert abs(float(paper) / float(exact) - 1) > 0.05
 
 
+def _fired_routing(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """P(argmax = p and window maximum > 0) of the 2×2 max-pool after the ReLU, written out."""
+    s = model[0](x)
+    pooled, index = F.max_pool2d(torch.relu(s), 2, return_indices=True)
+    width = s.shape[-1]
+    offset = (index // width % 2) * 2 + index % width % 2
+    return (F.one_hot(offset, 4).double() * (pooled > 0).double().unsqueeze(-1)).mean(0)
+
+
+def _sampled_fired(m0: nn.Sequential, m1: nn.Sequential, mean: torch.Tensor,
+                   cov: torch.Tensor, fired: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """½‖Δz‖² per sample of the fired model: no gate, each window draws a position or none."""
+    g = torch.Generator().manual_seed(seed)
+    root = torch.linalg.cholesky(cov + 1e-12 * torch.eye(cov.shape[0], dtype=torch.float64))
+    xs = (mean + torch.randn(n, mean.shape[0], generator=g, dtype=torch.float64) @ root.T
+          ).reshape(n, *SHAPE)
+    c0, c1 = m0[0], m1[0]
+    s0 = c0(xs)
+    ds = F.conv2d(xs, c1.weight - c0.weight, c1.bias - c0.bias, padding=1)
+    windows0 = F.unfold(s0.flatten(0, 1).unsqueeze(1), 2, stride=2).view(n, 2, 4, 9)
+    windowsd = F.unfold(ds.flatten(0, 1).unsqueeze(1), 2, stride=2).view(n, 2, 4, 9)
+    cumulative = fired.permute(0, 3, 1, 2).reshape(2, 4, 9).cumsum(1)
+    u = torch.rand(n, 2, 1, 9, generator=g, dtype=torch.float64)
+    pick = (u > cumulative).sum(2, keepdim=True)  # 4: past every position, no output
+    kept = (pick < 4).double().reshape(n, -1)
+    pick = pick.clamp_max(3)
+    p0 = windows0.gather(2, pick).reshape(n, -1) * kept
+    pd = windowsd.gather(2, pick).reshape(n, -1) * kept
+    l0, l1 = m0[4], m1[4]
+    dz = F.linear(p0, l1.weight - l0.weight, l1.bias - l0.bias) + F.linear(pd, l1.weight)
+    return 0.5 * dz.pow(2).sum(-1)
+
+
+def test_fired_routing_is_exact_for_a_relu_and_a_pool():
+    # one draw per window with P(argmax = p, maximum > 0), no gate: against the dense moments
+    # of that model (value and gradient) and a Monte-Carlo run of it
+    m0 = _pool_model()
+    m1 = _moved(m0, 0.3)
+    x = _images()
+    fired = _fired_routing(m0, x)
+    assert float(fired.sum(-1).max()) < 1  # some windows do not fire: the test can fail
+    mean, cov = _flat_moments(x)
+    one = torch.ones(2, 6, 6, dtype=torch.float64)
+    est = BGLNVariant(moments="corrected", covariance="full", pool_routing="fired").fit(m0, x)
+    got = est.distance(m1)
+    params = list(m1.parameters())
+    exact = dense_bgln_cnn(m0, m1, SHAPE, mean, cov, [(one, one, 0.0, 0.0, 0.0, 0.0)], [fired])
+    torch.testing.assert_close(got, exact, rtol=1e-10, atol=0)
+    for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(exact, params),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-12)
+    values = _sampled_fired(m0, m1, mean, cov, fired, 200_000, 5)
+    standard_error = values.std() / values.shape[0] ** 0.5
+    assert abs(values.mean() - exact) < 4 * standard_error, (values.mean(), exact)
+    # independent gates and routing give another value on the same data
+    independent = BGLNVariant(moments="corrected", covariance="full").fit(m0, x).distance(m1)
+    assert abs(float(independent) / float(exact) - 1) > 0.05
+
+
+def test_fired_routing_leaves_a_pool_without_a_relu_before_it_alone():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.MaxPool2d(2), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(18, 3)).double()
+    moved = _moved(model)
+    x = _images()
+    fired = BGLNVariant(moments="corrected", covariance="full", pool_routing="fired").fit(model, x)
+    default = BGLNVariant(moments="corrected", covariance="full").fit(model, x)
+    torch.testing.assert_close(fired.distance(moved), default.distance(moved), rtol=0, atol=0)
+
+
+def test_fired_routing_summaries_save_and_bad_options_are_refused(tmp_path):
+    m0 = _pool_model()
+    est = BGLNVariant(moments="no-gate-variance", covariance="full",
+                      pool_routing="fired").fit(m0, _images())
+    est.save(tmp_path / "fired.fsd")
+    back = fsd.load(tmp_path / "fired.fsd")
+    assert back.config["pool_routing"] == "fired"
+    m1 = _moved(m0)
+    torch.testing.assert_close(back.distance(m1), est.distance(m1), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="pool_routing must be one of"):
+        BGLNVariant(pool_routing="argmax")
+    with pytest.raises(ValueError, match="convolutional walks"):
+        BGLNVariant(moments="no-cross-covariance", pool_routing="fired")
+
+
 def _conv_chain(activation: type[nn.Module], seed: int = 0, batch_norm: bool = True,
                 pool: bool = True) -> nn.Sequential:
     torch.manual_seed(seed)

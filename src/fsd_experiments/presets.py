@@ -182,6 +182,11 @@ _ROWS: tuple[Preset, ...] = (
     Preset("bgln-d-corrected", "BGLN-D (corrected)", BGLNVariant,
            {"moments": "corrected", "covariance": "lowrank", "rank": 64}, family="bgln-d",
            **_FULL),
+    # the same with each ReLU → max-pool pair as one draw per window (CNNs; on MLPs the same
+    # as bgln-d-corrected)
+    Preset("bgln-d-corrected-fired", "BGLN-D (corrected, fired pools)", BGLNVariant,
+           {"moments": "corrected", "covariance": "lowrank", "rank": 64,
+            "pool_routing": "fired"}, family="bgln-d", **_FULL),
 )
 
 #: every preset, by method name

@@ -33,7 +33,14 @@ from ..model.autodiff import one_line
 from ..model.hooks import forward_hooks
 from ..model.linearize import graph_gates, linearized_outputs, linearized_pass, true_gates
 from ..model.plan import trace
-from ..model.rules import SMOOTH_MOMENTS, GateFn, TracedLayer, UnsupportedModuleError, is_gate
+from ..model.rules import (
+    SMOOTH_MOMENTS,
+    GateFn,
+    TracedLayer,
+    UnsupportedModuleError,
+    fired_pairs,
+    is_gate,
+)
 from ..model.signature import layer_signature, model_state, parameter_signature
 from ..model.tracing import runnable
 from ..moments import evaluators
@@ -186,7 +193,7 @@ class _LinearizedEstimator(Estimator):
             if not isinstance(collector, StatisticsCollector):
                 raise TypeError(f"statistics= must be a fsd.StatisticsCollector, got "
                                 f"{type(collector).__name__}")
-            groups = self._store_statistics(collector, gaussian, dtype, device)
+            groups = self._store_statistics(collector, gaussian, dtype, device, layers)
         if self.bernoulli:
             # a chain's gate layers, or the activations of a graph (BGLN-S)
             gates = graph_gates(model) if layers is None else \
@@ -244,7 +251,8 @@ class _LinearizedEstimator(Estimator):
                              ) from None
 
     def _store_statistics(self, collector: StatisticsCollector, gaussian: bool,
-                          dtype: torch.dtype, device: torch.device) -> list[list[int]]:
+                          dtype: torch.dtype, device: torch.device,
+                          layers: list[TracedLayer] | None) -> list[list[int]]:
         stats = collector.finalize(self._classwise)
         self._state["weights"] = stats.weights.to(device=device, dtype=dtype)
         self._meta["groups"] = stats.groups
@@ -279,6 +287,14 @@ class _LinearizedEstimator(Estimator):
         if self._deterministic:  # BGLN-D on a CNN routes each max-pool by these
             for path, values in stats.routing.items():
                 self._state[f"routing.{path}"] = values.to(device=device, dtype=dtype)
+            if self.config.get("pool_routing") == "fired" and layers is not None:
+                # ReLU → MaxPool2d as one draw per window (rules.fired_routing_statistics):
+                # the ReLU's gate folded into the pool's sub-stochastic routing
+                for relu, pool in fired_pairs(layers):
+                    gate = self._state[f"gate.{relu}"]
+                    self._state[f"gate.{relu}"] = torch.ones_like(gate)
+                    self._state[f"routing.{pool}"] = stats.fired_routing[pool].to(
+                        device=device, dtype=dtype)
         return stats.groups
 
     def _check_summary(self) -> None:
@@ -336,7 +352,12 @@ class _LinearizedEstimator(Estimator):
             require_shape(stored, key, [groups, None, None, None, None])
             require_probabilities(stored, key)
             total = stored[key].to(torch.float64).sum(-1)
-            if bool(((total - 1).abs() > 1e-4).any()):
+            # fired routing (pool_routing="fired") sums to the window's firing frequency
+            if self.config.get("pool_routing") == "fired":
+                if bool((total > 1 + 1e-4).any()):
+                    raise SummaryFormatError(f"field {key!r}: a window's routing frequencies "
+                                             f"sum to more than 1")
+            elif bool(((total - 1).abs() > 1e-4).any()):
                 raise SummaryFormatError(f"field {key!r}: a window's routing frequencies do "
                                          f"not sum to 1")
         for key in [k for k in stored if k.startswith("gate_moments.")]:

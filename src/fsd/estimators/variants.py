@@ -13,6 +13,9 @@ from typing import Any
 from ..moments.corrected import VARIANTS
 from .linearized import BGLN
 
+#: the max-pool routing models of :class:`BGLNVariant` (``pool_routing=``)
+POOL_ROUTINGS: tuple[str, ...] = ("independent", "fired")
+
 
 class BGLNVariant(BGLN):
     """BGLN-D whose moments are one of :data:`fsd.moments.corrected.VARIANTS` (prototype).
@@ -31,11 +34,18 @@ class BGLNVariant(BGLN):
             the input covariance cut to this many directions plus its diagonal
             (:func:`fsd.moments.corrected.truncated_input`); ``None`` (the default) uses the
             whole stored covariance. The mean-gate network's term always uses all of it.
+        pool_routing: how a max-pool routes. ``"independent"`` (the default): every unit
+            before it gated by its own Bernoulli gate, every window routed by an independent
+            draw with E = π (its argmax frequencies). ``"fired"``: a ``nn.ReLU`` directly
+            before a max-pool is not gated; the window instead draws position p with
+            probability P(p is its argmax and the maximum is > 0) and no position (output 0)
+            otherwise (:func:`fsd.model.rules.fired_routing_statistics`), which keeps how
+            often a window fires (ReLU and max commute). Other pools route as by default.
         **options: as :class:`fsd.BGLN`; ``deterministic`` must be ``True``.
     """
 
     def __init__(self, moments: str = "corrected", injection_rank: int | None = None,
-                 **options: Any) -> None:
+                 pool_routing: str = "independent", **options: Any) -> None:
         if moments not in VARIANTS:
             raise ValueError(f"moments must be one of {', '.join(VARIANTS)}, got {moments!r}")
         if not options.pop("deterministic", True):
@@ -48,7 +58,15 @@ class BGLNVariant(BGLN):
                     or injection_rank < 1:
                 raise ValueError(f"injection_rank must be a positive integer, got "
                                  f"{injection_rank!r}")
+        if pool_routing not in POOL_ROUTINGS:
+            raise ValueError(f"pool_routing must be one of {', '.join(POOL_ROUTINGS)}, got "
+                             f"{pool_routing!r}")
+        if pool_routing != "independent" and moments == "no-cross-covariance":
+            raise ValueError("pool_routing='fired' applies to the convolutional walks "
+                             "(moments='corrected' or 'no-gate-variance')")
         super().__init__(deterministic=True, **options)
         self.config["moments"] = moments
         if injection_rank is not None:  # absent otherwise: summaries stay as they were
             self.config["injection_rank"] = injection_rank
+        if pool_routing != "independent":  # likewise
+            self.config["pool_routing"] = pool_routing

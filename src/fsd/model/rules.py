@@ -29,9 +29,10 @@ still hands them on, with a warning, for one release).
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, TypeGuard
+from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -562,8 +563,14 @@ class MaxPoolRule(Rule):
         return a0, da
 
     def fit_statistics(self, module: nn.Module, x: Tensor) -> Tensor:
-        """:func:`routing_statistics`: which position of each window is its argmax."""
-        return routing_statistics(module, x)  # type: ignore[arg-type]
+        """:func:`routing_statistics`, then :func:`fired_routing_statistics`, on the last axis.
+
+        One record (n, C, H', W', 2·k·k) so that both are averaged alike; the collector
+        splits them (:attr:`fsd.statistics.collector.Statistics.fired_routing`).
+        """
+        routing = routing_statistics(module, x)  # type: ignore[arg-type]
+        fired = routing * _pooled_positive(module, x)  # type: ignore[arg-type]
+        return torch.cat([routing, fired], -1)
 
     def expected_reference(self, layer: TracedLayer, x: Tensor,
                            statistics: Mapping[str, Tensor], offset: bool) -> Tensor:
@@ -628,6 +635,36 @@ def routing_statistics(module: nn.MaxPool2d, x: Tensor) -> Tensor:
     left = torch.arange(out_w, device=x.device) * stride[1] - padding[1]
     offset = ((row - top[:, None]) // dilation[0]) * kernel[1] + (column - left) // dilation[1]
     return F.one_hot(offset, kernel[0] * kernel[1]).to(torch.float64)
+
+
+def _pooled_positive(module: nn.MaxPool2d, x: Tensor) -> Tensor:
+    """Per example and window, whether the pooled value is positive: (n, C, H', W', 1)."""
+    kernel, stride, padding, dilation = _pool_geometry(module)
+    pooled = F.max_pool2d(x.detach(), kernel, stride, padding, dilation, module.ceil_mode)
+    return (pooled > 0).to(torch.float64).unsqueeze(-1)
+
+
+def fired_routing_statistics(module: nn.MaxPool2d, x: Tensor) -> Tensor:
+    """Per example, the argmax's one-hot where the pooled value is positive, else zeros.
+
+    Averaged over data: P(position p is the window's argmax and the maximum is > 0), which
+    sums over a window to its firing frequency, not to 1. After a ReLU, ``max(relu(s)) =
+    relu(max(s))``: the pair is one draw per window — position p with this probability, no
+    position (output 0) otherwise — instead of an independent gate per unit and then a
+    routing (``BGLNVariant(pool_routing="fired")``).
+    """
+    return routing_statistics(module, x) * _pooled_positive(module, x)
+
+
+def fired_pairs(layers: Sequence[TracedLayer]) -> list[tuple[str, str]]:
+    """(ReLU path, MaxPool2d path) of every ``nn.ReLU`` directly followed by a max-pool.
+
+    The pairs whose gate and routing ``BGLNVariant(pool_routing="fired")`` replaces by one
+    draw per window (:func:`fired_routing_statistics`): only a plain ReLU, whose output is
+    exactly 0 where it is off, commutes with the max that way.
+    """
+    return [(first.path, second.path) for first, second in itertools.pairwise(layers)
+            if type(first.module) is nn.ReLU and is_pool(second.rule)]
 
 
 def expected_routing(module: nn.MaxPool2d, x: Tensor, frequencies: Tensor) -> Tensor:

@@ -161,6 +161,8 @@ class Statistics:
         smooth_gates: the gate paths whose ``gate_means`` are a smooth gate's moments.
         routing: per MaxPool2d path, how often each position of each window was its argmax,
             (G, C, H', W', k·k) (:func:`fsd.model.rules.routing_statistics`; with gates).
+        fired_routing: per MaxPool2d path, how often each position was the argmax with a
+            positive maximum (:func:`fsd.model.rules.fired_routing_statistics`), same shape.
     """
 
     weights: Tensor
@@ -172,6 +174,7 @@ class Statistics:
     layer_moments: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
     smooth_gates: list[str] = field(default_factory=list)
     routing: dict[str, Tensor] = field(default_factory=dict)
+    fired_routing: dict[str, Tensor] = field(default_factory=dict)
 
 
 def group_classes(classes: Sequence[int], classwise: bool | int) -> list[list[int]]:
@@ -512,5 +515,14 @@ class StatisticsCollector:
             layer_moments={p: (torch.stack([m for m, _ in v]), torch.stack([c for _, c in v]))
                            for p, v in layers.items()},
             smooth_gates=list(self.smooth_gates),
-            routing={p: torch.stack(gates[p]) for p in self.pool_paths},
+            routing={p: _pool_half(gates[p], 0) for p in self.pool_paths},
+            fired_routing={p: _pool_half(gates[p], 1) for p in self.pool_paths},
         )
+
+
+def _pool_half(records: list[Tensor], half: int) -> Tensor:
+    """A pool's routing (0) or fired routing (1), from its records, which hold both.
+
+    In that order on the last axis (:meth:`fsd.model.rules.MaxPoolRule.fit_statistics`).
+    """
+    return torch.stack(records).chunk(2, -1)[half].contiguous()

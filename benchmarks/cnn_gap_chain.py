@@ -1,0 +1,198 @@
+"""Where a BGLN estimate loses the true FSD on a trained CNN: the chain of approximations.
+
+Run:  .venv/bin/python benchmarks/cnn_gap_chain.py RUN_DIR --seed S [--tasks 1,2] \
+          [--examples 2000] [--data-dir D] [--json F]
+
+RUN_DIR is an ``fsd cl --model cnn`` run of a BGLN-D summary (``bgln-d-corrected``). For the
+seed's final network θ and every earlier task t (reference θ_t, the summary's), on the
+task's first ``--examples`` training inputs x and the summary's outputs, one column per step
+from the truth to the stored summary, each refitted at θ_t on x unless it says "stored":
+
+- ``true``: the FSD, ½ E‖z_θ(x) − z_θt(x)‖²;
+- ``laftr_data``: LAFTR on x (the reference's own gates and max-pool argmax): the
+  linearization in the activations alone;
+- ``bgln_s_data``: BGLN-S on x: Bernoulli gates with the firing frequencies on x, each
+  max-pool routed by the argmax of the gated reference activation;
+- ``bgln_s_gaussian``: BGLN-S with Gaussian inputs (x's mean and rank-64-plus-diagonal
+  covariance): the paper's BGLN-S;
+- ``bgln_random_routing``: the corrected recursion (:mod:`fsd.moments.corrected_conv`),
+  exact moments of the BGLN whose max-pool windows route by independent draws with E = π;
+- ``bgln_fired_routing``: a Monte-Carlo mean of the BGLN in which a ReLU followed by a
+  max-pool is replaced by one draw per window: position p with probability
+  P(p is the window's argmax and the pooled value is > 0), no position (output 0) otherwise,
+  the ReLU itself not gated (exact for a single input, as ReLU and max commute);
+- ``stored``: the stored summary's estimate, the penalty the run trained against (its
+  statistics are the last epoch's running means, taken with dropout on).
+
+Each Monte-Carlo column is the mean of ``--mc-calls`` calls of ``--mc-samples`` samples,
+with its standard error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fsd
+from corrected_conv import _routed
+from fsd.estimators.base import load
+from fsd.estimators.exact_fsd import ExactFSD
+from fsd.estimators.variants import BGLNVariant
+from fsd.model.rules import routing_statistics
+from fsd_experiments.benchmarks import make_tasks
+from fsd_experiments.continual.reporting import _gap_checkpoint, _run_settings
+from fsd_experiments.continual.runner import build_model, checked_matrix, summary_outputs
+
+
+def fired_routing(model: nn.Sequential, x: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Per max-pool that follows a ReLU (by index): P(argmax = p and pooled value > 0)."""
+    layers = list(model.children())
+    joint: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        a = x
+        for i, layer in enumerate(layers):
+            before, a = a, layer(a)
+            if isinstance(layer, nn.MaxPool2d) and i and isinstance(layers[i - 1], nn.ReLU):
+                fired = (a > 0).to(torch.float64).unsqueeze(-1)
+                joint[i] = (routing_statistics(layer, before) * fired).mean(0).float()
+    return joint
+
+
+def sampled_fired(summary: fsd.BGLN, model0: nn.Sequential, model1: nn.Sequential,
+                  joint: dict[int, torch.Tensor], outputs: list[int] | None, samples: int,
+                  generator: torch.Generator) -> float:
+    """One Monte-Carlo estimate of the BGLN with fired routing (module docstring)."""
+    moments = summary._moment_summary(summary.reference_state())
+    factor, residual = moments.covariance
+    mean = moments.mean[0]
+    z = torch.randn(samples, factor.shape[-1], generator=generator)
+    noise = torch.randn(samples, mean.shape[0], generator=generator)
+    a0 = (mean + z @ factor[0].T + noise * residual[0].clamp_min(0).sqrt()).view(
+        samples, *moments.input_shape)
+    da: torch.Tensor | None = None
+    layers0 = list(model0.named_children())
+    for i, ((path, m0), m1) in enumerate(zip(layers0, model1.children(), strict=True)):
+        if isinstance(m0, (nn.Conv2d, nn.Linear)):
+            def op(v, w, b, m=m0):
+                if isinstance(m, nn.Conv2d):
+                    return F.conv2d(v, w, b, m.stride, m.padding, m.dilation, m.groups)
+                return F.linear(v, w, b)
+            step = op(a0, m1.weight - m0.weight, m1.bias - m0.bias)
+            da = step if da is None else step + op(da, m1.weight, None)
+            a0 = op(a0, m0.weight, m0.bias)
+        elif isinstance(m0, nn.ReLU):
+            if i + 1 in joint:
+                continue  # gated by the pool's draw
+            gate = torch.bernoulli(moments.gate_means[path][0].expand_as(a0).float(),
+                                   generator=generator)
+            a0, da = gate * a0, None if da is None else gate * da
+        elif isinstance(m0, nn.MaxPool2d):
+            pi = joint[i] if i in joint else moments.routing[path][0].float()
+            channels, out_h, out_w, window = pi.shape
+            u = torch.rand(samples, channels, out_h, out_w, 1, generator=generator)
+            pick = (u > pi.cumsum(-1)).sum(-1, keepdim=True)
+            kept = (pick < window).squeeze(-1).float()  # past the last position: no output
+            pick = pick.clamp_max(window - 1)
+            a0 = _routed(m0, a0, pick) * kept
+            da = None if da is None else _routed(m0, da, pick) * kept
+        elif isinstance(m0, nn.Flatten):
+            a0, da = a0.flatten(1), None if da is None else da.flatten(1)
+        elif not isinstance(m0, nn.Dropout):
+            raise TypeError(f"sampled_fired does not walk {type(m0).__name__}")
+    assert da is not None
+    chosen = da if outputs is None else da[:, outputs]
+    return float(0.5 * chosen.pow(2).sum(-1).mean())
+
+
+def _mc(draw, calls: int) -> tuple[float, float]:
+    values = torch.tensor([draw(c) for c in range(calls)], dtype=torch.float64)
+    return float(values.mean()), float(values.std() / calls ** 0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run")
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--tasks", default=None, help="earlier tasks, 1-based (default: all)")
+    parser.add_argument("--examples", type=int, default=2000)
+    parser.add_argument("--mc-calls", type=int, default=6)
+    parser.add_argument("--mc-samples", type=int, default=512)
+    parser.add_argument("--data-dir", default=os.environ.get("FSD_DATA_DIR"))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None, help="append the rows to this JSON file")
+    parser.add_argument("--note", default="", help="what else ran on the machine (for --json)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    run = Path(args.run)
+    benchmark, method, hp, _ = _run_settings(run)
+    ckpt = run / "checkpoints" / f"seed{args.seed}"
+    state = _gap_checkpoint(ckpt)
+    tasks, n_out = make_tasks(benchmark, args.data_dir, args.seed, train_subset=hp.train_subset,
+                              test_subset=hp.test_subset, num_tasks=hp.tasks,
+                              validation=hp.validation)
+    shape = tasks[0].x_train.shape[1:]
+    final = build_model(hp, shape, n_out).eval()
+    final.load_state_dict(state["model"])
+    trained = len(checked_matrix(state, ckpt / "state.pt", len(tasks)))
+    chosen = ([int(t) - 1 for t in args.tasks.split(",")] if args.tasks
+              else list(range(trained - 1)))
+    machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+               f"{torch.get_num_threads()} thread(s)")
+    print(f"# {machine}; {run.name} seed {args.seed}, after task {trained}")
+    rows = []
+    for t in chosen:
+        began = time.perf_counter()
+        summary = load(ckpt / f"task{t}.fsd")
+        reference = build_model(hp, shape, n_out).eval()
+        reference.load_state_dict(summary.reference_state_dict())
+        x = tasks[t].x_train[:args.examples]
+        outputs = summary_outputs(tasks[t], hp)
+        common = dict(covariance="lowrank", rank=64)
+        with torch.no_grad():
+            row = {"run": run.name, "method": method, "fsd_scale": hp.fsd_scale,
+                   "seed": args.seed, "task": t + 1, "after_task": trained,
+                   "true": float(ExactFSD().fit(reference, x, outputs=outputs).distance(final)),
+                   "stored": float(summary.distance(final))}
+            laftr = fsd.LAFTR(inputs="coreset", coreset_size=None).fit(
+                reference, x, outputs=outputs, progress=False)
+            row["laftr_data"] = float(laftr.distance(final))
+            for name, estimator in (
+                    ("bgln_s_data", fsd.BGLN(inputs="coreset", coreset_size=None)),
+                    ("bgln_s_gaussian", fsd.BGLN(num_samples=args.mc_samples, **common))):
+                estimator.fit(reference, x, outputs=outputs, progress=False)
+                def draw(c, e=estimator):
+                    torch.manual_seed(1000 + c)
+                    return float(e.distance(final))
+                row[name], row[name + "_standard_error"] = _mc(draw, args.mc_calls)
+            corrected = BGLNVariant(moments="corrected", **common).fit(
+                reference, x, outputs=outputs, progress=False)
+            row["bgln_random_routing"] = float(corrected.distance(final))
+            joint = fired_routing(reference, x)
+            generator = torch.Generator().manual_seed(0)
+            def fired(c, e=corrected, m0=reference, pi=joint, k=outputs, g=generator):
+                return sampled_fired(e, m0, final, pi, k, args.mc_samples, g)
+            row["bgln_fired_routing"], row["bgln_fired_routing_standard_error"] = _mc(
+                fired, args.mc_calls)
+        row["seconds"] = time.perf_counter() - began
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.json:
+        existing = json.loads(Path(args.json).read_text()) if Path(args.json).exists() else {
+            "machine": machine, "note": args.note, "examples": args.examples,
+            "mc_calls": args.mc_calls, "mc_samples": args.mc_samples, "rows": []}
+        existing["rows"] = [r for r in existing["rows"]
+                            if (r["run"], r["seed"], r["task"]) not in
+                            {(q["run"], q["seed"], q["task"]) for q in rows}] + rows
+        Path(args.json).write_text(json.dumps(existing, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
