@@ -21,6 +21,8 @@ from the truth to the stored summary, each refitted at θ_t on x unless it says 
   max-pool is replaced by one draw per window: position p with probability
   P(p is the window's argmax and the pooled value is > 0), no position (output 0) otherwise,
   the ReLU itself not gated (exact for a single input, as ReLU and max commute);
+- ``corrected_fired``: the corrected recursion on that BGLN
+  (``BGLNVariant(pool_routing="fired")``);
 - ``stored``: the stored summary's estimate, the penalty the run trained against (its
   statistics are the last epoch's running means, taken with dropout on).
 
@@ -175,6 +177,9 @@ def main() -> None:
             corrected = BGLNVariant(moments="corrected", **common).fit(
                 reference, x, outputs=outputs, progress=False)
             row["bgln_random_routing"] = float(corrected.distance(final))
+            row["corrected_fired"] = float(BGLNVariant(
+                moments="corrected", pool_routing="fired", **common).fit(
+                reference, x, outputs=outputs, progress=False).distance(final))
             joint = fired_routing(reference, x)
             generator = torch.Generator().manual_seed(0)
             def fired(c, e=corrected, m0=reference, pi=joint, k=outputs, g=generator):
