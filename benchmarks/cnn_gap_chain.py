@@ -40,11 +40,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fsd
-from corrected_conv import _routed
+from corrected_conv import sampled_bgln
 from fsd.estimators.base import load
 from fsd.estimators.exact_fsd import ExactFSD
 from fsd.estimators.variants import BGLNVariant
@@ -66,52 +65,6 @@ def fired_routing(model: nn.Sequential, x: torch.Tensor) -> dict[int, torch.Tens
                 fired = (a > 0).to(torch.float64).unsqueeze(-1)
                 joint[i] = (routing_statistics(layer, before) * fired).mean(0).float()
     return joint
-
-
-def sampled_fired(summary: fsd.BGLN, model0: nn.Sequential, model1: nn.Sequential,
-                  joint: dict[int, torch.Tensor], outputs: list[int] | None, samples: int,
-                  generator: torch.Generator) -> float:
-    """One Monte-Carlo estimate of the BGLN with fired routing (module docstring)."""
-    moments = summary._moment_summary(summary.reference_state())
-    factor, residual = moments.covariance
-    mean = moments.mean[0]
-    z = torch.randn(samples, factor.shape[-1], generator=generator)
-    noise = torch.randn(samples, mean.shape[0], generator=generator)
-    a0 = (mean + z @ factor[0].T + noise * residual[0].clamp_min(0).sqrt()).view(
-        samples, *moments.input_shape)
-    da: torch.Tensor | None = None
-    layers0 = list(model0.named_children())
-    for i, ((path, m0), m1) in enumerate(zip(layers0, model1.children(), strict=True)):
-        if isinstance(m0, (nn.Conv2d, nn.Linear)):
-            def op(v, w, b, m=m0):
-                if isinstance(m, nn.Conv2d):
-                    return F.conv2d(v, w, b, m.stride, m.padding, m.dilation, m.groups)
-                return F.linear(v, w, b)
-            step = op(a0, m1.weight - m0.weight, m1.bias - m0.bias)
-            da = step if da is None else step + op(da, m1.weight, None)
-            a0 = op(a0, m0.weight, m0.bias)
-        elif isinstance(m0, nn.ReLU):
-            if i + 1 in joint:
-                continue  # gated by the pool's draw
-            gate = torch.bernoulli(moments.gate_means[path][0].expand_as(a0).float(),
-                                   generator=generator)
-            a0, da = gate * a0, None if da is None else gate * da
-        elif isinstance(m0, nn.MaxPool2d):
-            pi = joint[i] if i in joint else moments.routing[path][0].float()
-            channels, out_h, out_w, window = pi.shape
-            u = torch.rand(samples, channels, out_h, out_w, 1, generator=generator)
-            pick = (u > pi.cumsum(-1)).sum(-1, keepdim=True)
-            kept = (pick < window).squeeze(-1).float()  # past the last position: no output
-            pick = pick.clamp_max(window - 1)
-            a0 = _routed(m0, a0, pick) * kept
-            da = None if da is None else _routed(m0, da, pick) * kept
-        elif isinstance(m0, nn.Flatten):
-            a0, da = a0.flatten(1), None if da is None else da.flatten(1)
-        elif not isinstance(m0, nn.Dropout):
-            raise TypeError(f"sampled_fired does not walk {type(m0).__name__}")
-    assert da is not None
-    chosen = da if outputs is None else da[:, outputs]
-    return float(0.5 * chosen.pow(2).sum(-1).mean())
 
 
 def _mc(draw, calls: int) -> tuple[float, float]:
@@ -183,7 +136,7 @@ def main() -> None:
             joint = fired_routing(reference, x)
             generator = torch.Generator().manual_seed(0)
             def fired(c, e=corrected, m0=reference, pi=joint, k=outputs, g=generator):
-                return sampled_fired(e, m0, final, pi, k, args.mc_samples, g)
+                return sampled_bgln(e, m0, final, k, args.mc_samples, g, fired=pi)
             row["bgln_fired_routing"], row["bgln_fired_routing_standard_error"] = _mc(
                 fired, args.mc_calls)
         row["seconds"] = time.perf_counter() - began

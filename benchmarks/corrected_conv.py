@@ -68,13 +68,18 @@ def _routed(pool: nn.MaxPool2d, v: torch.Tensor, pick: torch.Tensor) -> torch.Te
 
 
 def sampled_bgln(summary: fsd.BGLN, model0: nn.Sequential, model1: nn.Sequential,
-                 outputs: int, samples: int, generator: torch.Generator) -> float:
+                 outputs: list[int] | None, samples: int, generator: torch.Generator,
+                 fired: dict[int, torch.Tensor] | None = None) -> float:
     """One Monte-Carlo estimate of E[½‖PΔz‖²] of BGLN with independently routed max-pools.
 
     Reads a fitted summary's Gaussian input moments (low rank plus diagonal), firing
     frequencies and routing frequencies; walks a flat ``nn.Sequential`` of Conv2d, Linear, ReLU,
-    MaxPool2d, Flatten and Dropout (evaluation), the differences propagated directly.
+    MaxPool2d, Flatten and Dropout (evaluation), the differences propagated directly, over the
+    ``outputs`` (``None``: all). With ``fired`` (by the index of a max-pool that follows a ReLU,
+    its P(argmax = p and maximum > 0)), that ReLU is not gated and the pool draws position p with
+    that probability, no position (output 0) otherwise: the fired-pools BGLN.
     """
+    fired = fired or {}
     moments = summary._moment_summary(summary.reference_state())
     factor, residual = moments.covariance  # (1, d, r), (1, d)
     mean = moments.mean[0]
@@ -83,7 +88,8 @@ def sampled_bgln(summary: fsd.BGLN, model0: nn.Sequential, model1: nn.Sequential
     x = mean + z @ factor[0].T + noise * residual[0].clamp_min(0).sqrt()
     a0 = x.view(samples, *moments.input_shape)
     da: torch.Tensor | None = None
-    for (path, m0), m1 in zip(model0.named_children(), model1.children(), strict=True):
+    layers = zip(model0.named_children(), model1.children(), strict=True)
+    for index, ((path, m0), m1) in enumerate(layers):
         if isinstance(m0, (nn.Conv2d, nn.Linear)):
             assert isinstance(m1, type(m0))
             def op(v, w, b, m=m0):
@@ -94,25 +100,29 @@ def sampled_bgln(summary: fsd.BGLN, model0: nn.Sequential, model1: nn.Sequential
             da = step if da is None else step + op(da, m1.weight, None)
             a0 = op(a0, m0.weight, m0.bias)
         elif isinstance(m0, nn.ReLU):
+            if index + 1 in fired:
+                continue  # gated by the pool's draw
             mu = moments.gate_means[path][0]
             gate = torch.bernoulli(mu.expand_as(a0).float(), generator=generator)
             a0 = gate * a0
             da = None if da is None else gate * da
         elif isinstance(m0, nn.MaxPool2d):
-            pi = moments.routing[path][0].float()  # (C, H', W', k·k)
-            channels, out_h, out_w, window = pi.shape
+            pi = fired[index] if index in fired else moments.routing[path][0].float()
+            channels, out_h, out_w, window = pi.shape  # (C, H', W', k·k)
             u = torch.rand(samples, channels, out_h, out_w, 1, generator=generator)
-            pick = (u > pi.cumsum(-1)).sum(-1, keepdim=True).clamp_max(window - 1)
-
-            a0 = _routed(m0, a0, pick)
-            da = None if da is None else _routed(m0, da, pick)
+            pick = (u > pi.cumsum(-1)).sum(-1, keepdim=True)
+            kept = (pick < window).squeeze(-1).float()  # past the last position: no output
+            pick = pick.clamp_max(window - 1)
+            a0 = _routed(m0, a0, pick) * kept
+            da = None if da is None else _routed(m0, da, pick) * kept
         elif isinstance(m0, nn.Flatten):
             a0 = a0.flatten(1)
             da = None if da is None else da.flatten(1)
         elif not isinstance(m0, nn.Dropout):
             raise TypeError(f"sampled_bgln does not walk {type(m0).__name__}")
     assert da is not None
-    return float(0.5 * da[:, :outputs].pow(2).sum(-1).mean())
+    chosen = da if outputs is None else da[:, outputs]
+    return float(0.5 * chosen.detach().pow(2).sum(-1).mean())
 
 
 def main() -> None:
@@ -163,7 +173,7 @@ def main() -> None:
         mc_error = float(draws.std() / args.mc_calls ** 0.5)
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            routed = torch.tensor([sampled_bgln(estimators[names[1]], model, moved, 10,
+            routed = torch.tensor([sampled_bgln(estimators[names[1]], model, moved, list(range(10)),
                                                 args.mc_samples, g)
                                    for _ in range(args.mc_calls)])
         routed_mean = float(routed.mean())

@@ -88,29 +88,8 @@ def test_dense_reference_is_the_sampled_bgln_with_random_routing():
     mean, cov = _flat_moments(x)
     var = mu * (1 - mu)
     exact = dense_bgln_cnn(m0, m1, SHAPE, mean, cov, [(mu, mu, var, var, var, 0.0)], [pi])
-    g = torch.Generator().manual_seed(5)
-    n = 200_000
-    root = torch.linalg.cholesky(cov + 1e-12 * torch.eye(cov.shape[0], dtype=torch.float64))
-    xs = (mean + torch.randn(n, mean.shape[0], generator=g, dtype=torch.float64) @ root.T
-          ).reshape(n, *SHAPE)
-    c0, c1 = m0[0], m1[0]
-    s0 = c0(xs)
-    ds = F.conv2d(xs, c1.weight - c0.weight, c1.bias - c0.bias, padding=1)
-    gate = torch.bernoulli(mu.expand_as(s0), generator=g)
-    a0, da = gate * s0, gate * ds
-    # one-hot routing per window, drawn from π
-    windows0 = F.unfold(a0.flatten(0, 1).unsqueeze(1), 2, stride=2).view(n, 2, 4, 9)
-    windowsd = F.unfold(da.flatten(0, 1).unsqueeze(1), 2, stride=2).view(n, 2, 4, 9)
-    probs = pi.permute(0, 3, 1, 2).reshape(2, 4, 9)
-    cumulative = probs.cumsum(1)
-    u = torch.rand(n, 2, 1, 9, generator=g, dtype=torch.float64)
-    pick = (u > cumulative).sum(2, keepdim=True).clamp_max(3)
-    p0 = windows0.gather(2, pick).reshape(n, -1)
-    pd = windowsd.gather(2, pick).reshape(n, -1)
-    l0, l1 = m0[4], m1[4]
-    dz = F.linear(p0, l1.weight - l0.weight, l1.bias - l0.bias) + F.linear(pd, l1.weight)
-    values = 0.5 * dz.pow(2).sum(-1)
-    standard_error = values.std() / n ** 0.5
+    values = _sampled_pool_model(m0, m1, mean, cov, pi, 200_000, 5, gate_means=mu)
+    standard_error = values.std() / values.shape[0] ** 0.5
     assert abs(values.mean() - exact) < 4 * standard_error, (values.mean(), exact)
 
 
@@ -146,9 +125,15 @@ def _fired_routing(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     return (F.one_hot(offset, 4).double() * (pooled > 0).double().unsqueeze(-1)).mean(0)
 
 
-def _sampled_fired(m0: nn.Sequential, m1: nn.Sequential, mean: torch.Tensor,
-                   cov: torch.Tensor, fired: torch.Tensor, n: int, seed: int) -> torch.Tensor:
-    """½‖Δz‖² per sample of the fired model: no gate, each window draws a position or none."""
+def _sampled_pool_model(m0: nn.Sequential, m1: nn.Sequential, mean: torch.Tensor,
+                        cov: torch.Tensor, routing: torch.Tensor, n: int, seed: int,
+                        gate_means: torch.Tensor | None = None) -> torch.Tensor:
+    """½‖Δz‖² per sample of :func:`_pool_model`'s BGLN, by Monte Carlo over Gaussian inputs.
+
+    With ``gate_means``, Bernoulli gates on the ReLU and then one position per window drawn
+    from ``routing``; without, no gate and each window drawing a position or, with the
+    probability ``routing`` leaves, none (output 0): the fired model.
+    """
     g = torch.Generator().manual_seed(seed)
     root = torch.linalg.cholesky(cov + 1e-12 * torch.eye(cov.shape[0], dtype=torch.float64))
     xs = (mean + torch.randn(n, mean.shape[0], generator=g, dtype=torch.float64) @ root.T
@@ -156,9 +141,12 @@ def _sampled_fired(m0: nn.Sequential, m1: nn.Sequential, mean: torch.Tensor,
     c0, c1 = m0[0], m1[0]
     s0 = c0(xs)
     ds = F.conv2d(xs, c1.weight - c0.weight, c1.bias - c0.bias, padding=1)
+    if gate_means is not None:
+        gate = torch.bernoulli(gate_means.expand_as(s0), generator=g)
+        s0, ds = gate * s0, gate * ds
     windows0 = F.unfold(s0.flatten(0, 1).unsqueeze(1), 2, stride=2).view(n, 2, 4, 9)
     windowsd = F.unfold(ds.flatten(0, 1).unsqueeze(1), 2, stride=2).view(n, 2, 4, 9)
-    cumulative = fired.permute(0, 3, 1, 2).reshape(2, 4, 9).cumsum(1)
+    cumulative = routing.permute(0, 3, 1, 2).reshape(2, 4, 9).cumsum(1)
     u = torch.rand(n, 2, 1, 9, generator=g, dtype=torch.float64)
     pick = (u > cumulative).sum(2, keepdim=True)  # 4: past every position, no output
     kept = (pick < 4).double().reshape(n, -1)
@@ -188,7 +176,7 @@ def test_fired_routing_is_exact_for_a_relu_and_a_pool():
     for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(exact, params),
                     strict=True):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-12)
-    values = _sampled_fired(m0, m1, mean, cov, fired, 200_000, 5)
+    values = _sampled_pool_model(m0, m1, mean, cov, fired, 200_000, 5)
     standard_error = values.std() / values.shape[0] ** 0.5
     assert abs(values.mean() - exact) < 4 * standard_error, (values.mean(), exact)
     # independent gates and routing give another value on the same data
