@@ -85,6 +85,24 @@ def test_conv_net_follows_the_input_shape_and_has_froms_dropout():
     assert torch.equal(fashion(x), fashion(x))  # dropout off at evaluation
 
 
+def test_the_average_pool_cnn_differs_only_in_its_pools():
+    torch.manual_seed(0)
+    maxed = conv_net((1, 28, 28), 10)
+    torch.manual_seed(0)
+    averaged = conv_net((1, 28, 28), 10, pool="avg")
+    kinds = [type(m).__name__ for m in maxed]
+    assert [type(m).__name__ for m in averaged] == [
+        "AvgPool2d" if k == "MaxPool2d" else k for k in kinds]
+    # same parameters (the same draws), so the outputs differ by the pooling alone
+    for a, b in zip(maxed.parameters(), averaged.parameters(), strict=True):
+        assert torch.equal(a, b)
+    x = torch.rand(3, 1, 28, 28)
+    pooled = averaged[:5].eval()(x)  # conv, ReLU, conv, ReLU, pool
+    assert torch.allclose(pooled, nn.functional.avg_pool2d(averaged[:4].eval()(x), 2))
+    with pytest.raises(ValueError, match="pool must be"):
+        conv_net((1, 28, 28), 10, pool="min")
+
+
 # ----- the task streams -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("benchmark, count", [("split-cifar100", 6), ("split-cifar100-11", 11)])
@@ -146,6 +164,8 @@ def test_split_cifar100_paper_settings():
      "the methods that do: finetune"),
     (["--benchmark", "split-cifar100", "--method", "bgln-s", "--width", "64"],
      "width applies to the MLP"),
+    (["--benchmark", "split-mnist", "--model", "cnn-avgpool", "--method", "bgln-d-exact"],
+     "bgln-d-exact does not run on the CNN"),
 ])
 def test_methods_without_a_cnn_version_are_refused(tmp_path, capsys, argv, needle):
     assert main(["cl", *argv, "--out", str(tmp_path / "run"), "--no-progress"]) == 2
@@ -190,18 +210,21 @@ def test_split_cifar100_11_end_to_end_and_resume(tmp_path, cifar_dir, capsys, me
     _check_cifar_run(res, 3 if extra else 11, method, tmp_path)
 
 
-@pytest.mark.parametrize("method", ["finetune", "bgln-s-cw", "laftr", "bgln-d", "osla"])
-def test_split_fashion_mnist_with_the_cnn(tmp_path, fashion_dir, capsys, method):
-    extra = ["--rank", "8"] if method == "bgln-d" else []
+@pytest.mark.parametrize("method, model", [
+    *((m, "cnn") for m in ("finetune", "bgln-s-cw", "laftr", "bgln-d", "osla")),
+    ("bgln-d-corrected", "cnn-avgpool")])
+def test_split_fashion_mnist_with_the_cnn(tmp_path, fashion_dir, capsys, method, model):
+    extra = ["--rank", "8"] if method.startswith("bgln-d") else []
     res = _run_and_resume(tmp_path, fashion_dir, "split-fashion-mnist", method, "--model",
-                          "cnn", "--tasks", "3", "--batch-size", "8", *extra, capsys=capsys)
+                          model, "--tasks", "3", "--batch-size", "8", *extra, capsys=capsys)
     matrix = res["accuracy_matrix"]["3"]
-    assert len(matrix) == 3 and res["hyperparameters"]["model"] == "cnn"
+    assert len(matrix) == 3 and res["hyperparameters"]["model"] == model
     state = torch.load(tmp_path / "checkpoints" / "seed3" / "state.pt", weights_only=True)
     assert state["model"]["13.weight"].shape == (512, 64 * 5 * 5)  # the 1×28×28 CNN
     if method != "finetune":  # fsd cl gap rebuilds the CNN from the checkpoints
         rows = penalty_gap(tmp_path, str(fashion_dir), examples=20)
         assert [r["task"] for r in rows] == [1, 2] and all(r["true_fsd"] > 0 for r in rows)
+    assert ("CNN, average pools" in continual.report([str(tmp_path)])) == (model != "cnn")
     # the MLP stays the default on the MNIST benchmarks
     mlp_run = tmp_path / "mlp"
     assert _cl(mlp_run, fashion_dir, "split-fashion-mnist", "finetune", "--tasks", "2") == 0

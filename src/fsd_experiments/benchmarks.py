@@ -25,8 +25,11 @@ CL_BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist", "split-fashio
 #: Split CIFAR-100's benchmarks and their number of tasks: CIFAR-10, then 5 or 10 tasks of 10
 #: CIFAR-100 classes each (classes 0–9, 10–19, … in order)
 CIFAR_BENCHMARKS: dict[str, int] = {"split-cifar100": 6, "split-cifar100-11": 11}
-#: the networks ``fsd cl --model`` trains (:mod:`fsd_experiments.models`)
-MODELS: tuple[str, ...] = ("mlp", "cnn")
+#: the networks ``fsd cl --model`` trains (:mod:`fsd_experiments.models`): the MLP, the CNN,
+#: and the CNN with average pools in place of its max-pools
+MODELS: tuple[str, ...] = ("mlp", "cnn", "cnn-avgpool")
+#: the convolutional ones among :data:`MODELS`
+CNN_MODELS: tuple[str, ...] = ("cnn", "cnn-avgpool")
 #: the benchmarks whose first two tasks ``fsd fidelity`` uses
 FIDELITY_BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist")
 #: Split MNIST's tasks: digit pairs, in order

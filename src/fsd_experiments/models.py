@@ -18,7 +18,7 @@ def mlp(input_dim: int, width: int, depth: int, outputs: int) -> nn.Sequential:
 
 
 def conv_net(input_shape: tuple[int, int, int], outputs: int, *,
-             dropout: bool = True) -> nn.Sequential:
+             dropout: bool = True, pool: str = "max") -> nn.Sequential:
     """The Split CIFAR100 CNN (Zenke et al. 2017, as in FROMP / S-FSVI) for any image shape.
 
     conv3×3 32 ('same'), conv3×3 32 ('valid'), maxpool 2, [dropout 0.25], conv3×3 64
@@ -28,18 +28,25 @@ def conv_net(input_shape: tuple[int, int, int], outputs: int, *,
     64·5·5 for 1×28×28.
 
     Dropout is FROMP's. The estimators treat it as the identity: they measure the function
-    at evaluation, where dropout is off (``fsd.model.rules``).
+    at evaluation, where dropout is off (``fsd.model.rules``). ``pool="avg"`` puts
+    ``AvgPool2d(2)`` in place of both max-pools: a network whose only gates are its ReLUs,
+    for telling a max-pool's routing apart from the gates in an estimator's error.
     """
+    if pool not in ("max", "avg"):
+        raise ValueError(f"pool must be 'max' or 'avg', got {pool!r}")
     channels = input_shape[0]
+
+    def pooling() -> nn.Module:
+        return nn.MaxPool2d(2) if pool == "max" else nn.AvgPool2d(2)
 
     def drop(p: float) -> list[nn.Module]:
         return [nn.Dropout(p)] if dropout else []
 
     features = nn.Sequential(
         nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 32, 3), nn.ReLU(), nn.MaxPool2d(2), *drop(0.25),
+        nn.Conv2d(32, 32, 3), nn.ReLU(), pooling(), *drop(0.25),
         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(64, 64, 3), nn.ReLU(), nn.MaxPool2d(2), *drop(0.25),
+        nn.Conv2d(64, 64, 3), nn.ReLU(), pooling(), *drop(0.25),
         nn.Flatten())
     with torch.no_grad():  # the flattened size of one input, whatever its height and width
         flat = int(features(torch.zeros(1, *input_shape)).shape[1])

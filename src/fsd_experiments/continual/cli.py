@@ -165,10 +165,11 @@ def _add_run_options(parser: argparse.ArgumentParser, *, enforce_required: bool)
              "64 for bgln-d-exact)")]:
         parser.add_argument(name, type=kind, default=None, help=what)
     parser.add_argument("--model", choices=MODELS, default=None,
-                        help="the network: mlp (2 hidden ReLU layers) or cnn (the paper's "
+                        help="the network: mlp (2 hidden ReLU layers), cnn (the paper's "
                              "Split CIFAR-100 CNN, 4 conv + 2 dense layers, for any image "
-                             "shape; runs " + ", ".join(CNN_METHODS) + ") (default: cnn on "
-                             "Split CIFAR-100, else mlp)")
+                             "shape; runs " + ", ".join(CNN_METHODS) + ") or cnn-avgpool "
+                             "(the same with average pools in place of its max-pools) "
+                             "(default: cnn on Split CIFAR-100, else mlp)")
     parser.add_argument("--optimizer", choices=OPTIMIZER_MODES, default=None,
                     help="shared: one Adam for the whole stream (default, the authors' code); "
                          "per-task: a fresh Adam at every task")

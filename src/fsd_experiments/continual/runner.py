@@ -18,7 +18,7 @@ from fsd.estimators.base import Estimator, atomic_torch_save, load
 from fsd.statistics.collector import StatisticsCollector
 from fsd.uses.regularizer import ContinualRegularizer
 
-from ..benchmarks import CL_BENCHMARKS, Task, make_tasks
+from ..benchmarks import CL_BENCHMARKS, CNN_MODELS, Task, make_tasks
 from ..compat import cl_checkpoint_settings
 from ..data import TensorBatches
 from ..devices import resolve_device
@@ -130,11 +130,13 @@ def build_model(hp: Hyperparameters, input_shape: Sequence[int], outputs: int) -
     """The network of ``hp.model`` for inputs of ``input_shape`` (C, H, W) and ``outputs`` units.
 
     ``"mlp"``: :func:`~fsd_experiments.models.mlp` of ``hp.width`` and ``hp.depth`` on the
-    flattened input; ``"cnn"``: :func:`~fsd_experiments.models.conv_net`.
+    flattened input; ``"cnn"``: :func:`~fsd_experiments.models.conv_net`; ``"cnn-avgpool"``:
+    the same with average pools.
     """
-    if hp.model == "cnn":
+    if hp.model in CNN_MODELS:
         channels, height, width = (int(d) for d in input_shape)
-        return conv_net((channels, height, width), outputs)
+        return conv_net((channels, height, width), outputs,
+                        pool="avg" if hp.model == "cnn-avgpool" else "max")
     return mlp(math.prod(int(d) for d in input_shape), hp.width, hp.depth, outputs)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from fsd.metrics import check_metric
 
-from ..benchmarks import MODELS, check_validation
+from ..benchmarks import CNN_MODELS, MODELS, check_validation
 from ..presets import CL_METHODS, CNN_METHODS, PRESETS, default_hyperparameters
 
 OPTIMIZER_MODES: tuple[str, ...] = ("shared", "per-task")
@@ -97,10 +97,10 @@ class Hyperparameters:
         paper = default_hyperparameters(benchmark, method)
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
-        if self.model == "cnn" and method not in CNN_METHODS:
+        if self.model in CNN_MODELS and method not in CNN_METHODS:
             raise ValueError(f"{method} does not run on the CNN; the methods that do: "
                              f"{', '.join(CNN_METHODS)}")
-        if self.model == "cnn" and self.width != paper["width"]:
+        if self.model in CNN_MODELS and self.width != paper["width"]:
             raise ValueError("width applies to the MLP (--model mlp), not the CNN")
         if self.metric is not None and self.metric != paper["metric"]:
             takes = [m for m in CL_METHODS if PRESETS[m].metric_applies]
