@@ -22,7 +22,8 @@ from the truth to the stored summary, each refitted at θ_t on x unless it says 
   P(p is the window's argmax and the pooled value is > 0), no position (output 0) otherwise,
   the ReLU itself not gated (exact for a single input, as ReLU and max commute);
 - ``corrected_fired``: the corrected recursion on that BGLN
-  (``BGLNVariant(pool_routing="fired")``);
+  (``BGLNVariant(pool_routing="fired")``); both fired columns are ``null`` for a network
+  without max-pools, where ``bgln_random_routing`` is then the corrected recursion itself;
 - ``stored``: the stored summary's estimate, the penalty the run trained against (its
   statistics are the last epoch's running means, taken with dropout on).
 
@@ -130,15 +131,18 @@ def main() -> None:
             corrected = BGLNVariant(moments="corrected", **common).fit(
                 reference, x, outputs=outputs, progress=False)
             row["bgln_random_routing"] = float(corrected.distance(final))
-            row["corrected_fired"] = float(BGLNVariant(
-                moments="corrected", pool_routing="fired", **common).fit(
-                reference, x, outputs=outputs, progress=False).distance(final))
-            joint = fired_routing(reference, x)
-            generator = torch.Generator().manual_seed(0)
-            def fired(c, e=corrected, m0=reference, pi=joint, k=outputs, g=generator):
-                return sampled_bgln(e, m0, final, k, args.mc_samples, g, fired=pi)
-            row["bgln_fired_routing"], row["bgln_fired_routing_standard_error"] = _mc(
-                fired, args.mc_calls)
+            if any(isinstance(m, nn.MaxPool2d) for m in reference.modules()):
+                row["corrected_fired"] = float(BGLNVariant(
+                    moments="corrected", pool_routing="fired", **common).fit(
+                    reference, x, outputs=outputs, progress=False).distance(final))
+                joint = fired_routing(reference, x)
+                generator = torch.Generator().manual_seed(0)
+                def fired(c, e=corrected, m0=reference, pi=joint, k=outputs, g=generator):
+                    return sampled_bgln(e, m0, final, k, args.mc_samples, g, fired=pi)
+                row["bgln_fired_routing"], row["bgln_fired_routing_standard_error"] = _mc(
+                    fired, args.mc_calls)
+            else:  # no max-pool (--model cnn-avgpool): nothing is routed
+                row["corrected_fired"] = row["bgln_fired_routing"] = None
         row["seconds"] = time.perf_counter() - began
         print(json.dumps(row), flush=True)
         rows.append(row)

@@ -30,8 +30,9 @@ STAGES: tuple[tuple[str, str], ...] = (
 
 
 def ratios(row: dict) -> list[float]:
-    """Each stage's value over the row's true FSD."""
-    return [row[key] / row["true"] for key, _ in STAGES]
+    """Each stage's value over the row's true FSD (NaN, not drawn, where it has none)."""
+    return [float("nan") if row.get(key) is None else row[key] / row["true"]
+            for key, _ in STAGES]
 
 
 def plot(rows: list[dict], out: Path) -> None:
