@@ -298,6 +298,12 @@ def test_tune_chooses_on_the_validation_split_and_reports_the_test_sets(tmp_path
     text = (root / "tune.md").read_text()
     assert "on a validation split: 10 % of each task's training examples held out" in text
     assert "avg validation accuracy" in text and "average test accuracy" in text
+    # the tuning table reads the output as it is: tune.json, the final run in final/
+    table = continual.tune_tables([str(tmp_path)]).splitlines()
+    assert len(table) == 3 and table[2].startswith(
+        "| tune | split-mnist | ewc | epochs 1, train subset 200, test subset 100, tasks 2 | "
+        "7, validation (10 %) | ")
+    assert f"**{tuned['chosen']:g}: " in table[2] and "| 3 |" in table[2]
     # resumable: started again, nothing trains
     capsys.readouterr()
     assert main(args) == 0

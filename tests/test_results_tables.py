@@ -30,6 +30,8 @@ def test_every_committed_row_is_in_a_docs_table():
     shown = set()
     for doc in DOCS:
         for block in BLOCK.finditer(doc.read_text(encoding="utf-8")):
+            if block["kind"] != "rows":
+                continue
             shown |= {line.split("|")[1].strip() + "/" + line.split("|")[2].strip()
                       for line in block["table"].splitlines() if line.startswith("| ")
                       and not line.startswith("| row ")}
@@ -37,6 +39,20 @@ def test_every_committed_row_is_in_a_docs_table():
                  for p in (ROOT / "results" / "cl").glob("*/*/results.json")}
     assert committed, "no result files under results/cl"
     assert committed <= shown, f"rows in results/cl that no docs table shows: " \
+                               f"{sorted(committed - shown)}"
+
+
+def test_every_committed_tuning_is_in_a_docs_tune_table():
+    shown = set()
+    for doc in DOCS:
+        for block in BLOCK.finditer(doc.read_text(encoding="utf-8")):
+            if block["kind"] == "tune":
+                shown |= {line.split("|")[1].strip() for line in block["table"].splitlines()
+                          if line.startswith("| ") and not line.startswith("| row ")}
+    committed = {p.parent.name.split("-")[0]
+                 for p in (ROOT / "results" / "cl").glob("*/*/tune.json")}
+    assert committed, "no tune.json under results/cl"
+    assert committed <= shown, f"tunings in results/cl that no docs table shows: " \
                                f"{sorted(committed - shown)}"
 
 
@@ -123,3 +139,41 @@ def test_the_protocol_column_and_the_row_tables_compare_the_same_settings(tmp_pa
     _write(tmp_path / "R1-ntk", _results("ntk", [99.5], coreset_size=256))
     assert "coreset size 256" in continual.row_tables([str(tmp_path)])
     assert "**not paper protocol**: coreset_size" in continual.report([str(tmp_path)])
+
+
+def _tuning(chosen: float, grid: dict[float, float], validation: float | None = 0.1) -> dict:
+    return {"tuning_seed": 42, "validation": validation, "chosen": chosen,
+            "grid": [{"fsd_scale": k, "avg_accuracy": v, "backward_transfer": -1.0}
+                     for k, v in grid.items()], "schema_version": 2}
+
+
+def test_tune_tables_show_the_grid_the_choice_and_the_final_seeds(tmp_path, capsys):
+    _write(tmp_path / "T2-ewc-tuned", _results("ewc", [99.0, 98.0], fsd_scale=10.0))
+    (tmp_path / "T2-ewc-tuned" / "tune.json").write_text(
+        json.dumps(_tuning(10.0, {0.1: 97.8, 10.0: 99.46, 100.0: 99.03})))
+    _write(tmp_path / "T1-bgln-d-tuned", _results("bgln-d", [97.0], fsd_scale=3.0, width=512))
+    (tmp_path / "T1-bgln-d-tuned" / "tune.json").write_text(
+        json.dumps(_tuning(3.0, {1.0: 90.0, 3.0: 91.5}, validation=None)))
+    _write(tmp_path / "T3-osla", _results("osla", [99.0]))  # not a tuning: not shown
+    lines = continual.tune_tables([str(tmp_path)]).splitlines()
+    assert len(lines) == 4
+    assert lines[2] == ("| T1 | split-mnist | bgln-d | width 512 | 42, test sets | "
+                        "1: 90.00, **3: 91.50** | 1 | 97.00 | 99.72 ± 0.03 | 0.00 |")
+    assert lines[3] == ("| T2 | split-mnist | ewc | – | 42, validation (10 %) | "
+                        "0.1: 97.80, **10: 99.46**, 100: 99.03 | 1 2 | 98.50 ± 0.50 (99.00, "
+                        "98.00) | 63.10 | 0.00 ± 0.00 |")
+    capsys.readouterr()
+    assert main(["cl", "report", str(tmp_path), "--tune"]) == 0
+    assert capsys.readouterr().out == continual.tune_tables([str(tmp_path)]) + "\n"
+    assert main(["cl", "report", str(tmp_path), "--tune", "--rows"]) == 2
+    assert "two different tables" in capsys.readouterr().err
+    # a docs block of the tune kind is regenerated like a rows block
+    page = "<!-- fsd cl report T* --tune: begin -->\n| old |\n<!-- fsd cl report: end -->\n"
+    assert "**10: 99.46**" in refreshed(page, tmp_path)
+    # a tune.json that does not match the final run beside it is refused
+    (tmp_path / "T2-ewc-tuned" / "tune.json").write_text(
+        json.dumps(_tuning(100.0, {10.0: 99.0, 100.0: 99.5})))
+    with pytest.raises(ValueError, match="chose λ 100, the final run used 10"):
+        continual.tune_tables([str(tmp_path)])
+    with pytest.raises(ValueError, match="no fsd cl tune output"):
+        continual.tune_tables([str(tmp_path / "T3-osla")])

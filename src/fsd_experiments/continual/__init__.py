@@ -69,14 +69,16 @@ from .settings import (
     Hyperparameters,
     RunSettings,
 )
+from .tune import TuneResult, tune, tune_tables
 
 __all__ = [
     "BENCHMARKS", "CHECKPOINT_VERSION", "METHODS", "OPTIMIZER_MODES", "PAPER", "PENALTY_MODES",
     "PENALTY_OUTPUTS", "CheckpointMismatchError", "Hyperparameters", "RunResults",
-    "RunSettings", "SeedResult", "Task", "UnreadableCheckpointError", "accuracy_summary",
+    "RunSettings", "SeedResult", "Task", "TuneResult", "UnreadableCheckpointError",
+    "accuracy_summary",
     "add_cli", "average_accuracy",
     "backward_transfer", "default_hyperparameters", "gap_markdown", "make_tasks", "merge_runs",
     "penalty_gap", "penalty_weights", "report", "results_markdown", "row_tables", "run",
     "run_continual",
-    "run_seed", "summary_outputs", "write_results",
+    "run_seed", "summary_outputs", "tune", "tune_tables", "write_results",
 ]

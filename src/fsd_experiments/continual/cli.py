@@ -33,7 +33,7 @@ from .reporting import (
 from .results import results_markdown
 from .runner import BENCHMARKS, METHODS, CheckpointMismatchError, run
 from .settings import OPTIMIZER_MODES, PENALTY_MODES, PENALTY_OUTPUTS, RunSettings
-from .tune import tune
+from .tune import tune, tune_tables
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -83,7 +83,11 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    table = row_tables(args.dirs) if args.rows else report(args.dirs)
+    if args.rows and args.tune:
+        print("error: --rows and --tune are two different tables; give one", file=sys.stderr)
+        return 2
+    table = (row_tables(args.dirs) if args.rows else tune_tables(args.dirs) if args.tune
+             else report(args.dirs))
     print(table)
     if args.out:
         out = Path(args.out)
@@ -221,6 +225,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                      help="the docs' tables: one per benchmark, a line per row folder "
                           "(named ROW-NAME, e.g. results/cl/split-mnist/S1-bgln-s), per-seed "
                           "values, the settings that differ from the defaults")
+    rep.add_argument("--tune", action="store_true",
+                     help="the docs' tuning table: a line per row folder of an fsd cl tune "
+                          "run (tune.json beside the final results.json): the grid, the "
+                          "chosen λ, the final seeds")
     rep.add_argument("--plot", type=argtypes.figure_file, default=None, metavar="FILE",
                      help="also draw the runs' accuracy after each task on one set of axes "
                           "(per benchmark) into FILE (.png, .pdf, .svg)")

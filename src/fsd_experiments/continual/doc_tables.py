@@ -6,6 +6,9 @@ A table in a docs page sits between two markers that name the command producing 
     | row | method | ...
     <!-- fsd cl report: end -->
 
+``--rows`` blocks hold the results tables (:func:`~.reporting.row_tables`), ``--tune`` blocks
+the tuning table (:func:`~.tune.tune_tables`).
+
 ``python -m fsd_experiments.continual.doc_tables docs/*.md`` rewrites every such block from
 the files (run from the repository root); ``stale_tables`` lists the blocks that differ, which
 the test suite checks, so no number in those tables can drift from the committed results.
@@ -21,14 +24,15 @@ from pathlib import Path
 
 from ..io import atomic_write_text
 from .reporting import row_tables
+from .tune import tune_tables
 
 #: a generated block: the report's arguments in the opening marker, the table, the end marker
-BLOCK = re.compile(r"(<!-- fsd cl report (?P<args>[^>]*?) --rows: begin -->\n)(?P<table>.*?)"
-                   r"(<!-- fsd cl report: end -->)", re.S)
+BLOCK = re.compile(r"(<!-- fsd cl report (?P<args>[^>]*?) --(?P<kind>rows|tune): begin -->\n)"
+                   r"(?P<table>.*?)(<!-- fsd cl report: end -->)", re.S)
 
 
-def render(args: str, root: Path) -> str:
-    """The table that ``fsd cl report ARGS --rows`` prints, run from ``root``."""
+def render(args: str, root: Path, kind: str = "rows") -> str:
+    """The table that ``fsd cl report ARGS --KIND`` prints (``rows`` or ``tune``), from ``root``."""
     paths: list[str] = []
     for word in shlex.split(args):
         # row folders only: a file beside them (a README, notes) matches a glob as well
@@ -36,19 +40,20 @@ def render(args: str, root: Path) -> str:
         if not found:
             raise ValueError(f"{word} matches no folder under {root}")
         paths += [str(root / f) for f in found]
-    return row_tables(paths)
+    return row_tables(paths) if kind == "rows" else tune_tables(paths)
 
 
 def refreshed(text: str, root: Path) -> str:
     """``text`` with every generated block's table regenerated."""
-    return BLOCK.sub(lambda m: m[1] + "\n" + render(m["args"], root) + "\n" + m[4], text)
+    return BLOCK.sub(lambda m: m[1] + "\n" + render(m["args"], root, m["kind"]) + "\n" + m[5],
+                     text)
 
 
 def stale_tables(doc: Path, root: Path) -> list[str]:
     """The arguments of every block of ``doc`` whose table differs from the result files."""
     text = doc.read_text(encoding="utf-8")
     return [m["args"] for m in BLOCK.finditer(text)
-            if m["table"] != "\n" + render(m["args"], root) + "\n"]
+            if m["table"] != "\n" + render(m["args"], root, m["kind"]) + "\n"]
 
 
 def main(argv: list[str]) -> int:

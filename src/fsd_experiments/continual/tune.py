@@ -14,12 +14,14 @@ split it was scored on and the chosen λ.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..io import atomic_write_text, versioned, write_json
-from .results import RunResults
+from ..io import atomic_write_text, read_json, versioned, write_json
+from ..presets import default_hyperparameters
+from .reporting import _ROW_FOLDER, PAPER, _per_seed, _read_runs, _row_changes, _row_key
+from .results import RunResults, _pm
 from .runner import run
 from .settings import RunSettings
 
@@ -114,3 +116,74 @@ def tune(settings: RunSettings, grid: Sequence[float], tuning_seed: int = 42) ->
     write_json(root / "tune.json", result.to_json())
     atomic_write_text(root / "tune.md", result.markdown(settings))
     return result
+
+
+def _grid_cell(tuning: dict[str, Any]) -> str:
+    cells = []
+    for point in tuning["grid"]:
+        text = f"{point['fsd_scale']:g}: {point['avg_accuracy']:.2f}"
+        cells.append(f"**{text}**" if point["fsd_scale"] == tuning["chosen"] else text)
+    return ", ".join(cells)
+
+
+def _tuning_folder(results_file: Path) -> Path | None:
+    """The folder of the tuning whose final run ``results_file`` is, if it is one.
+
+    ``fsd cl tune --out OUT`` writes ``OUT/tune.json`` and ``OUT/final/results.json``; a row
+    folder in ``results/cl`` holds both files side by side.
+    """
+    folder = results_file.parent
+    if (folder / "tune.json").is_file():
+        return folder
+    if folder.name == "final" and (folder.parent / "tune.json").is_file():
+        return folder.parent
+    return None
+
+
+def _tuning_key(folder: Path) -> tuple[int, tuple[str, int, str] | str]:
+    # row folders in row order, then other tuning outputs by name
+    return (0, _row_key(folder / "results.json")) if _ROW_FOLDER.match(folder.name) \
+        else (1, folder.name)
+
+
+def tune_tables(paths: Sequence[str]) -> str:
+    """The docs' tuning table: a line per ``fsd cl tune`` output under ``paths``.
+
+    A tuning is an ``fsd cl tune`` output folder (``tune.json``, the final run in ``final/``)
+    or a row folder holding both files side by side (e.g.
+    ``results/cl/split-mnist/R5t-bgln-s-cw-tuned``); a row folder's line is named by its row
+    id, any other by the folder's name. Each line shows the grid on the tuning seed (the
+    chosen λ in bold), the split it was scored on, the settings other than λ that differ
+    from the defaults, and the final seeds at the chosen λ (mean ± std, per seed) beside the
+    paper's number. Raises ``ValueError`` when no tuning is found, or for a ``tune.json``
+    whose chosen λ is not the final run's.
+    """
+    found = sorted(((folder, res) for _, _, path, res in _read_runs(paths)
+                    if (folder := _tuning_folder(path)) is not None),
+                   key=lambda r: (r[1].benchmark, _tuning_key(r[0])))
+    if not found:
+        raise ValueError(f"no fsd cl tune output in {', '.join(map(str, paths))}: give "
+                         f"folders holding tune.json and the final run's results.json")
+    lines = ["| row | benchmark | method | other settings | grid on seed, scored on | "
+             "λ: avg acc (%) on the grid | seeds at the chosen λ | avg acc (%) | paper | BWT |",
+             "|---|---|---|---|---|---|---|---:|---:|---:|"]
+    for folder, res in found:
+        tuning = read_json(folder / "tune.json")
+        hp = res.hyperparameters
+        if tuning["chosen"] != hp.fsd_scale:
+            raise ValueError(f"{folder}: tune.json chose λ {tuning['chosen']:g}, the final "
+                             f"run used {hp.fsd_scale:g}")
+        validation = tuning.get("validation")
+        split = "test sets" if validation is None else f"validation ({100 * validation:g} %)"
+        others = replace(hp, fsd_scale=default_hyperparameters(res.benchmark,
+                                                                res.method)["fsd_scale"])
+        named = _ROW_FOLDER.match(folder.name)
+        row = named[0][:-1] if named else folder.name
+        lines.append(
+            f"| {row} | {res.benchmark} | {res.method} | "
+            f"{_row_changes(others, res.benchmark, res.method)} | "
+            f"{tuning['tuning_seed']}, {split} | {_grid_cell(tuning)} | "
+            f"{' '.join(map(str, res.seeds))} | {_per_seed(res.avg_accuracy)} | "
+            f"{PAPER['avg'].get(res.benchmark, {}).get(res.method, '–')} | "
+            f"{_pm(res.backward_transfer)} |")
+    return "\n".join(lines) + "\n"
