@@ -226,9 +226,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                           "(named ROW-NAME, e.g. results/cl/split-mnist/S1-bgln-s), per-seed "
                           "values, the settings that differ from the defaults")
     rep.add_argument("--tune", action="store_true",
-                     help="the docs' tuning table: a line per row folder of an fsd cl tune "
-                          "run (tune.json beside the final results.json): the grid, the "
-                          "chosen λ, the final seeds")
+                     help="the docs' tuning table: a line per fsd cl tune output (its --out "
+                          "folder, or a row folder holding tune.json beside the final "
+                          "results.json): the grid, the chosen λ, the final seeds")
     rep.add_argument("--plot", type=argtypes.figure_file, default=None, metavar="FILE",
                      help="also draw the runs' accuracy after each task on one set of axes "
                           "(per benchmark) into FILE (.png, .pdf, .svg)")

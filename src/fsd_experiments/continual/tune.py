@@ -14,7 +14,7 @@ split it was scored on and the chosen λ.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -175,7 +175,7 @@ def tune_tables(paths: Sequence[str]) -> str:
                              f"run used {hp.fsd_scale:g}")
         validation = tuning.get("validation")
         split = "test sets" if validation is None else f"validation ({100 * validation:g} %)"
-        others = replace(hp, fsd_scale=default_hyperparameters(res.benchmark,
+        others = dataclasses.replace(hp, fsd_scale=default_hyperparameters(res.benchmark,
                                                                 res.method)["fsd_scale"])
         named = _ROW_FOLDER.match(folder.name)
         row = named[0][:-1] if named else folder.name
