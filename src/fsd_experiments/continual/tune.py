@@ -175,8 +175,8 @@ def tune_tables(paths: Sequence[str]) -> str:
                              f"run used {hp.fsd_scale:g}")
         validation = tuning.get("validation")
         split = "test sets" if validation is None else f"validation ({100 * validation:g} %)"
-        others = dataclasses.replace(hp, fsd_scale=default_hyperparameters(res.benchmark,
-                                                                res.method)["fsd_scale"])
+        default_scale = default_hyperparameters(res.benchmark, res.method)["fsd_scale"]
+        others = dataclasses.replace(hp, fsd_scale=default_scale)
         named = _ROW_FOLDER.match(folder.name)
         row = named[0][:-1] if named else folder.name
         lines.append(
