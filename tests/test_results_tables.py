@@ -12,6 +12,7 @@ import pytest
 
 from fsd_experiments import continual
 from fsd_experiments.cli import main
+from fsd_experiments.continual import reporting
 from fsd_experiments.continual.doc_tables import BLOCK, refreshed, stale_tables
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,7 +167,7 @@ def test_tune_tables_show_the_grid_the_choice_and_the_final_seeds(tmp_path, caps
     assert main(["cl", "report", str(tmp_path), "--tune"]) == 0
     assert capsys.readouterr().out == continual.tune_tables([str(tmp_path)]) + "\n"
     assert main(["cl", "report", str(tmp_path), "--tune", "--rows"]) == 2
-    assert "two different tables" in capsys.readouterr().err
+    assert "different tables" in capsys.readouterr().err
     # a docs block of the tune kind is regenerated like a rows block
     page = "<!-- fsd cl report T* --tune: begin -->\n| old |\n<!-- fsd cl report: end -->\n"
     assert "**10: 99.46**" in refreshed(page, tmp_path)
@@ -177,3 +178,90 @@ def test_tune_tables_show_the_grid_the_choice_and_the_final_seeds(tmp_path, caps
         continual.tune_tables([str(tmp_path)])
     with pytest.raises(ValueError, match="no fsd cl tune output"):
         continual.tune_tables([str(tmp_path / "T3-osla")])
+
+
+def _gap_rows(seed: int, ratios: list[float], linearized: bool = False) -> list[dict]:
+    rows = []
+    for task, ratio in enumerate(ratios, 1):
+        true = 16.0 / 2**task  # powers of two: every derived ratio prints exactly
+        row = {"seed": seed, "task": task, "after_task": len(ratios) + 1, "finished": True,
+               "true_fsd": true, "estimate": ratio * true, "ratio": ratio}
+        if linearized:
+            row["linearized"] = 0.5 * true
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("linearized", [False, True])
+def test_a_gap_table_reads_back_as_fsd_cl_gap_printed_it(linearized):
+    rows = _gap_rows(20, [0.25, 1e-6, 3.5], linearized) + _gap_rows(21, [0.5, 2.0, 7e-3],
+                                                                     linearized)
+    printed = continual.gap_markdown(rows)
+    read = continual.read_gap_markdown(printed)
+    assert continual.gap_markdown(read) == printed
+    assert [(r["seed"], r["task"]) for r in read] == [(r["seed"], r["task"]) for r in rows]
+    assert read[1]["ratio"] == 1e-6 and read[2]["estimate"] == 7.0
+    # seeds run apart and joined with blank lines, under one header or one each
+    one, two = continual.gap_markdown(rows[:3]), continual.gap_markdown(rows[3:])
+    headless = "\n".join(two.splitlines()[2:]) + "\n"
+    for joined in (one + "\n" + two, one + "\n" + headless):
+        assert continual.gap_markdown(continual.read_gap_markdown(joined)) == printed
+
+
+def test_reading_a_gap_table_marks_unfinished_seeds_and_skips_the_layer_table():
+    rows = _gap_rows(20, [0.1, 0.2])
+    rows[0]["layers"] = rows[1]["layers"] = [{"layer": "0", "estimate": 1.0,
+                                              "linearized": 2.0}]
+    text = ("seed 20 has not finished: compared at its latest checkpoint, after task 3\n\n"
+            + continual.gap_markdown(rows) + "\n" + reporting.gap_layers_markdown(rows))
+    read = continual.read_gap_markdown(text)
+    assert len(read) == 2
+    assert all(not r["finished"] and r["after_task"] == 3 for r in read)
+    with pytest.raises(ValueError, match=r"x\.md holds no table of fsd cl gap"):
+        continual.read_gap_markdown("no table\n", "x.md")
+    bad = continual.gap_markdown(rows).replace("| 20 | 2 |", "| 20 | two |")
+    with pytest.raises(ValueError, match=r"x\.md, line 4: not a row"):
+        continual.read_gap_markdown(bad, "x.md")
+
+
+def test_gap_tables_show_the_spread_and_task_one_per_seed(tmp_path, capsys):
+    bench = tmp_path / "split-mnist"
+    _write(bench / "S10-osla", _results("osla", [99.0, 98.0]))
+    (bench / "S10-osla" / "gap.md").write_text(
+        continual.gap_markdown(_gap_rows(1, [0.5, 0.25]) + _gap_rows(2, [1e-4, 2.0])))
+    (bench / "S2-stopped").mkdir()  # a run stopped early: gap.md without results.json
+    (bench / "S2-stopped" / "gap.md").write_text(
+        "seed 20 has not finished: compared at its latest checkpoint, after task 2\n\n"
+        + continual.gap_markdown(_gap_rows(20, [3e-6])))
+    _write(bench / "S3-finetune", _results("finetune", [90.0]))  # no gap.md: not shown
+    lines = continual.gap_tables([str(tmp_path)]).splitlines()
+    assert lines[2:] == [
+        "| S2 | – | 20 (after task 2) | 1 | 3e-06, 3e-06, 3e-06 | 8 | 2.4e-05 |",
+        # ratios 0.5, 0.25, 1e-4, 2: median (0.25 + 0.5) / 2
+        "| S10 | osla | 1 2 | 1–2 | 0.0001, 0.375, 2 | 8, 8 | 4, 0.0008 |"]
+    assert main(["cl", "report", str(tmp_path), "--gap"]) == 0
+    assert capsys.readouterr().out == continual.gap_tables([str(tmp_path)]) + "\n"
+    assert main(["cl", "report", str(tmp_path), "--gap", "--tune"]) == 2
+    assert "different tables" in capsys.readouterr().err
+    page = ("<!-- fsd cl report split-mnist/S* --gap: begin -->\n| old |\n"
+            "<!-- fsd cl report: end -->\n")
+    assert "| S10 | osla | 1 2 |" in refreshed(page, tmp_path)
+    with pytest.raises(ValueError, match=r"no gap\.md"):
+        continual.gap_tables([str(bench / "S3-finetune")])
+    (bench / "notarow").mkdir()
+    (bench / "notarow" / "gap.md").write_text(continual.gap_markdown(_gap_rows(1, [1.0])))
+    with pytest.raises(ValueError, match="not a row folder"):
+        continual.gap_tables([str(bench)])
+
+
+def test_every_committed_gap_is_in_a_docs_gap_table():
+    shown = set()
+    for doc in DOCS:
+        for block in BLOCK.finditer(doc.read_text(encoding="utf-8")):
+            if block["kind"] == "gap":
+                shown |= {line.split("|")[1].strip() for line in block["table"].splitlines()
+                          if line.startswith("| ") and not line.startswith("| row ")}
+    committed = {p.parent.name.split("-")[0] for p in (ROOT / "results" / "cl").glob("*/*/gap.md")}
+    assert committed, "no gap.md under results/cl"
+    assert committed <= shown, f"gaps in results/cl that no docs gap table shows: " \
+                               f"{sorted(committed - shown)}"

@@ -40,7 +40,16 @@ from __future__ import annotations
 from ..benchmarks import Task, make_tasks
 from ..presets import default_hyperparameters
 from .cli import add_cli
-from .reporting import PAPER, gap_markdown, merge_runs, penalty_gap, report, row_tables
+from .reporting import (
+    PAPER,
+    gap_markdown,
+    gap_tables,
+    merge_runs,
+    penalty_gap,
+    read_gap_markdown,
+    report,
+    row_tables,
+)
 from .results import (
     RunResults,
     SeedResult,
@@ -77,8 +86,10 @@ __all__ = [
     "RunSettings", "SeedResult", "Task", "TuneResult", "UnreadableCheckpointError",
     "accuracy_summary",
     "add_cli", "average_accuracy",
-    "backward_transfer", "default_hyperparameters", "gap_markdown", "make_tasks", "merge_runs",
-    "penalty_gap", "penalty_weights", "report", "results_markdown", "row_tables", "run",
+    "backward_transfer", "default_hyperparameters", "gap_markdown", "gap_tables", "make_tasks",
+    "merge_runs",
+    "penalty_gap", "penalty_weights", "read_gap_markdown", "report", "results_markdown",
+    "row_tables", "run",
     "run_continual",
     "run_seed", "summary_outputs", "tune", "tune_tables", "write_results",
 ]

@@ -25,6 +25,7 @@ from .reporting import (
     comparison_plot,
     gap_layers_markdown,
     gap_markdown,
+    gap_tables,
     merge_runs,
     penalty_gap,
     report,
@@ -83,11 +84,11 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    if args.rows and args.tune:
-        print("error: --rows and --tune are two different tables; give one", file=sys.stderr)
+    if args.rows + args.tune + args.gap > 1:
+        print("error: --rows, --tune and --gap are different tables; give one", file=sys.stderr)
         return 2
     table = (row_tables(args.dirs) if args.rows else tune_tables(args.dirs) if args.tune
-             else report(args.dirs))
+             else gap_tables(args.dirs) if args.gap else report(args.dirs))
     print(table)
     if args.out:
         out = Path(args.out)
@@ -229,6 +230,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                      help="the docs' tuning table: a line per fsd cl tune output (its --out "
                           "folder, or a row folder holding tune.json beside the final "
                           "results.json): the grid, the chosen λ, the final seeds")
+    rep.add_argument("--gap", action="store_true",
+                     help="the docs' estimate-against-truth table: a line per row folder "
+                          "holding gap.md (what fsd cl gap printed): the spread of estimate / "
+                          "true FSD over seeds and old tasks, task 1's numbers per seed")
     rep.add_argument("--plot", type=argtypes.figure_file, default=None, metavar="FILE",
                      help="also draw the runs' accuracy after each task on one set of axes "
                           "(per benchmark) into FILE (.png, .pdf, .svg)")

@@ -254,8 +254,8 @@ _ROW_FOLDER = re.compile(r"^([A-Z]+)(\d+)([a-z]*)-")
 def _row_key(path: Path) -> tuple[str, int, str]:
     found = _ROW_FOLDER.match(path.parent.name)
     if not found:
-        raise ValueError(f"{path.parent} is not a row folder: --rows takes folders named "
-                         f"ROW-NAME, e.g. S1-bgln-s (letters and a number, a dash, a name)")
+        raise ValueError(f"{path.parent} is not a row folder: --rows and --gap take folders "
+                         f"named ROW-NAME, e.g. S1-bgln-s (letters and a number, a dash, a name)")
     return found[1], int(found[2]), found[3]
 
 
@@ -555,6 +555,115 @@ def gap_markdown(rows: Sequence[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---:|" * len(columns)]
     lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+#: ``gap_markdown``'s column headers and the row keys they hold; the ratios of the linearized
+#: columns are derived from the others and not read back
+_GAP_COLUMNS = {"seed": "seed", "task": "task", "true FSD": "true_fsd",
+                "linearized FSD": "linearized", "summary's estimate": "estimate",
+                "estimate / true": "ratio", "linearized / true": None,
+                "estimate / linearized": None}
+#: the line ``fsd cl gap`` prints above the table for a seed compared before its last task
+_UNFINISHED = re.compile(r"^seed (-?\d+) has not finished: compared at its latest checkpoint, "
+                         r"after task (\d+)$")
+
+
+def read_gap_markdown(text: str, source: str = "gap.md") -> list[dict[str, Any]]:
+    """The rows of what ``fsd cl gap`` printed (:func:`gap_markdown`), read back.
+
+    The committed ``gap.md`` files are that output as printed, so the numbers are its
+    three significant digits. Seeds run apart and joined with blank lines (under one header
+    or several) read as one table; a by-layer table (:func:`gap_layers_markdown`) is
+    skipped. A seed named on a "has not finished" line has ``finished`` False and its
+    ``after_task``; the others have ``finished`` True and ``after_task`` None (the table
+    does not say).
+
+    Raises:
+        ValueError: no gap table in ``text``, or a line of one that does not parse
+            (naming ``source`` and the line).
+    """
+    unfinished = {int(m[1]): int(m[2]) for line in text.splitlines()
+                  if (m := _UNFINISHED.match(line.strip()))}
+    rows: list[dict[str, Any]] = []
+    keys: list[str | None] | None = None
+    for number, line in enumerate(text.splitlines(), 1):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.strip():
+            continue  # seeds run apart and joined: their tables follow under one header
+        if not line.startswith("|"):
+            keys = None  # a note ends a table
+        elif cells[0] == "seed":
+            known = all(c in _GAP_COLUMNS for c in cells)
+            keys = [_GAP_COLUMNS[c] for c in cells] if known else None
+        elif keys is not None and not set(line) <= set("|-: "):
+            try:
+                row: dict[str, Any] = {k: float(c) for k, c in zip(keys, cells, strict=True)
+                                       if k is not None}
+                row["seed"], row["task"] = int(row["seed"]), int(row["task"])
+            except (ValueError, KeyError):
+                raise ValueError(f"{source}, line {number}: not a row of fsd cl gap's table: "
+                                 f"{line.strip()}") from None
+            row["finished"] = row["seed"] not in unfinished
+            row["after_task"] = unfinished.get(row["seed"])
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{source} holds no table of fsd cl gap")
+    return rows
+
+
+def gap_tables(paths: Sequence[str]) -> str:
+    """The docs' estimate-against-truth table: a line per row folder holding a ``gap.md``.
+
+    ``gap.md`` is what ``fsd cl gap`` printed for the row's run (read back by
+    :func:`read_gap_markdown`). Each line shows the seeds compared, the old tasks, the
+    spread of the summary's estimate over the true FSD over every (seed, task) pair
+    (least, median, largest) and task 1's true FSD and estimate per seed: an estimate far
+    below the truth is a collapsed penalty. The method comes from the ``results.json``
+    beside it (a run stopped early may have none). Row folders are found as ``--rows``
+    finds them (``ROW-NAME``), one table per benchmark folder.
+
+    Raises:
+        ValueError: no ``gap.md`` under ``paths``, one that does not parse, or a folder
+            whose name carries no row id.
+    """
+    found: list[Path] = []
+    for p in paths:
+        path = Path(p)
+        if not path.is_dir():
+            raise ValueError(f"{path} is not a folder")
+        found += sorted(Path(root) / "gap.md" for root, _, files in os.walk(path)
+                        if "gap.md" in files)
+    if not found:
+        raise ValueError(f"no gap.md in {', '.join(map(str, paths))}: give row folders "
+                         f"holding what fsd cl gap printed")
+    found = sorted(dict.fromkeys(found), key=lambda g: (g.parent.parent.name, _row_key(g)))
+    tables: list[tuple[str, str]] = []
+    for bench in dict.fromkeys(g.parent.parent.name for g in found):
+        lines = ["| row | method | seeds | old tasks | estimate / true: least, median, "
+                 "largest | task 1: true FSD | task 1: estimate |",
+                 "|---|---|---|---|---|---|---|"]
+        for gap in (g for g in found if g.parent.parent.name == bench):
+            rows = read_gap_markdown(gap.read_text(encoding="utf-8"), str(gap))
+            beside = gap.parent / "results.json"
+            method = read_json(beside).get("method", "–") if beside.is_file() else "–"
+            seeds = list(dict.fromkeys(r["seed"] for r in rows))
+            seed_cells = [str(s) if (after := next(r["after_task"] for r in rows
+                                                   if r["seed"] == s)) is None
+                          else f"{s} (after task {after})" for s in seeds]
+            tasks = sorted({r["task"] for r in rows})
+            ratios = [r["ratio"] for r in rows]
+            first = [r for r in rows if r["task"] == 1]
+            row = _ROW_FOLDER.match(gap.parent.name)[0][:-1]  # type: ignore[index]
+            span = f"{tasks[0]}–{tasks[-1]}" if len(tasks) > 1 else f"{tasks[0]}"
+            lines.append(
+                f"| {row} | {method} | {' '.join(seed_cells)} | {span} | "
+                f"{min(ratios):.3g}, {float(np.median(ratios)):.3g}, {max(ratios):.3g} | "
+                + ", ".join(f"{r['true_fsd']:.3g}" for r in first) + " | "
+                + ", ".join(f"{r['estimate']:.3g}" for r in first) + " |")
+        tables.append((bench, "\n".join(lines) + "\n"))
+    if len(tables) == 1:
+        return tables[0][1]
+    return "\n".join(f"{bench}:\n\n{table}" for bench, table in tables)
 
 
 def gap_layers_markdown(rows: Sequence[dict[str, Any]]) -> str:
