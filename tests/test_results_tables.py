@@ -219,6 +219,11 @@ def test_reading_a_gap_table_marks_unfinished_seeds_and_skips_the_layer_table():
     assert all(not r["finished"] and r["after_task"] == 3 for r in read)
     with pytest.raises(ValueError, match=r"x\.md holds no table of fsd cl gap"):
         continual.read_gap_markdown("no table\n", "x.md")
+    # a ratio printed to three decimals (older versions) is taken from the two columns
+    old = ("| seed | task | true FSD | summary's estimate | estimate / true |\n"
+           "|---:|---:|---:|---:|---:|\n| 20 | 1 | 213 | 0.00315 | 0.000 |\n"
+           "| 20 | 2 | 8 | 0.246 | 0.0308 |\n")
+    assert [r["ratio"] for r in continual.read_gap_markdown(old)] == [0.00315 / 213, 0.0308]
     bad = continual.gap_markdown(rows).replace("| 20 | 2 |", "| 20 | two |")
     with pytest.raises(ValueError, match=r"x\.md, line 4: not a row"):
         continual.read_gap_markdown(bad, "x.md")

@@ -572,7 +572,9 @@ def read_gap_markdown(text: str, source: str = "gap.md") -> list[dict[str, Any]]
     """The rows of what ``fsd cl gap`` printed (:func:`gap_markdown`), read back.
 
     The committed ``gap.md`` files are that output as printed, so the numbers are its
-    three significant digits. Seeds run apart and joined with blank lines (under one header
+    three significant digits; a ratio printed with fewer (older versions rounded it to three
+    decimals, a collapsed one to 0.000) is the printed estimate over the printed true FSD.
+    Seeds run apart and joined with blank lines (under one header
     or several) read as one table; a by-layer table (:func:`gap_layers_markdown`) is
     skipped. A seed named on a "has not finished" line has ``finished`` False and its
     ``after_task``; the others have ``finished`` True and ``after_task`` None (the table
@@ -600,15 +602,25 @@ def read_gap_markdown(text: str, source: str = "gap.md") -> list[dict[str, Any]]
                 row: dict[str, Any] = {k: float(c) for k, c in zip(keys, cells, strict=True)
                                        if k is not None}
                 row["seed"], row["task"] = int(row["seed"]), int(row["task"])
+                printed = cells[keys.index("ratio")]
             except (ValueError, KeyError):
                 raise ValueError(f"{source}, line {number}: not a row of fsd cl gap's table: "
                                  f"{line.strip()}") from None
+            # older tables printed the ratio to three decimals, which rounds a collapsed
+            # estimate (1e-7 of the truth) to 0.000: such a ratio is taken from the columns
+            if _significant_digits(printed) < 3 and row["true_fsd"] > 0:
+                row["ratio"] = row["estimate"] / row["true_fsd"]
             row["finished"] = row["seed"] not in unfinished
             row["after_task"] = unfinished.get(row["seed"])
             rows.append(row)
     if not rows:
         raise ValueError(f"{source} holds no table of fsd cl gap")
     return rows
+
+
+def _significant_digits(number: str) -> int:
+    mantissa = number.lower().split("e")[0].lstrip("+-").replace(".", "")
+    return len(mantissa.lstrip("0"))
 
 
 def gap_tables(paths: Sequence[str]) -> str:
