@@ -43,18 +43,18 @@ def test_every_committed_row_is_in_a_docs_table():
                                f"{sorted(committed - shown)}"
 
 
-def test_every_committed_tuning_is_in_a_docs_tune_table():
+@pytest.mark.parametrize(("kind", "file"), [("tune", "tune.json"), ("gap", "gap.md")])
+def test_every_committed_tuning_and_gap_is_in_a_docs_table_of_its_kind(kind, file):
     shown = set()
     for doc in DOCS:
         for block in BLOCK.finditer(doc.read_text(encoding="utf-8")):
-            if block["kind"] == "tune":
+            if block["kind"] == kind:
                 shown |= {line.split("|")[1].strip() for line in block["table"].splitlines()
                           if line.startswith("| ") and not line.startswith("| row ")}
-    committed = {p.parent.name.split("-")[0]
-                 for p in (ROOT / "results" / "cl").glob("*/*/tune.json")}
-    assert committed, "no tune.json under results/cl"
-    assert committed <= shown, f"tunings in results/cl that no docs table shows: " \
-                               f"{sorted(committed - shown)}"
+    committed = {p.parent.name.split("-")[0] for p in (ROOT / "results" / "cl").glob(f"*/*/{file}")}
+    assert committed, f"no {file} under results/cl"
+    assert committed <= shown, f"{file} files in results/cl that no docs --{kind} table " \
+                               f"shows: {sorted(committed - shown)}"
 
 
 def _results(method: str, per_seed: list[float], **settings) -> dict:
@@ -257,16 +257,3 @@ def test_gap_tables_show_the_spread_and_task_one_per_seed(tmp_path, capsys):
     (bench / "notarow" / "gap.md").write_text(continual.gap_markdown(_gap_rows(1, [1.0])))
     with pytest.raises(ValueError, match="not a row folder"):
         continual.gap_tables([str(bench)])
-
-
-def test_every_committed_gap_is_in_a_docs_gap_table():
-    shown = set()
-    for doc in DOCS:
-        for block in BLOCK.finditer(doc.read_text(encoding="utf-8")):
-            if block["kind"] == "gap":
-                shown |= {line.split("|")[1].strip() for line in block["table"].splitlines()
-                          if line.startswith("| ") and not line.startswith("| row ")}
-    committed = {p.parent.name.split("-")[0] for p in (ROOT / "results" / "cl").glob("*/*/gap.md")}
-    assert committed, "no gap.md under results/cl"
-    assert committed <= shown, f"gaps in results/cl that no docs gap table shows: " \
-                               f"{sorted(committed - shown)}"
