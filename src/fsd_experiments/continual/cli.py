@@ -22,6 +22,7 @@ from ..data import add_data_options
 from ..io import DirectoryInUseError, atomic_write_text
 from ..presets import CNN_METHODS
 from .reporting import (
+    UNFINISHED_LINE,
     comparison_plot,
     gap_layers_markdown,
     gap_markdown,
@@ -107,8 +108,7 @@ def _cmd_gap(args: argparse.Namespace) -> int:
     rows = penalty_gap(args.dir, args.data_dir, args.examples, args.linearized, args.by_layer)
     for seed in dict.fromkeys(r["seed"] for r in rows if not r["finished"]):
         after = max(r["after_task"] for r in rows if r["seed"] == seed)
-        print(f"seed {seed} has not finished: compared at its latest checkpoint, after task "
-              f"{after}\n")
+        print(UNFINISHED_LINE.format(seed=seed, after=after) + "\n")
     print(gap_markdown(rows))
     if args.by_layer:
         print(gap_layers_markdown(rows))

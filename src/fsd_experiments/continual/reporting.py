@@ -564,8 +564,10 @@ _GAP_COLUMNS = {"seed": "seed", "task": "task", "true FSD": "true_fsd",
                 "estimate / true": "ratio", "linearized / true": None,
                 "estimate / linearized": None}
 #: the line ``fsd cl gap`` prints above the table for a seed compared before its last task
-_UNFINISHED = re.compile(r"^seed (-?\d+) has not finished: compared at its latest checkpoint, "
-                         r"after task (\d+)$")
+UNFINISHED_LINE = ("seed {seed} has not finished: compared at its latest checkpoint, after "
+                   "task {after}")
+_UNFINISHED = re.compile("^" + re.escape(UNFINISHED_LINE).replace(r"\{seed\}", r"(-?\d+)")
+                         .replace(r"\{after\}", r"(\d+)") + "$")
 
 
 def read_gap_markdown(text: str, source: str = "gap.md") -> list[dict[str, Any]]:
