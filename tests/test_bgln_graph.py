@@ -398,7 +398,10 @@ def test_bgln_s_on_a_chain_gives_the_numbers_it_gave_before(name):
     est = make().fit(model, data)
     with torch.no_grad():
         got = tuple(float(est.distance(moved)) for _ in range(2))
-    assert got == pytest.approx(CHAIN_VALUES[name], rel=1e-12, abs=0)
+    # rel 1e-8, not 1e-12: the CPU's vector width changes the last bits of the float64 draws
+    # and reductions, which the Monte Carlo mean carries to 2e-9 (seen between two machines);
+    # any change to the estimator moves these numbers by far more
+    assert got == pytest.approx(CHAIN_VALUES[name], rel=1e-8, abs=0)
 
 
 @pytest.mark.parametrize("kind", ["cnn", "smooth"])
