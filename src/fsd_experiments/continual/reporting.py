@@ -660,10 +660,9 @@ def gap_tables(paths: Sequence[str]) -> str:
             rows = read_gap_markdown(gap.read_text(encoding="utf-8"), str(gap))
             beside = gap.parent / "results.json"
             method = read_json(beside).get("method", "–") if beside.is_file() else "–"
-            seeds = list(dict.fromkeys(r["seed"] for r in rows))
-            seed_cells = [str(s) if (after := next(r["after_task"] for r in rows
-                                                   if r["seed"] == s)) is None
-                          else f"{s} (after task {after})" for s in seeds]
+            after = {r["seed"]: r["after_task"] for r in rows}  # None: the seed finished
+            seed_cells = [str(s) if a is None else f"{s} (after task {a})"
+                          for s, a in after.items()]
             tasks = sorted({r["task"] for r in rows})
             ratios = [r["ratio"] for r in rows]
             first = [r for r in rows if r["task"] == 1]
