@@ -257,3 +257,24 @@ def test_gap_tables_show_the_spread_and_task_one_per_seed(tmp_path, capsys):
     (bench / "notarow" / "gap.md").write_text(continual.gap_markdown(_gap_rows(1, [1.0])))
     with pytest.raises(ValueError, match="not a row folder"):
         continual.gap_tables([str(bench)])
+
+
+def test_gap_plot_draws_every_ratio_of_every_row(tmp_path, capsys):
+    bench = tmp_path / "permuted-mnist"
+    _write(bench / "Q1-bgln-d", _results("bgln-d", [80.0, 90.0]))
+    (bench / "Q1-bgln-d" / "gap.md").write_text(
+        continual.gap_markdown(_gap_rows(1, [1e-5, 1e-3]) + _gap_rows(2, [1e-4, 0.0])))
+    (bench / "Q2-stopped").mkdir()  # no results.json: labelled without a method
+    (bench / "Q2-stopped" / "gap.md").write_text(continual.gap_markdown(_gap_rows(20, [0.5])))
+    fig = reporting._gap_figure(reporting._gap_rows([str(tmp_path)]))
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["Q1 bgln-d, 85.00 %", "Q2 –"]
+    dots = [c.get_offsets() for c in ax.collections]
+    # one dot per (seed, task) at its ratio, a ratio below the axis floor (0 here) at it
+    assert sorted(dots[0][:, 0]) == pytest.approx([reporting.GAP_AXIS_FLOOR, 1e-5, 1e-4, 1e-3])
+    assert list(dots[0][:, 1]) == [0, 0, 0, 0] and list(dots[1][:, 0]) == [0.5]
+    medians = [line.get_xdata()[0] for line in ax.lines if line.get_color() == "black"]
+    assert medians == pytest.approx([(1e-5 + 1e-4) / 2, 0.5])
+    assert main(["cl", "report", str(tmp_path), "--gap", "--plot", str(tmp_path / "g.png")]) == 0
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| Q1 | bgln-d |" in capsys.readouterr().out

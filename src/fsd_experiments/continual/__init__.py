@@ -43,6 +43,7 @@ from .cli import add_cli
 from .reporting import (
     PAPER,
     gap_markdown,
+    gap_plot,
     gap_tables,
     merge_runs,
     penalty_gap,
@@ -86,7 +87,8 @@ __all__ = [
     "RunSettings", "SeedResult", "Task", "TuneResult", "UnreadableCheckpointError",
     "accuracy_summary",
     "add_cli", "average_accuracy",
-    "backward_transfer", "default_hyperparameters", "gap_markdown", "gap_tables", "make_tasks",
+    "backward_transfer", "default_hyperparameters", "gap_markdown", "gap_plot", "gap_tables",
+    "make_tasks",
     "merge_runs",
     "penalty_gap", "penalty_weights", "read_gap_markdown", "report", "results_markdown",
     "row_tables", "run",

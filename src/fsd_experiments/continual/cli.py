@@ -26,6 +26,7 @@ from .reporting import (
     comparison_plot,
     gap_layers_markdown,
     gap_markdown,
+    gap_plot,
     gap_tables,
     merge_runs,
     penalty_gap,
@@ -99,7 +100,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
         atomic_write_text(out, header + table)
         print(f"wrote {out}")
     if args.plot:
-        print(f"wrote {comparison_plot(args.dirs, args.plot)}")
+        plot = gap_plot if args.gap else comparison_plot
+        print(f"wrote {plot(args.dirs, args.plot)}")
     return 0
 
 
@@ -236,7 +238,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                           "true FSD over seeds and old tasks, task 1's numbers per seed")
     rep.add_argument("--plot", type=argtypes.figure_file, default=None, metavar="FILE",
                      help="also draw the runs' accuracy after each task on one set of axes "
-                          "(per benchmark) into FILE (.png, .pdf, .svg)")
+                          "(per benchmark) into FILE (.png, .pdf, .svg); with --gap, every "
+                          "row's estimate / true FSD per seed and old task instead")
     rep.set_defaults(func=_cmd_report)
     gap = cl_sub.add_parser("gap", help="true FSD vs each stored summary's estimate at the "
                                         "end of a finished run")

@@ -625,6 +625,33 @@ def _significant_digits(number: str) -> int:
     return len(mantissa.lstrip("0"))
 
 
+def _gap_rows(paths: Sequence[str]) -> list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]]:
+    """(benchmark folder, row id, the ``results.json`` beside or {}, rows) per ``gap.md``.
+
+    Row folders are found as ``--rows`` finds them (``ROW-NAME``), sorted by benchmark folder,
+    then row.
+    """
+    found: list[Path] = []
+    for p in paths:
+        path = Path(p)
+        if not path.is_dir():
+            raise ValueError(f"{path} is not a folder")
+        found += sorted(Path(root) / "gap.md" for root, _, files in os.walk(path)
+                        if "gap.md" in files)
+    if not found:
+        raise ValueError(f"no gap.md in {', '.join(map(str, paths))}: give row folders "
+                         f"holding what fsd cl gap printed")
+    found = sorted(dict.fromkeys(found), key=lambda g: (g.parent.parent.name, _row_key(g)))
+    out = []
+    for gap in found:
+        rows = read_gap_markdown(gap.read_text(encoding="utf-8"), str(gap))
+        beside = gap.parent / "results.json"
+        results = read_json(beside) if beside.is_file() else {}
+        row = _ROW_FOLDER.match(gap.parent.name)[0][:-1]  # type: ignore[index]
+        out.append((gap.parent.parent.name, row, results, rows))
+    return out
+
+
 def gap_tables(paths: Sequence[str]) -> str:
     """The docs' estimate-against-truth table: a line per row folder holding a ``gap.md``.
 
@@ -640,36 +667,22 @@ def gap_tables(paths: Sequence[str]) -> str:
         ValueError: no ``gap.md`` under ``paths``, one that does not parse, or a folder
             whose name carries no row id.
     """
-    found: list[Path] = []
-    for p in paths:
-        path = Path(p)
-        if not path.is_dir():
-            raise ValueError(f"{path} is not a folder")
-        found += sorted(Path(root) / "gap.md" for root, _, files in os.walk(path)
-                        if "gap.md" in files)
-    if not found:
-        raise ValueError(f"no gap.md in {', '.join(map(str, paths))}: give row folders "
-                         f"holding what fsd cl gap printed")
-    found = sorted(dict.fromkeys(found), key=lambda g: (g.parent.parent.name, _row_key(g)))
+    found = _gap_rows(paths)
     tables: list[tuple[str, str]] = []
-    for bench in dict.fromkeys(g.parent.parent.name for g in found):
+    for bench in dict.fromkeys(b for b, *_ in found):
         lines = ["| row | method | seeds | old tasks | estimate / true: least, median, "
                  "largest | task 1: true FSD | task 1: estimate |",
                  "|---|---|---|---|---|---|---|"]
-        for gap in (g for g in found if g.parent.parent.name == bench):
-            rows = read_gap_markdown(gap.read_text(encoding="utf-8"), str(gap))
-            beside = gap.parent / "results.json"
-            method = read_json(beside).get("method", "–") if beside.is_file() else "–"
+        for _, row, results, rows in (f for f in found if f[0] == bench):
             after = {r["seed"]: r["after_task"] for r in rows}  # None: the seed finished
             seed_cells = [str(s) if a is None else f"{s} (after task {a})"
                           for s, a in after.items()]
             tasks = sorted({r["task"] for r in rows})
             ratios = [r["ratio"] for r in rows]
             first = [r for r in rows if r["task"] == 1]
-            row = _ROW_FOLDER.match(gap.parent.name)[0][:-1]  # type: ignore[index]
             span = f"{tasks[0]}–{tasks[-1]}" if len(tasks) > 1 else f"{tasks[0]}"
             lines.append(
-                f"| {row} | {method} | {' '.join(seed_cells)} | {span} | "
+                f"| {row} | {results.get('method', '–')} | {' '.join(seed_cells)} | {span} | "
                 f"{min(ratios):.3g}, {float(np.median(ratios)):.3g}, {max(ratios):.3g} | "
                 + ", ".join(f"{r['true_fsd']:.3g}" for r in first) + " | "
                 + ", ".join(f"{r['estimate']:.3g}" for r in first) + " |")
@@ -677,6 +690,70 @@ def gap_tables(paths: Sequence[str]) -> str:
     if len(tables) == 1:
         return tables[0][1]
     return "\n".join(f"{bench}:\n\n{table}" for bench, table in tables)
+
+
+#: the floor for an estimate that holds: 5 % of the true FSD, drawn on the gap figure
+GAP_FLOOR = 0.05
+#: the gap figure's left end: smaller ratios are drawn there
+GAP_AXIS_FLOOR = 1e-9
+
+
+def gap_plot(paths: Sequence[str], out: str | os.PathLike) -> Path:
+    """The estimate-against-truth figure: every (seed, old task) ratio of every row, on a log axis.
+
+    One panel per benchmark folder, one line per row folder holding a ``gap.md`` (as
+    :func:`gap_tables` reads them), labelled with the row, its method and its final average
+    accuracy (from the ``results.json`` beside it). Each dot is one seed's estimate over the
+    true FSD for one old task, the bar its median; the line at 1 is an exact estimate, the
+    dashed line at :data:`GAP_FLOOR` the floor a non-collapsed penalty keeps; ratios below
+    :data:`GAP_AXIS_FLOOR` are drawn at it. Written
+    atomically to ``out`` (its suffix picks the format).
+    """
+    fig = _gap_figure(_gap_rows(paths))
+    out = Path(out)
+    plt = pyplot()
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, dpi=110, format=out.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
+    atomic_write_bytes(out, buffer.getvalue())
+    return out
+
+
+def _gap_figure(found: list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]]) -> Any:
+    """The figure of :func:`gap_plot` (a matplotlib ``Figure``); rows top to bottom."""
+    benchmarks = list(dict.fromkeys(b for b, *_ in found))
+    counts = [sum(b == bench for b, *_ in found) for bench in benchmarks]
+    plt = pyplot()
+    fig, axes = plt.subplots(len(benchmarks), 1, squeeze=False,
+                             figsize=(8.0, 0.2 * sum(counts) + 1.1 * len(benchmarks)),
+                             gridspec_kw={"height_ratios": [c + 3 for c in counts]})
+    for ax, bench in zip(axes[:, 0], benchmarks, strict=True):
+        lines = [f for f in found if f[0] == bench]
+        labels = []
+        for y, (_, row, results, rows) in enumerate(lines):
+            ratios = np.array([r["ratio"] for r in rows])
+            # a few class-wise rows reach 1e-17 (or print 0, off a log axis): the axis
+            # stops at GAP_AXIS_FLOOR so the other rows' spread stays readable
+            ratios = np.maximum(ratios, GAP_AXIS_FLOOR)
+            ax.scatter(ratios, np.full(ratios.shape, -y), s=9, color="tab:blue", alpha=0.45,
+                       linewidths=0)
+            ax.plot([float(np.median(ratios))] * 2, [-y - 0.35, -y + 0.35], color="black", lw=2)
+            accuracy = results.get("avg_accuracy", {}).get("mean")
+            acc = "" if accuracy is None else f", {accuracy:.2f} %"
+            labels.append(f"{row} {results.get('method', '–')}{acc}")
+        ax.set_xscale("log")
+        ax.axvline(1.0, color="tab:green", lw=1)
+        ax.axvline(GAP_FLOOR, color="tab:red", lw=1, ls="--")
+        ax.set_yticks([-y for y in range(len(lines))], labels, fontsize=7)
+        ax.set_ylim(-len(lines) + 0.4, 0.6)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_title(f"{bench}: estimate / true FSD per seed and old task at the end of the run "
+                     f"(bar: median; dashed: {GAP_FLOOR:g})", fontsize=8)
+    axes[-1, 0].set_xlabel("summary's estimate / true FSD (fsd cl gap)")
+    fig.tight_layout()
+    return fig
 
 
 def gap_layers_markdown(rows: Sequence[dict[str, Any]]) -> str:
