@@ -1,9 +1,10 @@
-"""Where a BGLN estimate loses the true FSD on a trained CNN: the chain of approximations.
+"""Where a BGLN estimate loses the true FSD on a trained network: the chain of approximations.
 
 Run:  .venv/bin/python benchmarks/cnn_gap_chain.py RUN_DIR --seed S [--tasks 1,2] \
           [--examples 2000] [--data-dir D] [--json F]
 
-RUN_DIR is an ``fsd cl --model cnn`` run of a BGLN-D summary (``bgln-d-corrected``). For the
+RUN_DIR is an ``fsd cl`` run with BGLN summaries: the CNN's (``--model cnn``,
+``bgln-d-corrected``) or an MLP's (then the fired-routing columns are ``null``). For the
 seed's final network θ and every earlier task t (reference θ_t, the summary's), on the
 task's first ``--examples`` training inputs x and the summary's outputs, one column per step
 from the truth to the stored summary, each refitted at θ_t on x unless it says "stored":
