@@ -331,14 +331,17 @@ def comparison_plot(paths: Sequence[str], out: str | os.PathLike) -> Path:
     rows = _read_runs(paths)
     if not rows:
         raise ValueError(f"no fsd cl results.json in {', '.join(map(str, paths))} to plot")
+    return _write_figure(_comparison_figure(rows), out, dpi=120)
+
+
+def _write_figure(fig: Any, out: str | os.PathLike, dpi: int) -> Path:
+    """Save a matplotlib figure atomically to ``out`` (its suffix picks the format), close it."""
     out = Path(out)
-    plt = pyplot()
-    fig = _comparison_figure(rows)
     buffer = io.BytesIO()
     try:
-        fig.savefig(buffer, dpi=120, format=out.suffix.lstrip(".") or "png")
+        fig.savefig(buffer, dpi=dpi, format=out.suffix.lstrip(".") or "png")
     finally:
-        plt.close(fig)
+        pyplot().close(fig)
     atomic_write_bytes(out, buffer.getvalue())
     return out
 
@@ -709,16 +712,7 @@ def gap_plot(paths: Sequence[str], out: str | os.PathLike) -> Path:
     :data:`GAP_AXIS_FLOOR` are drawn at it. Written
     atomically to ``out`` (its suffix picks the format).
     """
-    fig = _gap_figure(_gap_rows(paths))
-    out = Path(out)
-    plt = pyplot()
-    buffer = io.BytesIO()
-    try:
-        fig.savefig(buffer, dpi=110, format=out.suffix.lstrip(".") or "png")
-    finally:
-        plt.close(fig)
-    atomic_write_bytes(out, buffer.getvalue())
-    return out
+    return _write_figure(_gap_figure(_gap_rows(paths)), out, dpi=110)
 
 
 def _gap_figure(found: list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]]) -> Any:
