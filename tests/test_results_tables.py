@@ -142,6 +142,38 @@ def test_the_protocol_column_and_the_row_tables_compare_the_same_settings(tmp_pa
     assert "**not paper protocol**: coreset_size" in continual.report([str(tmp_path)])
 
 
+def test_wall_tables_time_each_row_against_the_fine_tuning_of_the_same_work(tmp_path, capsys):
+    def timed(method, walls, **settings):
+        raw = _results(method, [99.0] * len(walls), **settings)
+        raw["wall_seconds"] = {"per_seed": walls, "total": sum(walls)}
+        return raw
+
+    _write(tmp_path / "S2-finetune", timed("finetune", [60.0, 120.0]))       # 1.5 min
+    _write(tmp_path / "S3-finetune", timed("finetune", [600.0]))             # a later one
+    _write(tmp_path / "S5-finetune", timed("finetune", [30.0], epochs=2))    # 0.5 min
+    _write(tmp_path / "S1-bgln-s", timed("bgln-s", [360.0, 180.0, 270.0]))    # 4.5 min
+    _write(tmp_path / "S6-bgln-d", timed("bgln-d", [45.0], epochs=2))        # 0.75 min
+    _write(tmp_path / "S7-bgln-d", timed("bgln-d", [90.0], width=100))       # no baseline
+    lines = continual.wall_tables([str(tmp_path)]).splitlines()
+    assert lines[0] == ("| row | method | differs from the defaults | seeds | min/seed | "
+                        "× fine-tuning | machine |")
+    by_row = {line.split(" | ")[0][2:]: line for line in lines[2:]}
+    assert list(by_row) == ["S1", "S2", "S3", "S5", "S6", "S7"]
+    # the lowest row id of the same work is the baseline: 4.5 / 1.5, not 4.5 / 10
+    assert by_row["S1"] == "| S1 | bgln-s | – | 1 2 3 | 4.5 | 3.0× (S2) | cpu, 1 thread |"
+    assert by_row["S6"] == "| S6 | bgln-d | epochs 2 | 1 | 0.8 | 1.5× (S5) | cpu, 1 thread |"
+    assert by_row["S7"] == "| S7 | bgln-d | width 100 | 1 | 1.5 | – | cpu, 1 thread |"
+    assert " | 1.5 | – | " in by_row["S2"]
+    # the command prints it; it has no figure
+    capsys.readouterr()
+    assert main(["cl", "report", str(tmp_path), "--wall"]) == 0
+    assert capsys.readouterr().out == continual.wall_tables([str(tmp_path)]) + "\n"
+    assert main(["cl", "report", str(tmp_path), "--wall", "--rows"]) == 2
+    assert main(["cl", "report", str(tmp_path), "--wall", "--plot",
+                 str(tmp_path / "w.png")]) == 2
+    assert "no figure" in capsys.readouterr().err
+
+
 def _tuning(chosen: float, grid: dict[float, float], validation: float | None = 0.1) -> dict:
     return {"tuning_seed": 42, "validation": validation, "chosen": chosen,
             "grid": [{"fsd_scale": k, "avg_accuracy": v, "backward_transfer": -1.0}

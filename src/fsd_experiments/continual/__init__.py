@@ -50,6 +50,7 @@ from .reporting import (
     read_gap_markdown,
     report,
     row_tables,
+    wall_tables,
 )
 from .results import (
     RunResults,
@@ -93,5 +94,5 @@ __all__ = [
     "penalty_gap", "penalty_weights", "read_gap_markdown", "report", "results_markdown",
     "row_tables", "run",
     "run_continual",
-    "run_seed", "summary_outputs", "tune", "tune_tables", "write_results",
+    "run_seed", "summary_outputs", "tune", "tune_tables", "wall_tables", "write_results",
 ]

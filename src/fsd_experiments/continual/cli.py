@@ -32,6 +32,7 @@ from .reporting import (
     penalty_gap,
     report,
     row_tables,
+    wall_tables,
 )
 from .results import results_markdown
 from .runner import BENCHMARKS, METHODS, CheckpointMismatchError, run
@@ -86,11 +87,16 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    if args.rows + args.tune + args.gap > 1:
-        print("error: --rows, --tune and --gap are different tables; give one", file=sys.stderr)
+    if args.rows + args.tune + args.gap + args.wall > 1:
+        print("error: --rows, --tune, --gap and --wall are different tables; give one",
+              file=sys.stderr)
+        return 2
+    if args.wall and args.plot:
+        print("error: --wall has no figure; drop --plot", file=sys.stderr)
         return 2
     table = (row_tables(args.dirs) if args.rows else tune_tables(args.dirs) if args.tune
-             else gap_tables(args.dirs) if args.gap else report(args.dirs))
+             else gap_tables(args.dirs) if args.gap else wall_tables(args.dirs) if args.wall
+             else report(args.dirs))
     print(table)
     if args.out:
         out = Path(args.out)
@@ -236,6 +242,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                      help="the docs' estimate-against-truth table: a line per row folder "
                           "holding gap.md (what fsd cl gap printed): the spread of estimate / "
                           "true FSD over seeds and old tasks, task 1's numbers per seed")
+    rep.add_argument("--wall", action="store_true",
+                     help="the docs' wall-time table: a line per row folder, its minutes per "
+                          "seed and their ratio to the fine-tuning row of the same tasks, "
+                          "network, epochs and machine")
     rep.add_argument("--plot", type=argtypes.figure_file, default=None, metavar="FILE",
                      help="also draw the runs' accuracy after each task on one set of axes "
                           "(per benchmark) into FILE (.png, .pdf, .svg); with --gap, every "

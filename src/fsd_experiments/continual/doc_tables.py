@@ -8,7 +8,8 @@ A table in a docs page sits between two markers that name the command producing 
 
 ``--rows`` blocks hold the results tables (:func:`~.reporting.row_tables`), ``--tune`` blocks
 the tuning table (:func:`~.tune.tune_tables`), ``--gap`` blocks the estimate-against-truth
-table (:func:`~.reporting.gap_tables`).
+table (:func:`~.reporting.gap_tables`), ``--wall`` blocks the wall-time table
+(:func:`~.reporting.wall_tables`).
 
 ``python -m fsd_experiments.continual.doc_tables docs/*.md`` rewrites every such block from
 the files (run from the repository root); ``stale_tables`` lists the blocks that differ, which
@@ -24,16 +25,16 @@ import sys
 from pathlib import Path
 
 from ..io import atomic_write_text
-from .reporting import gap_tables, row_tables
+from .reporting import gap_tables, row_tables, wall_tables
 from .tune import tune_tables
 
 #: a generated block: the report's arguments in the opening marker, the table, the end marker
-BLOCK = re.compile(r"(<!-- fsd cl report (?P<args>[^>]*?) --(?P<kind>rows|tune|gap): begin -->\n)"
+BLOCK = re.compile(r"(<!-- fsd cl report (?P<args>[^>]*?) --(?P<kind>rows|tune|gap|wall): begin -->\n)"
                    r"(?P<table>.*?)(<!-- fsd cl report: end -->)", re.S)
 
 
 def render(args: str, root: Path, kind: str = "rows") -> str:
-    """The table ``fsd cl report ARGS --KIND`` prints (KIND: rows, tune, gap), from ``root``."""
+    """The table ``fsd cl report ARGS --KIND`` prints (KIND: rows, tune, gap, wall), from ``root``."""
     paths: list[str] = []
     for word in shlex.split(args):
         # row folders only: a file beside them (a README, notes) matches a glob as well
@@ -41,7 +42,8 @@ def render(args: str, root: Path, kind: str = "rows") -> str:
         if not found:
             raise ValueError(f"{word} matches no folder under {root}")
         paths += [str(root / f) for f in found]
-    return {"rows": row_tables, "tune": tune_tables, "gap": gap_tables}[kind](paths)
+    return {"rows": row_tables, "tune": tune_tables, "gap": gap_tables,
+            "wall": wall_tables}[kind](paths)
 
 
 def refreshed(text: str, root: Path) -> str:

@@ -320,6 +320,60 @@ def row_tables(paths: Sequence[str]) -> str:
     return "\n".join(f"{bench}:\n\n{table}" for bench, table in tables)
 
 
+#: what a row and the fine-tuning row it is timed against must share: the task stream, the
+#: network, the epochs and the machine (batch size, λ and learning rate are the method's own)
+_SAME_WORK = ("model", "width", "tasks", "epochs", "first_epochs", "train_subset", "test_subset")
+
+
+def wall_tables(paths: Sequence[str]) -> str:
+    """Wall time per seed of every row folder beside fine-tuning's: one table per benchmark.
+
+    Each row's minutes per seed (mean over its seeds) and its ratio to the fine-tuning row
+    (method ``finetune``) among ``paths`` that trains the same task stream on the same network
+    for the same epochs on the same device and thread count (the lowest row id when several
+    do; "–" when none does). The runs record their own wall time, so the ratio is only as
+    steady as the machine was while they ran. Row folders as in :func:`row_tables`.
+    """
+    rows = sorted(_read_runs(paths), key=lambda r: _row_key(r[2]))
+
+    def work(res: RunResults) -> tuple[Any, ...]:
+        settings = res.hyperparameters.to_dict()
+        return (res.benchmark, res.device, res.torch_threads) + tuple(settings[k] for k in _SAME_WORK)
+
+    def minutes(res: RunResults) -> float | None:
+        walls = res.wall_seconds["per_seed"]
+        return float(np.mean(walls)) / 60 if walls else None
+
+    baselines: dict[tuple[Any, ...], tuple[str, float | None]] = {}
+    for _, method, path, res in rows:
+        if method == "finetune":
+            baselines.setdefault(work(res), (_ROW_FOLDER.match(path.parent.name)[0][:-1],  # type: ignore[index]
+                                             minutes(res)))
+    tables: list[tuple[str, str]] = []
+    for bench in dict.fromkeys(r[0] for r in rows):
+        lines = ["| row | method | differs from the defaults | seeds | min/seed | "
+                 "× fine-tuning | machine |",
+                 "|---|---|---|---|---:|---:|---|"]
+        for _, method, path, res in (r for r in rows if r[0] == bench):
+            row = _ROW_FOLDER.match(path.parent.name)[0][:-1]  # type: ignore[index]
+            own = minutes(res)
+            base = baselines.get(work(res))
+            if method == "finetune" or base is None or own is None or not base[1]:
+                ratio = "–"
+            else:
+                ratio = f"{own / base[1]:.1f}× ({base[0]})"
+            threads = res.torch_threads
+            machine = res.device + (f", {threads} thread{'s' if threads != 1 else ''}"
+                                    if threads else "")
+            lines.append(f"| {row} | {method} | {_row_changes(res.hyperparameters, bench, method)} | "
+                         f"{' '.join(map(str, res.seeds))} | "
+                         f"{'–' if own is None else f'{own:.1f}'} | {ratio} | {machine} |")
+        tables.append((bench, "\n".join(lines) + "\n"))
+    if len(tables) == 1:
+        return tables[0][1]
+    return "\n".join(f"{bench}:\n\n{table}" for bench, table in tables)
+
+
 def comparison_plot(paths: Sequence[str], out: str | os.PathLike) -> Path:
     """One figure comparing runs: test accuracy on each task after each task trained.
 
