@@ -29,12 +29,16 @@ from .reporting import gap_tables, row_tables, wall_tables
 from .tune import tune_tables
 
 #: a generated block: the report's arguments in the opening marker, the table, the end marker
-BLOCK = re.compile(r"(<!-- fsd cl report (?P<args>[^>]*?) --(?P<kind>rows|tune|gap|wall): begin -->\n)"
+BLOCK = re.compile(r"(<!-- fsd cl report (?P<args>[^>]*?) "
+                   r"--(?P<kind>rows|tune|gap|wall): begin -->\n)"
                    r"(?P<table>.*?)(<!-- fsd cl report: end -->)", re.S)
 
 
 def render(args: str, root: Path, kind: str = "rows") -> str:
-    """The table ``fsd cl report ARGS --KIND`` prints (KIND: rows, tune, gap, wall), from ``root``."""
+    """The table ``fsd cl report ARGS --KIND`` prints (KIND: rows, tune, gap, wall).
+
+    The folders are looked up under ``root``.
+    """
     paths: list[str] = []
     for word in shlex.split(args):
         # row folders only: a file beside them (a README, notes) matches a glob as well

@@ -338,7 +338,8 @@ def wall_tables(paths: Sequence[str]) -> str:
 
     def work(res: RunResults) -> tuple[Any, ...]:
         settings = res.hyperparameters.to_dict()
-        return (res.benchmark, res.device, res.torch_threads) + tuple(settings[k] for k in _SAME_WORK)
+        return (res.benchmark, res.device, res.torch_threads,
+                *(settings[k] for k in _SAME_WORK))
 
     def minutes(res: RunResults) -> float | None:
         walls = res.wall_seconds["per_seed"]
@@ -365,8 +366,8 @@ def wall_tables(paths: Sequence[str]) -> str:
             threads = res.torch_threads
             machine = res.device + (f", {threads} thread{'s' if threads != 1 else ''}"
                                     if threads else "")
-            lines.append(f"| {row} | {method} | {_row_changes(res.hyperparameters, bench, method)} | "
-                         f"{' '.join(map(str, res.seeds))} | "
+            changes = _row_changes(res.hyperparameters, bench, method)
+            lines.append(f"| {row} | {method} | {changes} | {' '.join(map(str, res.seeds))} | "
                          f"{'–' if own is None else f'{own:.1f}'} | {ratio} | {machine} |")
         tables.append((bench, "\n".join(lines) + "\n"))
     if len(tables) == 1:
