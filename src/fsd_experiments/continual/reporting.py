@@ -251,12 +251,34 @@ _ROW_FOLDER = re.compile(r"^([A-Z]+)(\d+)([a-z]*)-")
 
 
 
-def _row_key(path: Path) -> tuple[str, int, str]:
-    found = _ROW_FOLDER.match(path.parent.name)
+def _row_match(folder: Path) -> re.Match[str]:
+    found = _ROW_FOLDER.match(folder.name)
     if not found:
-        raise ValueError(f"{path.parent} is not a row folder: --rows and --gap take folders "
+        raise ValueError(f"{folder} is not a row folder: --rows, --gap and --wall take folders "
                          f"named ROW-NAME, e.g. S1-bgln-s (letters and a number, a dash, a name)")
+    return found
+
+
+def _row_key(path: Path) -> tuple[str, int, str]:
+    found = _row_match(path.parent)
     return found[1], int(found[2]), found[3]
+
+
+def _row_id(folder: Path) -> str:
+    """The row id a row folder's name starts with (``S1`` of ``S1-bgln-s``)."""
+    return _row_match(folder)[0][:-1]
+
+
+def _machine(res: RunResults) -> str:
+    threads = res.torch_threads
+    return res.device + (f", {threads} thread{'s' if threads != 1 else ''}" if threads else "")
+
+
+def _per_benchmark(tables: list[tuple[str, str]]) -> str:
+    """One table as it is; several each under its benchmark's name."""
+    if len(tables) == 1:
+        return tables[0][1]
+    return "\n".join(f"{bench}:\n\n{table}" for bench, table in tables)
 
 
 def _row_changes(hp: Hyperparameters, benchmark: str, method: str) -> str:
@@ -288,7 +310,7 @@ def row_tables(paths: Sequence[str]) -> str:
     ``ValueError`` for a folder whose name carries no row id.
     """
     rows = sorted(_read_runs(paths), key=lambda r: _row_key(r[2]))
-    ids = [_ROW_FOLDER.match(r[2].parent.name)[0][:-1] for r in rows]  # type: ignore[index]
+    ids = [_row_id(r[2].parent) for r in rows]
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     if repeated:
         raise ValueError(f"row ids used by more than one folder: {', '.join(repeated)}")
@@ -299,25 +321,20 @@ def row_tables(paths: Sequence[str]) -> str:
             "BWT | paper BWT | bytes/task | min/seed | machine |",
             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
         for _, method, path, res in (r for r in rows if r[0] == bench):
-            row = _ROW_FOLDER.match(path.parent.name)[0][:-1]  # type: ignore[index]
+            row = _row_id(path.parent)
             seeds = " ".join(map(str, res.seeds))
             if not res.complete:
                 seeds += f" (of {len(res.seeds_requested)})"
             walls = res.wall_seconds["per_seed"]
             minutes = f"{np.mean(walls) / 60:.1f}" if walls else "–"
-            threads = res.torch_threads
-            machine = res.device + (f", {threads} thread{'s' if threads != 1 else ''}"
-                                    if threads else "")
             lines.append(
                 f"| {row} | {method} | {res.hyperparameters.fsd_scale:g} | "
                 f"{_row_changes(res.hyperparameters, bench, method)} | {seeds} | "
                 f"{_per_seed(res.avg_accuracy)} | {PAPER['avg'].get(bench, {}).get(method, '–')} | "
                 f"{_pm(res.backward_transfer)} | {PAPER['bwt'].get(bench, {}).get(method, '–')} | "
-                f"{res.summary_bytes_per_task:,.0f} | {minutes} | {machine} |")
+                f"{res.summary_bytes_per_task:,.0f} | {minutes} | {_machine(res)} |")
         tables.append((bench, "\n".join(lines) + "\n"))
-    if len(tables) == 1:
-        return tables[0][1]
-    return "\n".join(f"{bench}:\n\n{table}" for bench, table in tables)
+    return _per_benchmark(tables)
 
 
 #: what a row and the fine-tuning row it is timed against must share: the task stream, the
@@ -348,31 +365,25 @@ def wall_tables(paths: Sequence[str]) -> str:
     baselines: dict[tuple[Any, ...], tuple[str, float | None]] = {}
     for _, method, path, res in rows:
         if method == "finetune":
-            baselines.setdefault(work(res), (_ROW_FOLDER.match(path.parent.name)[0][:-1],  # type: ignore[index]
-                                             minutes(res)))
+            baselines.setdefault(work(res), (_row_id(path.parent), minutes(res)))
     tables: list[tuple[str, str]] = []
     for bench in dict.fromkeys(r[0] for r in rows):
         lines = ["| row | method | differs from the defaults | seeds | min/seed | "
                  "× fine-tuning | machine |",
                  "|---|---|---|---|---:|---:|---|"]
         for _, method, path, res in (r for r in rows if r[0] == bench):
-            row = _ROW_FOLDER.match(path.parent.name)[0][:-1]  # type: ignore[index]
             own = minutes(res)
             base = baselines.get(work(res))
             if method == "finetune" or base is None or own is None or not base[1]:
                 ratio = "–"
             else:
                 ratio = f"{own / base[1]:.1f}× ({base[0]})"
-            threads = res.torch_threads
-            machine = res.device + (f", {threads} thread{'s' if threads != 1 else ''}"
-                                    if threads else "")
             changes = _row_changes(res.hyperparameters, bench, method)
-            lines.append(f"| {row} | {method} | {changes} | {' '.join(map(str, res.seeds))} | "
-                         f"{'–' if own is None else f'{own:.1f}'} | {ratio} | {machine} |")
+            seeds = " ".join(map(str, res.seeds))
+            lines.append(f"| {_row_id(path.parent)} | {method} | {changes} | {seeds} | "
+                         f"{'–' if own is None else f'{own:.1f}'} | {ratio} | {_machine(res)} |")
         tables.append((bench, "\n".join(lines) + "\n"))
-    if len(tables) == 1:
-        return tables[0][1]
-    return "\n".join(f"{bench}:\n\n{table}" for bench, table in tables)
+    return _per_benchmark(tables)
 
 
 def comparison_plot(paths: Sequence[str], out: str | os.PathLike) -> Path:
@@ -705,8 +716,7 @@ def _gap_rows(paths: Sequence[str]) -> list[tuple[str, str, dict[str, Any], list
         rows = read_gap_markdown(gap.read_text(encoding="utf-8"), str(gap))
         beside = gap.parent / "results.json"
         results = read_json(beside) if beside.is_file() else {}
-        row = _ROW_FOLDER.match(gap.parent.name)[0][:-1]  # type: ignore[index]
-        out.append((gap.parent.parent.name, row, results, rows))
+        out.append((gap.parent.parent.name, _row_id(gap.parent), results, rows))
     return out
 
 
@@ -745,9 +755,7 @@ def gap_tables(paths: Sequence[str]) -> str:
                 + ", ".join(f"{r['true_fsd']:.3g}" for r in first) + " | "
                 + ", ".join(f"{r['estimate']:.3g}" for r in first) + " |")
         tables.append((bench, "\n".join(lines) + "\n"))
-    if len(tables) == 1:
-        return tables[0][1]
-    return "\n".join(f"{bench}:\n\n{table}" for bench, table in tables)
+    return _per_benchmark(tables)
 
 
 #: the floor for an estimate that holds: 5 % of the true FSD, drawn on the gap figure
