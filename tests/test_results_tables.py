@@ -150,6 +150,7 @@ def test_wall_tables_time_each_row_against_the_fine_tuning_of_the_same_work(tmp_
 
     _write(tmp_path / "S2-finetune", timed("finetune", [60.0, 120.0]))       # 1.5 min
     _write(tmp_path / "S3-finetune", timed("finetune", [600.0]))             # a later one
+    _write(tmp_path / "S0-finetune", timed("finetune", [6.0], validation=0.1))  # held out
     _write(tmp_path / "S5-finetune", timed("finetune", [30.0], epochs=2))    # 0.5 min
     _write(tmp_path / "S1-bgln-s", timed("bgln-s", [360.0, 180.0, 270.0]))    # 4.5 min
     _write(tmp_path / "S6-bgln-d", timed("bgln-d", [45.0], epochs=2))        # 0.75 min
@@ -158,7 +159,7 @@ def test_wall_tables_time_each_row_against_the_fine_tuning_of_the_same_work(tmp_
     assert lines[0] == ("| row | method | differs from the defaults | seeds | min/seed | "
                         "× fine-tuning | machine |")
     by_row = {line.split(" | ")[0][2:]: line for line in lines[2:]}
-    assert list(by_row) == ["S1", "S2", "S3", "S5", "S6", "S7"]
+    assert list(by_row) == ["S0", "S1", "S2", "S3", "S5", "S6", "S7"]
     # the lowest row id of the same work is the baseline: 4.5 / 1.5, not 4.5 / 10
     assert by_row["S1"] == "| S1 | bgln-s | – | 1 2 3 | 4.5 | 3.0× (S2) | cpu, 1 thread |"
     assert by_row["S6"] == "| S6 | bgln-d | epochs 2 | 1 | 0.8 | 1.5× (S5) | cpu, 1 thread |"

@@ -338,8 +338,10 @@ def row_tables(paths: Sequence[str]) -> str:
 
 
 #: what a row and the fine-tuning row it is timed against must share: the task stream, the
-#: network, the epochs and the machine (batch size, λ and learning rate are the method's own)
-_SAME_WORK = ("model", "width", "tasks", "epochs", "first_epochs", "train_subset", "test_subset")
+#: network, the epochs, the held-out split and the machine (batch size, λ and learning rate
+#: are the method's own)
+_SAME_WORK = ("model", "width", "tasks", "epochs", "first_epochs", "train_subset", "test_subset",
+              "validation")
 
 
 def wall_tables(paths: Sequence[str]) -> str:
