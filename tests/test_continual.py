@@ -575,6 +575,40 @@ def test_penalty_gap_compares_each_summary_with_the_true_fsd(tmp_path, capsys):
 
 
 @needs_mnist
+def test_penalty_gap_walks_bgln_d_statistics_by_other_evaluators(tmp_path, capsys):
+    _run(tmp_path, "split-mnist", "bgln-d-corrected", "--tasks", "2", "--width", "16")
+    (row,) = continual.penalty_gap(tmp_path, str(DATA_DIR), examples=100,
+                                   evaluators=["corrected", "exact", "algorithm2"])
+    walked = row["evaluators"]
+    # the recorded walk is the summary's own estimate; the others read the same statistics
+    assert walked["corrected"] == pytest.approx(row["estimate"], rel=1e-12)
+    summary = fsd_load(tmp_path / "checkpoints" / "seed3" / "task0.fsd")
+    from fsd_experiments.models import mlp
+    final = mlp(784, 16, 2, 10)
+    final.load_state_dict(torch.load(tmp_path / "checkpoints" / "seed3" / "state.pt",
+                                     weights_only=True)["model"])
+    with torch.no_grad():
+        for name in ("exact", "algorithm2"):
+            assert walked[name] == pytest.approx(float(summary.distance_by(final, name)),
+                                                 rel=1e-12)
+    assert walked["algorithm2"] != pytest.approx(walked["exact"], rel=1e-3)
+    assert main(["cl", "gap", str(tmp_path), "--data-dir", str(DATA_DIR), "--examples", "100",
+                 "--evaluators", "exact", "algorithm2"]) == 0
+    out = capsys.readouterr().out
+    assert "| by exact | exact / estimate | by algorithm2 | algorithm2 / estimate |" in out
+    # the second table does not disturb reading the first back (committed gap.md files)
+    from fsd_experiments.continual.reporting import read_gap_markdown
+    (read,) = read_gap_markdown(out)
+    assert (read["seed"], read["task"]) == (3, 1)
+    with pytest.raises(ValueError, match=r"unknown evaluators \['nope'\]"):
+        continual.penalty_gap(tmp_path, str(DATA_DIR), evaluators=["nope"])
+    other = tmp_path / "laftr"
+    _run(other, "split-mnist", "laftr-coreset", "--tasks", "2", "--width", "16")
+    with pytest.raises(ValueError, match=r"walks BGLN-D summaries' moments; .* laftr-coreset"):
+        continual.penalty_gap(other, str(DATA_DIR), evaluators=["exact"])
+
+
+@needs_mnist
 @pytest.mark.parametrize("method", ["osla", "ewc"])
 def test_penalty_gap_by_layer_splits_a_run_by_layer(tmp_path, capsys, method):
     from torch.func import functional_call, jacrev

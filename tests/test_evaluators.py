@@ -181,3 +181,54 @@ def test_bgln_d_on_a_graph_no_evaluator_walks_is_refused_in_one_line(config, mes
     with pytest.raises(fsd.UnsupportedModuleError, match=message) as info:
         fsd.BGLN(deterministic=True, **config).fit(_residual(), labelled_batches(32, (4,)))
     assert "\n" not in str(info.value)
+
+
+def test_distance_by_walks_the_same_statistics_as_a_summary_fitted_for_that_walk():
+    # fit reads the same statistics whatever the moments: a summary walked by another
+    # evaluator gives what a summary fitted for that evaluator gives, on every output kept
+    model = mlp([4, 6, 5, 3])
+    moved = perturbed(model, 0.3, seed=5)
+    data = labelled_batches(48, (4,), seed=3)
+    common = {"covariance": "lowrank", "rank": 2}
+    fitted = {"algorithm2": fsd.BGLN(deterministic=True, **common),
+              "exact": fsd.BGLN(deterministic=True, moments="exact", **common),
+              "corrected": BGLNVariant(moments="corrected", **common),
+              "no-gate-variance": BGLNVariant(moments="no-gate-variance", **common)}
+    for outputs in (None, [0, 2]):
+        summaries = {name: e.fit(model, data, outputs=outputs) for name, e in fitted.items()}
+        with torch.no_grad():
+            own = {name: float(s.distance(moved)) for name, s in summaries.items()}
+            assert len({round(v, 12) for v in own.values()}) == 4  # four different walks
+            for summary in summaries.values():
+                for name, value in own.items():
+                    assert float(summary.distance_by(moved, name)) == pytest.approx(value,
+                                                                                   rel=1e-9)
+        # differentiable as distance is, and the recorded evaluator's cache is untouched
+        exact = summaries["exact"]
+        moved.zero_grad()
+        exact.distance_by(moved, "algorithm2").backward()
+        by_walk = [p.grad.clone() for p in moved.parameters()]
+        moved.zero_grad()
+        summaries["algorithm2"].distance(moved).backward()
+        for a, b in zip(by_walk, (p.grad for p in moved.parameters()), strict=True):
+            torch.testing.assert_close(a, b)
+        with torch.no_grad():
+            assert float(exact.distance(moved)) == pytest.approx(own["exact"], rel=1e-12)
+
+
+def test_distance_by_refuses_bgln_s_an_unknown_name_and_a_walk_that_does_not_apply():
+    model = mlp([4, 6, 5, 3])
+    data = labelled_batches(48, (4,), seed=3)
+    with pytest.raises(ValueError, match="this summary is BGLN-S"):
+        fsd.BGLN(num_samples=4).fit(model, data).distance_by(model, "exact")
+    summary = fsd.BGLN(deterministic=True).fit(model, data)
+    with pytest.raises(ValueError, match="unknown evaluator 'nope'; known: algorithm2"):
+        summary.distance_by(model, "nope")
+    conv = cnn()
+    on_cnn = fsd.BGLN(deterministic=True).fit(conv, labelled_batches(48, (1, 8, 8), seed=3))
+    with pytest.raises(NotImplementedError, match="moments='exact' is implemented for MLPs"):
+        on_cnn.distance_by(conv, "exact")
+    with pytest.raises(fsd.UnsupportedModuleError, match="the 'corrected' evaluator walks "
+                                                         "chains of flat layers"):
+        on_cnn.distance_by(conv, "corrected")
+    assert float(on_cnn.distance_by(conv, "algorithm2-conv")) == float(on_cnn.distance(conv))

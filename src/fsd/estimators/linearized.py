@@ -81,6 +81,8 @@ class _LinearizedEstimator(Estimator):
 
     bernoulli: ClassVar[bool] = False
 
+    _walked_by: evaluators.Evaluator | None = None  # distance_by's evaluator, while it runs
+
     def _signature(self, model: nn.Module) -> Any:
         layers = self._chain(model)
         if layers is not None:
@@ -490,13 +492,21 @@ class _LinearizedEstimator(Estimator):
         layers = self._chain(model)
         self._check_units(model, layers)
         if self._deterministic:
-            evaluator = self._evaluator
-            if evaluator.walks == "chain" and layers is None:  # a hand-edited summary
-                raise SummaryFormatError(f"the summary records the {evaluator.name!r} "
-                                         f"evaluator, which walks chains; this model is not one")
+            other = self._walked_by
+            evaluator = self._evaluator if other is None else other
+            if evaluator.walks == "chain" and layers is None:
+                what = ("the summary records the" if other is None  # a hand-edited summary
+                        else "distance_by was given the")
+                raise SummaryFormatError(f"{what} {evaluator.name!r} evaluator, which walks "
+                                         f"chains; this model is not one")
             walk = evaluators.as_walk(evaluator, layers, model)
-            return evaluator.distance(walk, self.moment_parts(walk, self.reference_state()),
-                                      model_state(model))
+            if other is None:
+                parts = self.moment_parts(walk, self.reference_state())
+            else:  # not cached: the cache holds the recorded evaluator's parts
+                summary = self._moment_summary(self.reference_state())
+                other.check(walk, summary)
+                parts = other.prepare(walk, summary)
+            return evaluator.distance(walk, parts, model_state(model))
         x, group, sample_weights = self._inputs()
         gate = self._sampled_gates(group) if self.bernoulli else None
         z0, dz = linearized_pass(model, layers, self.reference_state(), x, gate)
@@ -617,6 +627,29 @@ class BGLN(_LinearizedEstimator):
     """
 
     bernoulli = True
+
+    def distance_by(self, model: nn.Module, evaluator: str) -> Tensor:
+        """:meth:`distance` from the same stored statistics, walked by another evaluator.
+
+        BGLN-D only. The summary's θ0, input moments and gate statistics, turned into a
+        distance by ``evaluator`` (one of :func:`fsd.moments.evaluators.names`, e.g.
+        ``"exact"``, ``"algorithm2"``, ``"corrected"``) instead of the evaluator it records:
+        how much of an estimate is the walk's and not the statistics', e.g. at a network
+        trained against one walk (``fsd cl gap --evaluators``). The walk's fixed parts are
+        prepared anew at every call (not cached).
+
+        Raises:
+            ValueError: a BGLN-S summary, or an unknown evaluator name.
+            UnsupportedModuleError: the evaluator cannot walk this model.
+        """
+        if not self._deterministic:
+            raise ValueError("distance_by walks BGLN-D's moments; this summary is BGLN-S "
+                             "(deterministic=False)")
+        self._walked_by = evaluators.get(evaluator)
+        try:
+            return self.distance(model)
+        finally:
+            self._walked_by = None
 
     def __init__(self, deterministic: bool = False, inputs: str = "gaussian",
                  covariance: str = "lowrank", rank: int = 32, moments: str = "paper",

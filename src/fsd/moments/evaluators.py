@@ -274,6 +274,20 @@ class _ChainEvaluator(Evaluator):
 
     reference_side: Callable[..., Any]
 
+    def check(self, walk: Walk, summary: MomentSummary) -> None:
+        """Refuse a chain that is not flat: convolutions, pools and images take the conv walks.
+
+        (At ``fit``, :func:`choose` has picked a conv walk for those already; this refuses
+        :meth:`fsd.BGLN.distance_by` asking a flat walk for one.)
+        """
+        super().check(walk, summary)
+        if not check_moment_support(walk, summary.input_shape, exact=self.name == "exact"):
+            conv = sorted(name for name in _EVALUATORS if name.endswith("-conv"))
+            raise UnsupportedModuleError(
+                f"the {self.name!r} evaluator walks chains of flat layers (MLPs); this chain "
+                f"has convolutions, pools or image inputs (the walks of those: "
+                f"{', '.join(conv)})")
+
     def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
         """The reference side (:attr:`reference_side`), the output rows and θ0."""
         parts = self._common(walk, summary)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from fsd.metrics import METRICS
+from fsd.moments.evaluators import names as evaluator_names
 
 from .. import argtypes
 from ..argtypes import (
@@ -24,6 +25,7 @@ from ..presets import CNN_METHODS
 from .reporting import (
     UNFINISHED_LINE,
     comparison_plot,
+    gap_evaluators_markdown,
     gap_layers_markdown,
     gap_markdown,
     gap_plot,
@@ -113,13 +115,16 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_gap(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
-    rows = penalty_gap(args.dir, args.data_dir, args.examples, args.linearized, args.by_layer)
+    rows = penalty_gap(args.dir, args.data_dir, args.examples, args.linearized, args.by_layer,
+                       args.evaluators or ())
     for seed in dict.fromkeys(r["seed"] for r in rows if not r["finished"]):
         after = max(r["after_task"] for r in rows if r["seed"] == seed)
         print(UNFINISHED_LINE.format(seed=seed, after=after) + "\n")
     print(gap_markdown(rows))
     if args.by_layer:
         print(gap_layers_markdown(rows))
+    if args.evaluators:
+        print(gap_evaluators_markdown(rows))
     return 0
 
 
@@ -265,6 +270,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     gap.add_argument("--by-layer", action="store_true",
                      help="for summaries that split by layer (--method osla or ewc): each "
                           "layer's term against the linearized FSD when only that layer moves")
+    gap.add_argument("--evaluators", nargs="+", choices=evaluator_names(), metavar="NAME",
+                     help="for BGLN-D runs: also each summary's statistics walked by these "
+                          "evaluators (" + ", ".join(evaluator_names()) + "), in a second "
+                          "table, e.g. exact moments at a network trained against another walk")
     add_threads_option(gap)
     gap.set_defaults(func=_cmd_gap)
     merge = cl_sub.add_parser("merge", help="combine finished runs of the same settings "

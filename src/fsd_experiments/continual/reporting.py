@@ -17,7 +17,9 @@ import torch
 
 from fsd.estimators.base import load
 from fsd.estimators.exact_fsd import ExactFSD
+from fsd.estimators.linearized import BGLN
 from fsd.estimators.ntk import NTK
+from fsd.moments.evaluators import names as evaluator_names
 
 from ..benchmarks import make_tasks
 from ..compat import cl_checkpoint_settings, is_cl_results
@@ -452,7 +454,8 @@ LAYER_SPLIT_METHODS: tuple[str, ...] = tuple(
 
 def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
                 examples: int = 10_000, linearized: bool = False,
-                by_layer: bool = False) -> list[dict[str, Any]]:
+                by_layer: bool = False, evaluators: Sequence[str] = ()
+                ) -> list[dict[str, Any]]:
     """How well each stored summary tracks the FSD it was meant to bound, at the end of a run.
 
     For every seed's final model (``checkpoints/seed<S>/state.pt``) and every previous task t,
@@ -476,11 +479,17 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
     checkpoint: its model then stands for the final one, and the tasks trained before it
     are compared; each row's ``after_task`` says how many tasks the model had trained.
 
+    With ``evaluators`` (BGLN-D runs; names of :func:`fsd.moments.evaluators.names`), each
+    row also has ``evaluators``: the same summary's statistics walked by each of them at the
+    final network (:meth:`fsd.BGLN.distance_by`), e.g. whether training against the
+    corrected recursion found directions that exact moments would charge for.
+
     Returns one row per (seed, task): ``seed, task, after_task, finished, true_fsd,
-    estimate, ratio`` (and ``linearized``, ``layers``).
+    estimate, ratio`` (and ``linearized``, ``layers``, ``evaluators``).
 
     Raises:
-        ValueError: ``by_layer`` on a run whose summaries do not split by layer; a run of a
+        ValueError: ``by_layer`` on a run whose summaries do not split by layer;
+            ``evaluators`` on a run that is not BGLN-D, or an unknown name; a run of a
             method without summaries; a directory with neither results.json nor a
             checkpoint; a seed whose checkpoint is missing, damaged or does not fit the
             run's settings, or lacks a summary it would compare (each names the file).
@@ -494,6 +503,18 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
         raise ValueError(f"--by-layer splits summaries whose estimate is a sum over layers "
                          f"(fsd cl --method {' or '.join(LAYER_SPLIT_METHODS)}); {run} is a "
                          f"run of {method}")
+    if evaluators:
+        preset = PRESETS[method]
+        # BGLN with deterministic=True, or a subclass of it (BGLNVariant, always BGLN-D)
+        bgln_d = preset.estimator is not None and issubclass(preset.estimator, BGLN) and (
+            preset.estimator is not BGLN or preset.options.get("deterministic", False))
+        if not bgln_d:
+            raise ValueError(f"--evaluators walks BGLN-D summaries' moments; {run} is a run of "
+                             f"{method}")
+        unknown = sorted(set(evaluators) - set(evaluator_names()))
+        if unknown:
+            raise ValueError(f"unknown evaluators {unknown}; known: "
+                             f"{', '.join(evaluator_names())}")
     # every seed's files are checked before any data loads or any FSD is computed: a task
     # left out of the table, or a traceback after an hour, would be worse than one line
     states = {seed: _gap_checkpoint(run / "checkpoints" / f"seed{seed}") for seed in seeds}
@@ -524,10 +545,14 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
             with torch.no_grad():
                 true_fsd = float(truth.distance(final))
                 estimate = float(summary.distance(final))
+                walked = {name: float(summary.distance_by(final, name))  # type: ignore[attr-defined]
+                          for name in evaluators}
             row = {"seed": int(seed), "task": t + 1, "after_task": trained,
                    "finished": trained == len(tasks), "true_fsd": true_fsd,
                    "estimate": estimate,
                    "ratio": estimate / true_fsd if true_fsd > 0 else math.nan}
+            if evaluators:
+                row["evaluators"] = walked
             if linearized:
                 row["linearized"] = _linearized_fsd(reference, final, x, metric, outputs)
             if by_layer:
@@ -822,6 +847,26 @@ def gap_layers_markdown(rows: Sequence[dict[str, Any]]) -> str:
     lines += [f"| {r['seed']} | {r['task']} | {part['layer']} | {part['linearized']:.3g} | "
               f"{part['estimate']:.3g} | {_share(part['estimate'], part['linearized'])} |"
               for r in rows for part in r.get("layers", [])]
+    return "\n".join(lines) + "\n"
+
+
+def gap_evaluators_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown table of the ``evaluators`` of :func:`penalty_gap` rows.
+
+    Per row, each walk's estimate from the same statistics and its ratio to the summary's
+    own estimate.
+    """
+    names = list(rows[0]["evaluators"]) if rows and "evaluators" in rows[0] else []
+    header = ["seed", "task", "true FSD", "summary's estimate"]
+    for name in names:
+        header += [f"by {name}", f"{name} / estimate"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    for r in rows:
+        cells = [str(r["seed"]), str(r["task"]), f"{r['true_fsd']:.3g}", f"{r['estimate']:.3g}"]
+        for name in names:
+            value = r["evaluators"][name]
+            cells += [f"{value:.3g}", _share(value, r["estimate"])]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
