@@ -92,6 +92,10 @@ def test_row_tables_order_rows_and_name_what_differs(tmp_path, capsys):
     capsys.readouterr()
     assert main(["cl", "report", str(tmp_path), "--rows"]) == 0
     assert capsys.readouterr().out == continual.row_tables([str(tmp_path)]) + "\n"
+    # a row of the first tasks only is not set beside the paper's whole stream
+    _write(tmp_path / "S3-bgln-d-two", _results("bgln-d", [99.0], tasks=2))
+    assert "| S3 | bgln-d | 0.1 | tasks 2 | 1 | 99.00 | – | 0.00 | – |" in \
+        continual.row_tables([str(tmp_path)])
     # two folders with one row id are refused
     _write(tmp_path / "S10-again", _results("osla", [99.0]))
     with pytest.raises(ValueError, match="S10"):

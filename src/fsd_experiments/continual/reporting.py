@@ -300,6 +300,17 @@ def _per_seed(summary: dict[str, Any]) -> str:
     return f"{_pm(summary)} ({', '.join(f'{v:.2f}' for v in values)})"
 
 
+def _paper(kind: str, bench: str, method: str, res: RunResults) -> str:
+    """The paper's number for a row, or "–".
+
+    "–" also where the row trains only the first tasks (``--tasks``): their average is not
+    the whole stream's.
+    """
+    if res.hyperparameters.tasks is not None:
+        return "–"
+    return PAPER[kind].get(bench, {}).get(method, "–")
+
+
 def row_tables(paths: Sequence[str]) -> str:
     """The results tables of the docs: one per benchmark, a line per row folder.
 
@@ -332,8 +343,8 @@ def row_tables(paths: Sequence[str]) -> str:
             lines.append(
                 f"| {row} | {method} | {res.hyperparameters.fsd_scale:g} | "
                 f"{_row_changes(res.hyperparameters, bench, method)} | {seeds} | "
-                f"{_per_seed(res.avg_accuracy)} | {PAPER['avg'].get(bench, {}).get(method, '–')} | "
-                f"{_pm(res.backward_transfer)} | {PAPER['bwt'].get(bench, {}).get(method, '–')} | "
+                f"{_per_seed(res.avg_accuracy)} | {_paper('avg', bench, method, res)} | "
+                f"{_pm(res.backward_transfer)} | {_paper('bwt', bench, method, res)} | "
                 f"{res.summary_bytes_per_task:,.0f} | {minutes} | {_machine(res)} |")
         tables.append((bench, "\n".join(lines) + "\n"))
     return _per_benchmark(tables)
