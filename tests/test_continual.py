@@ -602,6 +602,15 @@ def test_penalty_gap_walks_bgln_d_statistics_by_other_evaluators(tmp_path, capsy
     assert (read["seed"], read["task"]) == (3, 1)
     with pytest.raises(ValueError, match=r"unknown evaluators \['nope'\]"):
         continual.penalty_gap(tmp_path, str(DATA_DIR), evaluators=["nope"])
+    # a CNN run is refused the MLP walks before any data loads (its results.json says cnn)
+    cnn_run = tmp_path / "cnn"
+    cnn_run.mkdir()
+    raw = json.loads((tmp_path / "results.json").read_text())
+    raw["hyperparameters"]["model"] = "cnn"
+    (cnn_run / "results.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"evaluators \['exact'\] walk MLP chains; .* cnn "
+                                         r"\(its walks: algorithm2-conv"):
+        continual.penalty_gap(cnn_run, str(DATA_DIR), evaluators=["exact", "algorithm2-conv"])
     other = tmp_path / "laftr"
     _run(other, "split-mnist", "laftr-coreset", "--tasks", "2", "--width", "16")
     with pytest.raises(ValueError, match=r"walks BGLN-D summaries' moments; .* laftr-coreset"):

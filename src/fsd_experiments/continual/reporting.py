@@ -19,9 +19,10 @@ from fsd.estimators.base import load
 from fsd.estimators.exact_fsd import ExactFSD
 from fsd.estimators.linearized import BGLN
 from fsd.estimators.ntk import NTK
+from fsd.model.rules import UnsupportedModuleError
 from fsd.moments.evaluators import names as evaluator_names
 
-from ..benchmarks import make_tasks
+from ..benchmarks import CNN_MODELS, make_tasks
 from ..compat import cl_checkpoint_settings, is_cl_results
 from ..io import atomic_write_bytes, exclusive_directory, read_json, refuse_used_directory
 from ..plotting import pyplot
@@ -526,6 +527,11 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
         if unknown:
             raise ValueError(f"unknown evaluators {unknown}; known: "
                              f"{', '.join(evaluator_names())}")
+        flat = [name for name in evaluators if not name.endswith("-conv")]
+        if hp.model in CNN_MODELS and flat:
+            conv = [name for name in evaluator_names() if name.endswith("-conv")]
+            raise ValueError(f"evaluators {flat} walk MLP chains; {run} trains the "
+                             f"{hp.model} (its walks: {', '.join(conv)})")
     # every seed's files are checked before any data loads or any FSD is computed: a task
     # left out of the table, or a traceback after an hour, would be worse than one line
     states = {seed: _gap_checkpoint(run / "checkpoints" / f"seed{seed}") for seed in seeds}
@@ -556,8 +562,11 @@ def penalty_gap(run_dir: str | os.PathLike, data_dir: str | None = None,
             with torch.no_grad():
                 true_fsd = float(truth.distance(final))
                 estimate = float(summary.distance(final))
-                walked = {name: float(summary.distance_by(final, name))  # type: ignore[attr-defined]
-                          for name in evaluators}
+                try:
+                    walked = {name: float(summary.distance_by(final, name))  # type: ignore[attr-defined]
+                              for name in evaluators}
+                except (UnsupportedModuleError, NotImplementedError) as error:
+                    raise ValueError(f"{ckpt / f'task{t}.fsd'}: {error}") from None
             row = {"seed": int(seed), "task": t + 1, "after_task": trained,
                    "finished": trained == len(tasks), "true_fsd": true_fsd,
                    "estimate": estimate,
