@@ -18,7 +18,9 @@ from fsd import load as fsd_load
 from fsd_experiments import continual
 from fsd_experiments.cli import main
 from fsd_experiments.compat import CL_RESULTS_SCHEMA, cl_hyperparameters
+from fsd_experiments.continual import reporting
 from fsd_experiments.continual.reporting import _protocol
+from fsd_experiments.devices import cpu_name
 from fsd_experiments.models import mlp
 
 DATA_DIR = REAL_DATA_DIR
@@ -682,6 +684,22 @@ def test_merge_combines_seeds_run_separately(tmp_path, capsys):
     assert versions.torch_version == " + ".join(sorted([one["torch_version"], "0.0.1+other"]))
     assert versions.fsd_version == " + ".join(sorted([one["fsd_version"], "unrecorded"]))
     assert merged["torch_version"] == one["torch_version"]
+    # the CPU (model and torch's vector instructions): runs repeat only on the same one
+    assert one["cpu"] == two["cpu"] == merged["cpu"] == cpu_name()
+    other_cpu = {**two, "cpu": "Some CPU, AVX2"}
+    (tmp_path / "2" / "results.json").write_text(json.dumps(other_cpu))
+    cpus = continual.merge_runs([tmp_path / "1", tmp_path / "2"], tmp_path / "cpus",
+                                plots=False)
+    assert cpus.cpu == " + ".join(sorted([one["cpu"], "Some CPU, AVX2"]))
+    capability = one["cpu"].rsplit(", ", 1)[1]
+    assert reporting._machine(cpus) == \
+        f"cpu ({' + '.join(sorted({capability, 'AVX2'}))}), {one['torch_threads']} thread" \
+        + ("s" if one["torch_threads"] != 1 else "")
+    unrecorded = {k: v for k, v in two.items() if k != "cpu"}  # older files lack it
+    (tmp_path / "2" / "results.json").write_text(json.dumps(unrecorded))
+    assert continual.RunResults.read(tmp_path / "2" / "results.json").cpu is None
+    with pytest.raises(ValueError, match="cpu must be a non-empty string"):
+        continual.RunResults.from_json({**two, "cpu": 3})
     (tmp_path / "2" / "results.json").write_text(json.dumps(two))
     # a seed twice, or other settings, are refused
     with pytest.raises(ValueError, match="seed 1 appears twice"):

@@ -83,6 +83,7 @@ def cl_results(raw: Mapping[str, Any]) -> dict[str, Any]:
     results.setdefault("schema_version", 1)
     results.setdefault("fsd_version", None)
     results.setdefault("torch_version", None)
+    results.setdefault("cpu", None)
     return results
 
 

@@ -52,14 +52,16 @@ def json_safe(obj: Any) -> Any:
 def provenance(device: str = "cpu") -> dict[str, Any]:
     """What every results file records about the software and machine that produced it.
 
-    ``fsd_version``, ``torch_version``, ``device`` (a GPU's name, else ``"cpu"``) and
-    ``torch_threads`` (the CPU thread count torch ran with).
+    ``fsd_version``, ``torch_version``, ``device`` (a GPU's name, else ``"cpu"``),
+    ``torch_threads`` (the CPU thread count torch ran with) and ``cpu`` (the CPU model and
+    the vector instructions torch used, :func:`fsd_experiments.devices.cpu_name`).
     """
     import torch
 
     from fsd import __version__
+    from fsd_experiments.devices import cpu_name
     return {"fsd_version": __version__, "torch_version": torch.__version__, "device": device,
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "cpu": cpu_name()}
 
 
 def versioned(payload: dict[str, Any], schema: int, device: str = "cpu") -> dict[str, Any]:

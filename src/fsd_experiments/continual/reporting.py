@@ -86,12 +86,14 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
     # likewise the versions that ran them, not the merging process's
     torch_versions = {results.torch_version for _, results in runs}
     fsd_versions = {results.fsd_version for _, results in runs}
+    cpus = {results.cpu for _, results in runs}
     merged = replace(
         RunResults.collect(first.benchmark, first.method, first.hyperparameters,
                            [r.seed for r in done], done, "cpu"),
         torch_threads=threads.pop() if len(threads) == 1 else None,
         torch_version=_joined(torch_versions),
         fsd_version=_joined(fsd_versions),
+        cpu=_joined(cpus),
         device=" + ".join(sorted(set(devices))),
         devices={str(r.seed): d for r, d in zip(done, devices, strict=True)},
         merged_from=[str(Path(p)) for p in paths])
@@ -273,8 +275,12 @@ def _row_id(folder: Path) -> str:
 
 
 def _machine(res: RunResults) -> str:
+    # a CPU run's vector instructions (AVX2, AVX512, …): runs repeat only on the same ones
+    capabilities = sorted({cpu.rsplit(", ", 1)[-1] for cpu in res.cpu.split(" + ")}) \
+        if res.cpu and res.device == "cpu" else []
+    device = res.device + (f" ({' + '.join(capabilities)})" if capabilities else "")
     threads = res.torch_threads
-    return res.device + (f", {threads} thread{'s' if threads != 1 else ''}" if threads else "")
+    return device + (f", {threads} thread{'s' if threads != 1 else ''}" if threads else "")
 
 
 def _per_benchmark(tables: list[tuple[str, str]]) -> str:

@@ -16,7 +16,7 @@ from fsd import __version__
 
 from ..benchmarks import CL_BENCHMARKS
 from ..compat import CL_RESULTS_SCHEMA, cl_results
-from ..devices import device_name
+from ..devices import cpu_name, device_name
 from ..io import atomic_write_text, read_json, write_json
 from ..plotting import pyplot
 from ..presets import CL_METHODS
@@ -78,6 +78,10 @@ class RunResults:
         schema_version: the results.json layout (see :mod:`fsd_experiments.compat`).
         fsd_version: the version of fsd that wrote the file (``None``: unrecorded).
         torch_version: the version of torch that ran it (``None``: unrecorded).
+        cpu: the CPU model and the vector instructions torch's kernels used
+            (:func:`fsd_experiments.devices.cpu_name`; merged runs: each distinct one,
+            joined by " + "; ``None``: unrecorded). CPU runs repeat to the digit only on
+            the same one.
     """
 
     benchmark: str
@@ -98,6 +102,7 @@ class RunResults:
     schema_version: int = CL_RESULTS_SCHEMA
     fsd_version: str | None = __version__
     torch_version: str | None = torch.__version__
+    cpu: str | None = None
 
     @classmethod
     def collect(cls, benchmark: str, method: str, hp: Hyperparameters, seeds: Sequence[int],
@@ -121,6 +126,7 @@ class RunResults:
             hyperparameters=hp,
             torch_threads=torch.get_num_threads(),
             device=device_name(device),
+            cpu=cpu_name(),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -244,6 +250,9 @@ def _results_problem(raw: Any) -> str | None:
     threads = raw.get("torch_threads")
     if threads is not None and not (isinstance(threads, int) and threads >= 1):
         return f"torch_threads must be a positive integer or null, got {threads!r}"
+    cpu = raw.get("cpu")
+    if cpu is not None and not (isinstance(cpu, str) and cpu):
+        return f"cpu must be a non-empty string or null, got {cpu!r}"
     return None
 
 
