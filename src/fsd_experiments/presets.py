@@ -182,6 +182,11 @@ _ROWS: tuple[Preset, ...] = (
     Preset("bgln-d-corrected", "BGLN-D (corrected)", BGLNVariant,
            {"moments": "corrected", "covariance": "lowrank", "rank": 64}, family="bgln-d",
            **_FULL),
+    # one mixture component per class (moments and gate frequencies per class), as
+    # bgln-d-cw is for Algorithm 2
+    Preset("bgln-d-corrected-cw", "BGLN-D-CW (corrected)", BGLNVariant,
+           {"moments": "corrected", "covariance": "lowrank", "rank": 64, "classwise": True},
+           family="bgln-d-cw", classwise=True, **_FULL),
     # the same with each ReLU → max-pool pair as one draw per window (CNNs; on MLPs the same
     # as bgln-d-corrected)
     Preset("bgln-d-corrected-fired", "BGLN-D (corrected, fired pools)", BGLNVariant,
