@@ -8,9 +8,11 @@ them), penalty = fsd.combine(summaries).distance + backward, medians in ms. Algo
 exact moments are batched by fsd.combine; the corrected prototype
 (fsd.moments.corrected) is evaluated summary by summary, with the whole covariance and with
 the gates' injections sized from its top ``--injection-rank`` directions plus the diagonal.
-The four are timed interleaved, three rounds, in one process, so drifting load from other
-jobs hits them alike. The last columns are the corrected estimates' |est/exact − 1| over the
-K summaries at the timed θ.
+The corrected recursion is differentiated by its hand-written reverse pass (the default);
+the two "autograd" columns time the same summaries with autograd recording the forward pass
+instead (``adjoint=False``), for the gain. All six are timed interleaved, three rounds, in
+one process, so drifting load from other jobs hits them alike. The last columns are the
+corrected estimates' |est/exact − 1| over the K summaries at the timed θ.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import os
 import platform
 import statistics
 import time
+from functools import partial
+from unittest import mock
 
 import torch
 
 import fsd
 from fsd.estimators.variants import BGLNVariant
+from fsd.moments import corrected
 from fsd_experiments.compare import mlp
 from fsd_experiments.data import TensorBatches
 from penalty import load_inputs, median_ms, perturbed
@@ -50,8 +55,9 @@ def main() -> None:
     r = args.injection_rank
     print(f"| width | K | Algorithm 2: ms | exact: ms | corrected: ms | corrected, injections "
           f"rank {r}: ms | exact / Alg. 2 | corrected / Alg. 2 | injections rank {r} / Alg. 2 | "
+          f"corrected, autograd / Alg. 2 | injections rank {r}, autograd / Alg. 2 | "
           f"corrected: max |est/exact − 1| | injections rank {r}: max |est/exact − 1| |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows: list[dict] = []
     rounds = 3
     for width in (int(w) for w in args.widths.split(",")):
@@ -74,20 +80,28 @@ def main() -> None:
                           for c, e in zip(summaries[m], summaries["exact"], strict=True)]
                       for m in ("corrected", "injections")}
 
-        def penalty(summary_set: fsd.Estimator, moved: torch.nn.Module = moved) -> None:
+        def penalty(summary_set: fsd.Estimator, moved: torch.nn.Module = moved,
+                    adjoint: bool = True) -> None:
             moved.zero_grad()
-            summary_set.distance(moved).backward()
+            if adjoint:
+                summary_set.distance(moved).backward()
+                return
+            autograd = partial(corrected.corrected_second_moment, adjoint=False)
+            with mock.patch.object(corrected, "corrected_second_moment", autograd):
+                summary_set.distance(moved).backward()
 
-        times: dict[tuple[str, int], list[float]] = {(m, k): [] for m in summaries
-                                                     for k in (1, 9)}
+        timed = [*summaries, "corrected_autograd", "injections_autograd"]
+        times: dict[tuple[str, int], list[float]] = {(m, k): [] for m in timed for k in (1, 9)}
         repeats = max(1, args.repeats // rounds)
         for _ in range(rounds):
-            for m in summaries:
+            for m in timed:
                 for k in (1, 9):
-                    summary_set = fsd.combine(summaries[m][:k])
-                    times[m, k].append(median_ms(lambda s=summary_set: penalty(s), repeats))
+                    summary_set = fsd.combine(summaries[m.removesuffix("_autograd")][:k])
+                    adjoint = not m.endswith("_autograd")
+                    times[m, k].append(median_ms(
+                        lambda s=summary_set, a=adjoint: penalty(s, adjoint=a), repeats))
         for k in (1, 9):
-            t = {m: statistics.median(times[m, k]) for m in summaries}
+            t = {m: statistics.median(times[m, k]) for m in timed}
             error = {m: max(abs(r - 1) for r in ratios[m][:k]) for m in ratios}
             row = {"width": width, "K": k, **{f"{m}_ms": round(t[m], 3) for m in t},
                    **{f"{m}_max_error": float(f"{error[m]:.3g}") for m in error}}
@@ -95,7 +109,9 @@ def main() -> None:
             print(f"| {width} | {k} | {t['paper']:.2f} | {t['exact']:.2f} | "
                   f"{t['corrected']:.2f} | {t['injections']:.2f} | "
                   f"{t['exact'] / t['paper']:.1f}x | {t['corrected'] / t['paper']:.1f}x | "
-                  f"{t['injections'] / t['paper']:.1f}x | {error['corrected']:.1e} | "
+                  f"{t['injections'] / t['paper']:.1f}x | "
+                  f"{t['corrected_autograd'] / t['paper']:.1f}x | "
+                  f"{t['injections_autograd'] / t['paper']:.1f}x | {error['corrected']:.1e} | "
                   f"{error['injections']:.1e} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:

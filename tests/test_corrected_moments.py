@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -329,3 +331,103 @@ def test_injection_rank_is_checked_and_saved(tmp_path):
             BGLNVariant(injection_rank=bad)
     with pytest.raises(ValueError, match="moments='corrected' only"):
         BGLNVariant(moments="no-gate-variance", injection_rank=4)
+
+
+def _general_mlp(seed=0, d=5, width=6, outputs=3):
+    """Linear+BatchNorm runs, a Softplus gate (φ(0) ≠ 0: shifted biases), an affine layer
+    right after another (the identity gate) and a layer without bias: every case of the chain."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(d, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, width),
+        nn.Softplus(), nn.Linear(width, width, bias=False), nn.Linear(width, width), nn.ReLU(),
+        nn.Linear(width, outputs)).double()
+    with torch.no_grad():
+        model(torch.randn(64, d, dtype=torch.float64))  # running statistics away from (0, 1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("model_kind", ["relu", "general"])
+@pytest.mark.parametrize("options", [
+    {"covariance": "full"}, {"covariance": "lowrank", "rank": 2}, {"covariance": "diag"},
+    {"covariance": "full", "classwise": True}, {"covariance": "lowrank", "rank": 3,
+                                                 "classwise": True, "injection_rank": 1}])
+def test_hand_written_derivative_equals_autograd(model_kind, options):
+    # the hand-written reverse pass against autograd through the same forward pass, float64,
+    # value and every parameter's gradient; the pass is also the default, so the estimator's
+    # distance must give the same gradient
+    model = _mlp(hidden=3) if model_kind == "relu" else _general_mlp()
+    data = _uneven_data() if options.get("classwise") else _data()
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for p in moved.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    estimator = _fit("corrected", model, data, **options)
+    layers, params0 = fsd.trace(model), estimator.reference_state()
+    parts = estimator.moment_parts(layers, params0)
+    names = [name for name, _ in moved.named_parameters()]
+    results = []
+    for adjoint in (True, False):
+        params1 = dict(model_state(moved))
+        leaves = {n: params1[n].detach().clone().requires_grad_() for n in names}
+        params1.update(leaves)
+        value = corrected_second_moment(layers, params0, params1, parts["reference"],
+                                        parts["gate_means"], parts["output_rows"],
+                                        adjoint=adjoint)
+        assert isinstance(value, torch.Tensor)
+        weights = torch.linspace(0.5, 1.5, value.shape[0], dtype=value.dtype)
+        grads = torch.autograd.grad((weights * value).sum(), [leaves[n] for n in names])
+        results.append((value.detach(), grads))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=0)
+    for name, fast, slow in zip(names, results[0][1], results[1][1], strict=True):
+        assert slow.abs().max() > 0, name
+        torch.testing.assert_close(fast, slow, rtol=1e-9, atol=1e-12 * float(slow.abs().max()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    # the estimator's distance takes the hand-written pass and gives autograd's gradient
+    params1 = dict(model_state(moved))
+    leaves = {n: params1[n].detach().clone().requires_grad_() for n in names}
+    params1.update(leaves)
+    value = corrected_second_moment(layers, params0, params1, parts["reference"],
+                                    parts["gate_means"], parts["output_rows"], adjoint=False)
+    expected = torch.autograd.grad(
+        (estimator._state["weights"] * 0.5 * value.clamp_min(0)).sum(),
+        [leaves[n] for n in names])
+    moved.zero_grad()
+    estimator.distance(moved).backward()
+    for (name, p), slow in zip(moved.named_parameters(), expected, strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, slow, rtol=1e-9, atol=1e-12 * float(slow.abs().max()))
+
+
+def test_corrected_distance_works_under_torch_func_transforms():
+    # vmap(grad(...)) as the PBRF solver uses a distance term: the transforms take autograd's
+    # path, and each stacked θ gets the gradient that .backward() gives it alone
+    from torch.func import functional_call, grad, vmap
+
+    model, data = _mlp(hidden=2), _data()
+    estimator = _fit("corrected", model, data, covariance="lowrank", rank=2)
+    thetas = [dict(_moved(model, seed=seed).named_parameters()) for seed in (1, 2)]
+
+    def distance(params):
+        return functional_call(_Distance(model, estimator), params, ())
+
+    stacked = {name: torch.stack([t[name].detach() for t in thetas]) for name in thetas[0]}
+    batched = vmap(grad(distance))({f"model.{k}": v for k, v in stacked.items()})
+    for index, theta in enumerate(thetas):
+        moved = copy.deepcopy(model)
+        moved.load_state_dict({k: v.detach() for k, v in theta.items()})
+        estimator.distance(moved).backward()
+        for name, p in moved.named_parameters():
+            torch.testing.assert_close(batched[f"model.{name}"][index], p.grad,
+                                       rtol=1e-10, atol=1e-14)
+
+
+class _Distance(nn.Module):
+    """The estimator's distance to ``model`` as a module (what ``functional_call`` needs)."""
+
+    def __init__(self, model, estimator):
+        super().__init__()
+        self.model, self._estimator = model, [estimator]
+
+    def forward(self):
+        return self._estimator[0].distance(self.model)

@@ -52,7 +52,7 @@ is exact moments without the gate variance (the mean-gate network).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor
@@ -61,10 +61,8 @@ from ..covariance import Covariance
 from ..model.rules import GateMoments, TracedLayer, UnsupportedModuleError, is_affine, is_gate
 from .algorithm2 import affine_rule
 from .exact import (
-    _homogeneous,
     _homogeneous_delta,
     _homogeneous_layer,
-    _shifted,
     input_factor,
     input_offsets,
 )
@@ -119,12 +117,19 @@ def _matrices(step: _Step, params0: Mapping[str, Tensor], params1: Mapping[str, 
 
 
 def _delta_matrices(step: _Step, params0: Mapping[str, Tensor], params1: Mapping[str, Tensor]
-                    ) -> tuple[Tensor, Tensor, Tensor]:
-    """(W1, ΔW, ΔW̃) of an affine step, ΔW formed first; W̃0 comes from the reference."""
+                    ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(ΔW, Δb̃, W1) of an affine step, ΔW formed first; W̃0 comes from the reference.
+
+    ΔW̃ = [ΔW, Δb̃] is kept in its two parts, Δb̃ = Δb + φ(0)·ΔW1 (``None``: no bias and no
+    offset), so that no call copies ΔW into a wider matrix.
+    """
     rule = affine_rule(step.layer)
     w1 = rule.affine_matrix(step.layer.module, params1, step.layer.path)[0]
     dw, db = rule.affine_delta_matrix(step.layer.module, params0, params1, step.layer.path)
-    return w1, dw, _shifted(_homogeneous(dw, db), dw, step.offset)
+    if step.offset != 0.0:
+        shift = step.offset * dw.sum(-1)
+        db = shift if db is None else db + shift
+    return dw, db, w1
 
 
 def _trace_rows(rows: Tensor, second: Tensor) -> Tensor:
@@ -290,7 +295,6 @@ def corrected_reference(
             t00 = f0.new_zeros(f0.shape[:-1])
             if residual is not None:
                 block["residual"] = residual
-                block["w0d"] = w0h * residual.unsqueeze(-2)  # W̃0 diag(D)
                 t00 = t00 + residual @ w0h.pow(2).mT
         else:
             assert carried is not None
@@ -310,6 +314,7 @@ def corrected_second_moment(
     *,
     gate_variance: bool = True,
     parts: bool = False,
+    adjoint: bool = True,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """tr(P E[Δz Δzᵀ] Pᵀ) (G,) by the mean-gate network plus the carried gate variance.
 
@@ -319,99 +324,319 @@ def corrected_second_moment(
     correction out: the mean-gate network alone, which is exact moments without the gate
     variance (:func:`ablated_second_moment`), at Algorithm 2's cost (rows pulled back only). With
     ``parts=True`` returns the two terms (mean-gate network, correction) separately.
+
+    ``adjoint`` (the default) differentiates the whole value by a hand-written reverse pass
+    (:class:`_CorrectedAdjoint`) instead of recording every operation for autograd: the same
+    arithmetic with fewer passes over the first layer's matrices and their gradients kept in
+    one buffer each, which is what a call costs at these sizes. It applies to the whole
+    value with the correction and 2-D layer matrices (one reference network), outside
+    ``torch.func`` transforms; otherwise, and with ``adjoint=False``, autograd differentiates
+    the same forward pass. The hand-written pass gives first derivatives only.
     """
     steps = _affine_steps(layers, gate_means)
+    mats = [_delta_matrices(step, params0, params1) for step in steps]
+    gates = [_gate_parts(step.gate, mats[0][0]) for step in steps]
+    rows = output_rows.to(reference[0]["factor"].dtype)
+    if adjoint and gate_variance and not parts and not _transformed() and all(
+            m is None or m.dim() == (1 if k == 1 else 2) for mat in mats
+            for k, m in enumerate(mat)):
+        problem = _Problem(reference, gates, rows, len(steps))
+        return _CorrectedAdjoint.apply(problem, *(m for mat in mats for m in mat))[0]
+    tape = _recursion(reference, gates, mats, rows, gate_variance)
+    if parts:
+        return tape["signal"], tape["correction"]
+    return tape["signal"] + tape["correction"]
+
+
+def _transformed() -> bool:
+    """Whether a ``torch.func`` transform (grad, vmap) is running: autograd's path then."""
+    return getattr(torch._C, "_functorch").peek_interpreter_stack() is not None
+
+
+def _vector(value: Tensor) -> Tensor:
+    """A per-unit vector (G, o) as (G, 1, o) against rows; the identity gate's scalars as is."""
+    return value.unsqueeze(-2) if value.dim() else value
+
+
+def _column(value: Tensor) -> Tensor:
+    """A per-unit vector (G, o) as (G, o, 1) against factors; scalars as is."""
+    return value.unsqueeze(-1) if value.dim() else value
+
+
+def _rows_times(rows: Tensor, dw: Tensor, db: Tensor | None) -> Tensor:
+    """The rows times [ΔW, Δb̃] (…, k, in + 1), without forming [ΔW, Δb̃]."""
+    last = rows.new_zeros(rows.shape[:-1]) if db is None else rows @ db
+    return torch.cat([rows @ dw, last.unsqueeze(-1)], dim=-1)
+
+
+def _times_factor(dw: Tensor, db: Tensor | None, factor: Tensor) -> Tensor:
+    """[ΔW, Δb̃] @ factor (…, o, q) for a factor of [a; 1] (…, in + 1, q)."""
+    product = dw @ factor[..., :-1, :]
+    if db is None:
+        return product
+    return product + db.unsqueeze(-1) * factor[..., -1:, :]
+
+
+def _recursion(reference: list[dict[str, Tensor]], gates: list[tuple[Tensor, ...]],
+               mats: list[tuple[Tensor, Tensor | None, Tensor]], rows: Tensor,
+               gate_variance: bool) -> dict[str, Tensor]:
+    """The forward pass of :func:`corrected_second_moment`, keeping what its adjoint reads.
+
+    ``mats`` holds (ΔW, Δb̃, W1) per affine layer (:func:`_delta_matrices`). Returns the two
+    terms (``"signal"``, ``"correction"``) and, by name and layer, the intermediates: the
+    factors ``fd{l}`` of Δs and ``fad{l}`` of Δa, the squared weights ``a{l}`` = W0⊙ΔW and
+    ``b{l}`` = ΔW², the carried diagonals ``t0d{l}``, ``tdd{l}``, ``c00{l}``, ``c0d{l}``,
+    ``cdd{l}``, the injections ``n00{l}``, ``n0d{l}``, ``ndd{l}`` and the rows ``sd{l}``,
+    ``m0{l}``, ``hd{l}``, ``h0``.
+    """
+    tape: dict[str, Tensor] = {}
+    last = len(mats) - 1
     # forward: the diagonals E s0², E[s0 Δs], E Δs² at every gate's input
-    fd_prev: Tensor | None = None  # factor of Δs at the previous layer's output
-    t0d_prev = tdd_prev = None
-    injections: list[tuple[Tensor, Tensor, Tensor] | None] = [None]
-    gates: list[tuple[Tensor, ...]] = []
-    mats: list[tuple[Tensor, Tensor, Tensor]] = []
-    last = len(steps) - 1
-    for index, step in enumerate(steps):
-        block = reference[index]
-        w0h = block["w0h"]
-        w1, dw, dwh = _delta_matrices(step, params0, params1)
-        mats.append((w0h, dwh, w1))
-        parts_gate = _gate_parts(step.gate, dwh)
-        gates.append(parts_gate)
+    for index, (dw, db, w1) in enumerate(mats):
         if not gate_variance:  # no diagonals needed
-            injections.append(None)
-            continue
-        fad = c0d = cdd = None
+            break
+        block = reference[index]
         if index > 0:
-            assert fd_prev is not None and t0d_prev is not None and tdd_prev is not None
             prev = reference[index - 1]
-            er, eg, vr, crg, vg = parts_gate
-            e0d = (prev["f0"] * fd_prev).sum(-1)
-            edd = fd_prev.pow(2).sum(-1)
+            fd_prev, t0d_prev, tdd_prev = (tape[f"{n}{index - 1}"] for n in ("fd", "t0d", "tdd"))
+            er, eg, vr, crg, vg = gates[index]
             n00 = vr * (prev["e00"] + prev["t00"])
-            n0d = crg * (e0d + t0d_prev)
-            ndd = vg * (edd + tdd_prev)
-            injections.append((n00, n0d, ndd))
-            fad = eg.unsqueeze(-1) * fd_prev
+            n0d = crg * ((prev["f0"] * fd_prev).sum(-1) + t0d_prev)
+            ndd = vg * (fd_prev.pow(2).sum(-1) + tdd_prev)
+            tape.update({f"n00{index}": n00, f"n0d{index}": n0d, f"ndd{index}": ndd})
+            if index == last:
+                break
+            fad = _column(eg) * fd_prev
             c00 = er.pow(2) * prev["t00"] + n00
             c0d = er * eg * t0d_prev + n0d
             cdd = eg.pow(2) * tdd_prev + ndd
-        else:
-            c00 = None
-        if index == last:
-            break
-        fd = dwh @ block["factor"]
-        if fad is not None:
-            fd = fd + w1 @ fad
-        if index == 0:
-            t0d = fd.new_zeros(fd.shape[:-1])
-            tdd = t0d
-            residual = block.get("residual")
-            if residual is not None:  # the residual enters with a diagonal covariance
-                t0d = t0d + (dwh * block["w0d"]).sum(-1)
-                tdd = tdd + residual @ (dwh * dwh).mT
-        else:
-            assert c00 is not None and c0d is not None and cdd is not None
+            fd = _times_factor(dw, db, block["factor"]) + w1 @ fad
             # the squared weights W0⊙ΔW, ΔW², ΔW⊙W1, W1² by W1 = W0 + ΔW: two products of
             # ΔW per call (A = W0⊙ΔW, B = ΔW²) and the stored W0², no difference of squares
             a, b, w0sq = block["w0"] * dw, dw * dw, block["w0sq"]
             t0d = (c00 + c0d) @ a.mT + c0d @ w0sq.mT
             tdd = (c00 + 2 * c0d + cdd) @ b.mT + (2 * (c0d + cdd)) @ a.mT + cdd @ w0sq.mT
-        fd_prev, t0d_prev, tdd_prev = fd, t0d, tdd
+            tape.update({f"fad{index}": fad, f"c00{index}": c00, f"c0d{index}": c0d,
+                         f"cdd{index}": cdd, f"a{index}": a, f"b{index}": b})
+        else:
+            if index == last:
+                break
+            fd = _times_factor(dw, db, block["factor"])
+            t0d = tdd = fd.new_zeros(fd.shape[:-1])
+            residual = block.get("residual")
+            if residual is not None:  # the residual enters with a diagonal covariance
+                # D is 0 on the constant coordinate (input_factor pads it so): ΔW alone
+                diagonal = residual[..., :-1]
+                t0d = t0d + diagonal @ (block["w0"] * dw).mT
+                tdd = tdd + diagonal @ (dw * dw).mT
+        tape.update({f"fd{index}": fd, f"t0d{index}": t0d, f"tdd{index}": tdd})
 
     # backward: the rows carrying a0 and Δa to PΔz through the mean-gate network
     groups = reference[0]["factor"].shape[0]
-    rows = output_rows.to(reference[0]["factor"].dtype)
     s_d = rows.expand(groups, *rows.shape[-2:])
     s_0: Tensor | None = None
     constant = None
     correction = s_d.new_zeros(groups)
-    signal = correction
-    for index in range(last, -1, -1):
-        w0h, dwh, w1 = mats[index]
-        h0 = s_d @ dwh
+    for index in range(last, 0, -1):
+        dw, db, w1 = mats[index]
+        tape[f"sd{index}"] = s_d
+        h0 = _rows_times(s_d, dw, db)
         if s_0 is not None:
-            h0 = h0 + s_0 @ w0h
-        if index == 0:
-            if constant is not None:
-                h0 = torch.cat([h0[..., :-1], h0[..., -1:] + constant.unsqueeze(-1)], dim=-1)
-            block = reference[0]
-            # the full input where the injections were sized from a cut one
-            full = "signal_factor" in block
-            factor = block["signal_factor" if full else "factor"]
-            residual = block.get("signal_residual" if full else "residual")
-            signal = (h0 @ factor).pow(2).sum((-1, -2))
-            if residual is not None:
-                signal = signal + (h0.pow(2) * residual.unsqueeze(-2)).sum((-1, -2))
-            break
+            h0 = h0 + s_0 @ reference[index]["w0h"]
         hd = s_d @ w1
         constant = h0[..., -1] if constant is None else constant + h0[..., -1]
         m0 = h0[..., :-1]
-        injection = injections[index]
-        if injection is not None:
-            n00, n0d, ndd = injection
+        tape.update({f"m0{index}": m0, f"hd{index}": hd})
+        if gate_variance:
+            n00, n0d, ndd = (tape[f"{n}{index}"] for n in ("n00", "n0d", "ndd"))
             correction = correction + (m0.pow(2).sum(-2) * n00 + 2 * (m0 * hd).sum(-2) * n0d
                                        + hd.pow(2).sum(-2) * ndd).sum(-1)
-        er, eg = (g.unsqueeze(-2) if g.dim() else g for g in gates[index][:2])
-        s_0, s_d = m0 * er, hd * eg
-    if parts:
-        return signal, correction
-    return signal + correction
+        er, eg = gates[index][:2]
+        s_0, s_d = m0 * _vector(er), hd * _vector(eg)
+    tape["sd0"] = s_d
+    h0 = _rows_times(s_d, *mats[0][:2])
+    if s_0 is not None:
+        h0 = h0 + s_0 @ reference[0]["w0h"]
+    if constant is not None:
+        h0 = torch.cat([h0[..., :-1], h0[..., -1:] + constant.unsqueeze(-1)], dim=-1)
+    tape["h0"] = h0
+    factor, residual = _signal_input(reference[0])
+    signal = (h0 @ factor).pow(2).sum((-1, -2))
+    if residual is not None:
+        signal = signal + (h0.pow(2) * residual.unsqueeze(-2)).sum((-1, -2))
+    tape.update(signal=signal, correction=correction)
+    return tape
 
+
+def _signal_input(block: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+    """(Φ, D) of the mean-gate term: the full input where the injections were sized from a cut."""
+    full = "signal_factor" in block
+    return block["signal_factor" if full else "factor"], block.get(
+        "signal_residual" if full else "residual")
+
+
+@dataclass
+class _Problem:
+    """What :class:`_CorrectedAdjoint` holds fixed: θ0's side, the gates, the output rows."""
+
+    reference: list[dict[str, Tensor]]
+    gates: list[tuple[Tensor, ...]]
+    rows: Tensor
+    layers: int
+    names: tuple[str, ...] = ()  # the intermediates the forward pass kept, in order
+
+
+class _CorrectedAdjoint(torch.autograd.Function):
+    """:func:`_recursion` with its derivative by a hand-written reverse pass.
+
+    Inputs: the problem, then (ΔW, Δb̃ or ``None``, W1) of every affine layer. Outputs: the
+    value (G,), then the intermediates (saved for the reverse pass, not differentiable).
+    """
+
+    @staticmethod
+    def forward(problem: _Problem, *flat: Tensor | None) -> tuple[Tensor, ...]:  # type: ignore[override]
+        mats = [tuple(flat[3 * i:3 * i + 3]) for i in range(problem.layers)]
+        tape = _recursion(problem.reference, problem.gates, mats,  # pyright: ignore[reportArgumentType]
+                          problem.rows, True)
+        problem.names = tuple(tape)
+        return (tape["signal"] + tape["correction"], *tape.values())
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        problem, *flat = inputs
+        ctx.problem, ctx.names = problem, problem.names
+        ctx.biases = [m is not None for m in flat[1::3]]
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # the intermediates get no gradient: no zeros for them
+        ctx.save_for_backward(*(m for m in flat if m is not None), *output[1:])
+
+    @staticmethod
+    def backward(ctx: Any, grad_value: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        problem: _Problem = ctx.problem
+        saved = list(ctx.saved_tensors)
+        mats = []
+        for bias in ctx.biases:
+            dw = saved.pop(0)
+            db = saved.pop(0) if bias else None
+            mats.append((dw, db, saved.pop(0)))
+        tape = dict(zip(ctx.names, saved, strict=True))
+        grads = _reverse(problem, mats, tape, grad_value)
+        return (None, *(g for layer in grads for g in layer))
+
+
+def _sum_outer(left: Tensor, right: Tensor) -> Tensor:
+    """Σ leftᵀ right over components and rows: (G, n, o), (G, n, i) → (o, i)."""
+    return left.flatten(0, -2).mT @ right.flatten(0, -2)
+
+
+def _reverse(problem: _Problem, mats: list[tuple[Tensor, Tensor | None, Tensor]],
+             tape: dict[str, Tensor], grad_value: Tensor) -> list[list[Tensor | None]]:
+    """d(grad_value · value)/d(ΔW, Δb̃, W1) per layer: :func:`_recursion` run backwards.
+
+    Every gradient is one buffer per matrix, accumulated in place (``addmm_``,
+    ``addcmul_``): at these sizes a call costs what it allocates and passes over memory.
+    """
+    reference, gates, last = problem.reference, problem.gates, problem.layers - 1
+    grads: list[list[Tensor | None]] = [[None, None, None] for _ in mats]
+
+    def add_outer(index: int, which: int, left: Tensor, right: Tensor) -> None:
+        held = grads[index][which]
+        if held is None:
+            grads[index][which] = _sum_outer(left, right)
+        else:
+            held.addmm_(left.flatten(0, -2).mT, right.flatten(0, -2))
+
+    def add_bias(index: int, value: Tensor) -> None:
+        if mats[index][1] is not None:
+            held = grads[index][1]
+            grads[index][1] = value if held is None else held + value
+
+    def add_homogeneous(index: int, left: Tensor, right: Tensor) -> None:
+        """The derivative in [ΔW, Δb̃] of Σ leftᵀ right, right's last column for Δb̃."""
+        add_outer(index, 0, left, right[..., :-1])
+        add_bias(index, (left * right[..., -1:]).flatten(0, -2).sum(0))
+
+    scale = grad_value.unsqueeze(-1).unsqueeze(-1)  # (G, 1, 1) against rows
+    # the rows pass, from the input layer up: H0 = Sd ΔW̃ + S0 W̃0, Hd = Sd W1
+    factor, residual = _signal_input(reference[0])
+    h0 = tape["h0"]
+    dh0 = (h0 @ factor) @ factor.mT
+    if residual is not None:
+        dh0 = dh0 + h0 * residual.unsqueeze(-2)
+    dh0 = 2 * scale * dh0
+    add_homogeneous(0, tape["sd0"], dh0)
+
+    def rows_back(dh: Tensor, dw: Tensor, db: Tensor | None) -> Tensor:
+        """The derivative dH times ΔW̃ᵀ, without forming ΔW̃."""
+        back = dh[..., :-1] @ dw.mT
+        return back if db is None else back + dh[..., -1:] * db
+
+    dconstant = dh0[..., -1:]
+    ds_d = rows_back(dh0, *mats[0][:2])
+    ds_0 = dh0 @ reference[0]["w0h"].mT
+    seeds: dict[int, tuple[Tensor, Tensor]] = {}
+    for index in range(1, last + 1):
+        dw, db, w1 = mats[index]
+        er, eg = gates[index][:2]
+        n00, n0d, ndd = (_vector(tape[f"{n}{index}"]) for n in ("n00", "n0d", "ndd"))
+        m0, hd = tape[f"m0{index}"], tape[f"hd{index}"]
+        dm0 = ds_0 * _vector(er) + 2 * scale * (m0 * n00 + hd * n0d)
+        dhd = ds_d * _vector(eg) + 2 * scale * (m0 * n0d + hd * ndd)
+        # the correction's derivatives in its injections: where the diagonal pass starts
+        seeds[index] = (2 * grad_value.unsqueeze(-1) * (m0 * hd).sum(-2),
+                        grad_value.unsqueeze(-1) * hd.pow(2).sum(-2))
+        dh = torch.cat([dm0, dconstant.expand(*dm0.shape[:-1], 1)], dim=-1)
+        s_d = tape[f"sd{index}"]
+        add_homogeneous(index, s_d, dh)
+        add_outer(index, 2, s_d, dhd)
+        if index < last:
+            ds_d = rows_back(dh, dw, db) + dhd @ w1.mT
+            ds_0 = dh @ reference[index]["w0h"].mT
+
+    # the diagonal pass, from the output layer down
+    dt0d = dtdd = dfd = None  # derivatives in layer index's t0d, tdd and Δs factor
+    for index in range(last, 0, -1):
+        er, eg, _, crg, vg = gates[index]
+        dn0d, dndd = seeds[index]
+        dc0d = dcdd = dfad = None
+        if index < last:
+            assert dt0d is not None and dtdd is not None and dfd is not None
+            dw, db, w1 = mats[index]
+            block = reference[index]
+            c00, c0d, cdd, a, b = (tape[f"{n}{index}"] for n in ("c00", "c0d", "cdd", "a", "b"))
+            w0, w0sq = block["w0"], block["w0sq"]
+            # t0d = (c00 + c0d) Aᵀ + c0d W0²ᵀ, tdd = (c00 + 2 c0d + cdd) Bᵀ + 2 (c0d + cdd) Aᵀ
+            # + cdd W0²ᵀ; A = W0⊙ΔW, B = ΔW²: dΔW = W0⊙dA + 2 ΔW⊙dB
+            held = grads[index][0]
+            assert held is not None  # the rows pass set it
+            held.addcmul_(w0, torch.cat([dt0d, dtdd]).mT @ torch.cat([c00 + c0d, 2 * (c0d + cdd)]))
+            held.addcmul_(dw, dtdd.mT @ (c00 + 2 * c0d + cdd), value=2)
+            dc0d = (dt0d + 2 * dtdd) @ a + dt0d @ w0sq + 2 * dtdd @ b
+            dcdd = dtdd @ b + dtdd @ w0sq + 2 * dtdd @ a
+            # Fd = ΔW̃ Φ + W1 Fad
+            factor = block["factor"]
+            add_homogeneous(index, dfd.mT, factor.mT)
+            add_outer(index, 2, dfd.mT, tape[f"fad{index}"].mT)
+            dfad = w1.mT @ dfd
+            dn0d, dndd = dn0d + dc0d, dndd + dcdd
+        dt0d, dtdd = crg * dn0d, vg * dndd
+        if dc0d is not None and dcdd is not None:
+            dt0d, dtdd = dt0d + er * eg * dc0d, dtdd + eg.pow(2) * dcdd
+        prev = index - 1
+        dfd = (_column(crg * dn0d) * reference[prev]["f0"]
+               + 2 * _column(vg * dndd) * tape[f"fd{prev}"])
+        if dfad is not None:
+            dfd = dfd + _column(eg) * dfad
+    if dfd is not None:
+        assert dt0d is not None and dtdd is not None
+        dw = mats[0][0]
+        block = reference[0]
+        add_homogeneous(0, dfd.mT, block["factor"].mT)
+        if "residual" in block:
+            # t0d = D (W0⊙ΔW)ᵀ, tdd = D (ΔW²)ᵀ
+            held = grads[0][0]
+            assert held is not None
+            diagonal = block["residual"][..., :-1]
+            held.addcmul_(block["w0"], dt0d.mT @ diagonal)
+            held.addcmul_(dw, dtdd.mT @ diagonal, value=2)
+    return grads
