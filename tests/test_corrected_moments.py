@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
-from unittest import mock
 
 import pytest
 import torch
@@ -12,10 +10,8 @@ from torch import nn
 
 import fsd
 from fsd.covariance import low_rank_plus_diagonal
-from fsd.estimators.summary_set import _batch_key
 from fsd.estimators.variants import BGLNVariant
 from fsd.model.signature import model_state
-from fsd.moments import corrected as corrected_module
 from fsd.moments.corrected import (
     ablated_second_moment,
     corrected_reference,
@@ -435,46 +431,3 @@ class _Distance(nn.Module):
 
     def forward(self):
         return self._estimator[0].distance(self.model)
-
-
-@pytest.mark.parametrize("model_kind", ["relu", "general"])
-@pytest.mark.parametrize("options", [
-    {"covariance": "full"}, {"covariance": "lowrank", "rank": 2}, {"covariance": "diag"},
-    {"covariance": "lowrank", "rank": 3, "injection_rank": 1}])
-def test_stacked_summaries_give_the_weighted_sum_of_their_distances(model_kind, options):
-    # pooled summaries at three references (own θ0, own data) evaluated in one stacked pass
-    # against one by one: value and gradient, by the hand-written pass and by autograd; a
-    # class-wise summary in the set is evaluated on its own
-    model = _mlp(hidden=3) if model_kind == "relu" else _general_mlp()
-    references = [model] + [_general_copy(model, seed) for seed in (5, 6)]
-    summaries = [_fit("corrected", r, _data(seed=k), **options)
-                 for k, r in enumerate(references)]
-    summaries.append(_fit("corrected", references[1], _uneven_data(), classwise=True,
-                          **options))
-    weights = [1.0, 0.5, 2.0, 0.7]
-    combined = fsd.combine(summaries, weights)
-    assert len({_batch_key(s) for s in summaries[:3]}) == 1
-    assert _batch_key(summaries[3]) is None
-    target = _general_copy(model, 9)
-    expected_value = sum(w * s.distance(target) for w, s in zip(weights, summaries, strict=True))
-    expected_value.backward()
-    expected = [p.grad.clone() for p in target.parameters()]
-    for adjoint in (True, False):
-        autograd = functools.partial(corrected_module.corrected_second_moment, adjoint=adjoint)
-        with mock.patch.object(corrected_module, "corrected_second_moment", autograd):
-            target.zero_grad()
-            value = combined.distance(target)
-            value.backward()
-        torch.testing.assert_close(value, expected_value, rtol=1e-12, atol=0)
-        for p, grad in zip(target.parameters(), expected, strict=True):
-            torch.testing.assert_close(p.grad, grad, rtol=1e-10, atol=1e-14)
-
-
-def _general_copy(model, seed, scale=0.2):
-    """A copy of ``model`` (any layers) with Gaussian noise added to its parameters."""
-    moved = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in moved.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return moved

@@ -22,9 +22,7 @@ class BGLNVariant(BGLN):
 
     Chains only (no graphs: ``fit`` refuses them). ``"corrected"`` and ``"no-gate-variance"``
     also walk chains with convolutions and pools (:mod:`fsd.moments.corrected_conv`);
-    ``"no-cross-covariance"`` (dense) MLP chains only. :func:`fsd.combine` evaluates pooled
-    MLP summaries of ``"corrected"`` and ``"no-gate-variance"`` in one stacked pass; class-wise
-    ones, CNN ones and ``"no-cross-covariance"`` one by one.
+    ``"no-cross-covariance"`` (dense) MLP chains only. Summaries are evaluated one by one.
 
     Args:
         moments: ``"corrected"`` (:func:`fsd.moments.corrected.corrected_second_moment`);

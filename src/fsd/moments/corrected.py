@@ -69,10 +69,6 @@ from .exact import (
 
 #: the variants :class:`fsd.estimators.variants.BGLNVariant` computes (``moments=``)
 VARIANTS: tuple[str, ...] = ("corrected", "no-gate-variance", "no-cross-covariance")
-#: :func:`corrected_reference`'s blocks that are θ0's layer matrices (no component dimension)
-REFERENCE_MATRICES: frozenset[str] = frozenset({"w0h", "w0", "w0sq"})
-#: its blocks whose last dimension is a factor's columns (zero-padded when stacked)
-REFERENCE_FACTORS: frozenset[str] = frozenset({"factor", "f0", "signal_factor"})
 
 
 @dataclass(frozen=True)
@@ -342,7 +338,8 @@ def corrected_second_moment(
     gates = [_gate_parts(step.gate, mats[0][0]) for step in steps]
     rows = output_rows.to(reference[0]["factor"].dtype)
     if adjoint and gate_variance and not parts and not _transformed() and all(
-            w1.dim() == 2 and dw.dim() in (2, 3) for dw, _, w1 in mats):
+            m is None or m.dim() == (1 if k == 1 else 2) for mat in mats
+            for k, m in enumerate(mat)):
         problem = _Problem(reference, gates, rows, len(steps))
         return _CorrectedAdjoint.apply(problem, *(m for mat in mats for m in mat))[0]
     tape = _recursion(reference, gates, mats, rows, gate_variance)
@@ -353,7 +350,7 @@ def corrected_second_moment(
 
 def _transformed() -> bool:
     """Whether a ``torch.func`` transform (grad, vmap) is running: autograd's path then."""
-    return torch._C._are_functorch_transforms_active()
+    return getattr(torch._C, "_functorch").peek_interpreter_stack() is not None
 
 
 def _vector(value: Tensor) -> Tensor:
@@ -368,15 +365,8 @@ def _column(value: Tensor) -> Tensor:
 
 def _rows_times(rows: Tensor, dw: Tensor, db: Tensor | None) -> Tensor:
     """The rows times [ΔW, Δb̃] (…, k, in + 1), without forming [ΔW, Δb̃]."""
-    last = rows.new_zeros((*rows.shape[:-1], 1)) if db is None else rows @ db.unsqueeze(-1)
-    return torch.cat([rows @ dw, last], dim=-1)
-
-
-def _times(vectors: Tensor, matrix: Tensor) -> Tensor:
-    """Vectors (G, o) times a matrix (o, i), or each by its own of (G, o, i): (G, i)."""
-    if matrix.dim() == 2:
-        return vectors @ matrix
-    return (vectors.unsqueeze(-2) @ matrix).squeeze(-2)
+    last = rows.new_zeros(rows.shape[:-1]) if db is None else rows @ db
+    return torch.cat([rows @ dw, last.unsqueeze(-1)], dim=-1)
 
 
 def _times_factor(dw: Tensor, db: Tensor | None, factor: Tensor) -> Tensor:
@@ -424,9 +414,8 @@ def _recursion(reference: list[dict[str, Tensor]], gates: list[tuple[Tensor, ...
             # the squared weights W0⊙ΔW, ΔW², ΔW⊙W1, W1² by W1 = W0 + ΔW: two products of
             # ΔW per call (A = W0⊙ΔW, B = ΔW²) and the stored W0², no difference of squares
             a, b, w0sq = block["w0"] * dw, dw * dw, block["w0sq"]
-            t0d = _times(c00 + c0d, a.mT) + _times(c0d, w0sq.mT)
-            tdd = (_times(c00 + 2 * c0d + cdd, b.mT) + _times(2 * (c0d + cdd), a.mT)
-                   + _times(cdd, w0sq.mT))
+            t0d = (c00 + c0d) @ a.mT + c0d @ w0sq.mT
+            tdd = (c00 + 2 * c0d + cdd) @ b.mT + (2 * (c0d + cdd)) @ a.mT + cdd @ w0sq.mT
             tape.update({f"fad{index}": fad, f"c00{index}": c00, f"c0d{index}": c0d,
                          f"cdd{index}": cdd, f"a{index}": a, f"b{index}": b})
         else:
@@ -438,8 +427,8 @@ def _recursion(reference: list[dict[str, Tensor]], gates: list[tuple[Tensor, ...
             if residual is not None:  # the residual enters with a diagonal covariance
                 # D is 0 on the constant coordinate (input_factor pads it so): ΔW alone
                 diagonal = residual[..., :-1]
-                t0d = t0d + _times(diagonal, (block["w0"] * dw).mT)
-                tdd = tdd + _times(diagonal, (dw * dw).mT)
+                t0d = t0d + diagonal @ (block["w0"] * dw).mT
+                tdd = tdd + diagonal @ (dw * dw).mT
         tape.update({f"fd{index}": fd, f"t0d{index}": t0d, f"tdd{index}": tdd})
 
     # backward: the rows carrying a0 and Δa to PΔz through the mean-gate network
@@ -535,10 +524,8 @@ class _CorrectedAdjoint(torch.autograd.Function):
         return (None, *(g for layer in grads for g in layer))
 
 
-def _outer(left: Tensor, right: Tensor, stacked: bool) -> Tensor:
-    """leftᵀ right for (G, n, o) and (G, n, i): summed over G to (o, i), or per G when stacked."""
-    if stacked:
-        return left.mT @ right
+def _sum_outer(left: Tensor, right: Tensor) -> Tensor:
+    """Σ leftᵀ right over components and rows: (G, n, o), (G, n, i) → (o, i)."""
     return left.flatten(0, -2).mT @ right.flatten(0, -2)
 
 
@@ -548,40 +535,26 @@ def _reverse(problem: _Problem, mats: list[tuple[Tensor, Tensor | None, Tensor]]
 
     Every gradient is one buffer per matrix, accumulated in place (``addmm_``,
     ``addcmul_``): at these sizes a call costs what it allocates and passes over memory.
-    Stacked summaries (ΔW (G, o, i), one θ0 per component) get ΔW's and Δb̃'s per component;
-    W1 is shared.
     """
     reference, gates, last = problem.reference, problem.gates, problem.layers - 1
     grads: list[list[Tensor | None]] = [[None, None, None] for _ in mats]
-    stacked = mats[0][0].dim() == 3
 
     def add_outer(index: int, which: int, left: Tensor, right: Tensor) -> None:
-        per_component = stacked and which == 0
         held = grads[index][which]
         if held is None:
-            grads[index][which] = _outer(left, right, per_component)
-        elif per_component:
-            held.baddbmm_(left.mT, right)
+            grads[index][which] = _sum_outer(left, right)
         else:
             held.addmm_(left.flatten(0, -2).mT, right.flatten(0, -2))
 
-    def add_bias(index: int, left: Tensor, right: Tensor) -> None:
-        """Σ left ⊙ right over rows (and over components unless stacked)."""
+    def add_bias(index: int, value: Tensor) -> None:
         if mats[index][1] is not None:
-            value = (left * right).sum(-2) if stacked else (left * right).flatten(0, -2).sum(0)
             held = grads[index][1]
             grads[index][1] = value if held is None else held + value
 
     def add_homogeneous(index: int, left: Tensor, right: Tensor) -> None:
         """The derivative in [ΔW, Δb̃] of Σ leftᵀ right, right's last column for Δb̃."""
         add_outer(index, 0, left, right[..., :-1])
-        add_bias(index, left, right[..., -1:])
-
-    def diagonal_outer(lefts: list[Tensor], rights: list[Tensor]) -> Tensor:
-        """Σ_j leftⱼ ⊗ rightⱼ for (G, o), (G, i): summed over G, or per G when stacked."""
-        if stacked:
-            return torch.stack(lefts, -1) @ torch.stack(rights, -2)
-        return torch.cat(lefts).mT @ torch.cat(rights)
+        add_bias(index, (left * right[..., -1:]).flatten(0, -2).sum(0))
 
     scale = grad_value.unsqueeze(-1).unsqueeze(-1)  # (G, 1, 1) against rows
     # the rows pass, from the input layer up: H0 = Sd ΔW̃ + S0 W̃0, Hd = Sd W1
@@ -596,7 +569,7 @@ def _reverse(problem: _Problem, mats: list[tuple[Tensor, Tensor | None, Tensor]]
     def rows_back(dh: Tensor, dw: Tensor, db: Tensor | None) -> Tensor:
         """The derivative dH times ΔW̃ᵀ, without forming ΔW̃."""
         back = dh[..., :-1] @ dw.mT
-        return back if db is None else back + dh[..., -1:] * db.unsqueeze(-2)
+        return back if db is None else back + dh[..., -1:] * db
 
     dconstant = dh0[..., -1:]
     ds_d = rows_back(dh0, *mats[0][:2])
@@ -636,10 +609,10 @@ def _reverse(problem: _Problem, mats: list[tuple[Tensor, Tensor | None, Tensor]]
             # + cdd W0²ᵀ; A = W0⊙ΔW, B = ΔW²: dΔW = W0⊙dA + 2 ΔW⊙dB
             held = grads[index][0]
             assert held is not None  # the rows pass set it
-            held.addcmul_(w0, diagonal_outer([dt0d, dtdd], [c00 + c0d, 2 * (c0d + cdd)]))
-            held.addcmul_(dw, diagonal_outer([dtdd], [c00 + 2 * c0d + cdd]), value=2)
-            dc0d = _times(dt0d + 2 * dtdd, a) + _times(dt0d, w0sq) + 2 * _times(dtdd, b)
-            dcdd = _times(dtdd, b) + _times(dtdd, w0sq) + 2 * _times(dtdd, a)
+            held.addcmul_(w0, torch.cat([dt0d, dtdd]).mT @ torch.cat([c00 + c0d, 2 * (c0d + cdd)]))
+            held.addcmul_(dw, dtdd.mT @ (c00 + 2 * c0d + cdd), value=2)
+            dc0d = (dt0d + 2 * dtdd) @ a + dt0d @ w0sq + 2 * dtdd @ b
+            dcdd = dtdd @ b + dtdd @ w0sq + 2 * dtdd @ a
             # Fd = ΔW̃ Φ + W1 Fad
             factor = block["factor"]
             add_homogeneous(index, dfd.mT, factor.mT)
@@ -664,6 +637,6 @@ def _reverse(problem: _Problem, mats: list[tuple[Tensor, Tensor | None, Tensor]]
             held = grads[0][0]
             assert held is not None
             diagonal = block["residual"][..., :-1]
-            held.addcmul_(block["w0"], diagonal_outer([dt0d], [diagonal]))
-            held.addcmul_(dw, diagonal_outer([dtdd], [diagonal]), value=2)
+            held.addcmul_(block["w0"], dt0d.mT @ diagonal)
+            held.addcmul_(dw, dtdd.mT @ diagonal, value=2)
     return grads

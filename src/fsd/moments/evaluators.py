@@ -469,31 +469,8 @@ class _Variant(_ChainEvaluator):
     """The moment variants of :mod:`fsd.moments.corrected` (prototypes, MLP chains)."""
 
     def stack_key(self, summary: MomentSummary) -> tuple | None:
-        """One pass for pooled summaries (one component each) of the corrected recursion.
-
-        Stacked, every summary keeps its own θ0, so the layer matrices carry a leading
-        dimension of one per summary; a class-wise summary would repeat them per class, so
-        those and the dense ablation are evaluated one by one.
-        """
-        if self.name == "no-cross-covariance" or summary.weights.shape[0] != 1:
-            return None
-        return (self.name, *_form(summary.covariance))
-
-    def stack(self, parts: Sequence[dict[str, Any]], params0: Sequence[dict[str, Tensor]],
-              weights: Sequence[float]) -> dict[str, Any]:
-        """Summaries side by side: θ0 and its layer matrices stacked, factors zero-padded."""
-        stacked = self._stack_common(parts, params0, weights, per_summary=False)
-
-        def join(name: str, tensors: list[Tensor]) -> Tensor:
-            if name in corrected.REFERENCE_MATRICES:  # θ0's (o, i): one per summary
-                return torch.stack(tensors)
-            return (_cat_padded if name in corrected.REFERENCE_FACTORS else torch.cat)(tensors)
-
-        stacked["reference"] = [
-            {name: join(name, [p["reference"][j][name] for p in parts])
-             for name in parts[0]["reference"][j]}
-            for j in range(len(parts[0]["reference"]))]
-        return stacked
+        """Prototypes: evaluated one by one."""
+        return None
 
     def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
         """The corrected reference side (none for the dense ablation)."""
