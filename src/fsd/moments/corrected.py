@@ -350,7 +350,7 @@ def corrected_second_moment(
 
 def _transformed() -> bool:
     """Whether a ``torch.func`` transform (grad, vmap) is running: autograd's path then."""
-    return getattr(torch._C, "_functorch").peek_interpreter_stack() is not None
+    return torch._C._are_functorch_transforms_active()
 
 
 def _vector(value: Tensor) -> Tensor:
