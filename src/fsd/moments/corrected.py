@@ -47,6 +47,11 @@ carried covariance is one injection's (diagonal) through one affine layer. With
 that has a diagonal residual, so these hold for that covariance's injections only. With all
 μ ∈ {0, 1} the injections vanish and it equals exact moments; without its injections it
 is exact moments without the gate variance (the mean-gate network).
+
+Its derivative is a hand-written reverse pass of that forward pass (:class:`_CorrectedAdjoint`):
+at MLP sizes a penalty call costs the operations and fresh first-layer buffers it makes, and
+autograd would record every one of them. Autograd through the same forward pass
+(``adjoint=False``) is the reference the tests hold it to.
 """
 
 from __future__ import annotations
