@@ -57,7 +57,7 @@ def test_paper_defaults_follow_the_appendix_tables():
             if continual.default_hyperparameters("permuted-mnist", m)["lr"] == 1e-4}
     assert slow == {"bgln-d", "bgln-d-exact", "bgln-d-layerwise", "bgln-d-cw", "bgln-d-var",
                     "bgln-d-no-gate-variance", "bgln-d-no-cross-covariance", "bgln-d-corrected",
-                    "bgln-d-corrected-cw", "bgln-d-corrected-fired"}
+                    "bgln-d-corrected-cut", "bgln-d-corrected-cw", "bgln-d-corrected-fired"}
     assert continual.default_hyperparameters("split-mnist", "bgln-d-cw")["lr"] == 1e-3
     assert continual.default_hyperparameters("permuted-mnist", "ntk")["epochs"] == 5
     with pytest.raises(ValueError, match="unknown method"):

@@ -182,6 +182,12 @@ _ROWS: tuple[Preset, ...] = (
     Preset("bgln-d-corrected", "BGLN-D (corrected)", BGLNVariant,
            {"moments": "corrected", "covariance": "lowrank", "rank": 64}, family="bgln-d",
            **_FULL),
+    # the gates' injections sized from the covariance's top 8 directions plus the diagonal
+    # they miss (the mean-gate term keeps all 64): the form whose penalty is within 2× of
+    # Algorithm 2's for one summary (docs/moments.md)
+    Preset("bgln-d-corrected-cut", "BGLN-D (corrected, injections rank 8)", BGLNVariant,
+           {"moments": "corrected", "covariance": "lowrank", "rank": 64, "injection_rank": 8},
+           family="bgln-d", **_FULL),
     # one mixture component per class (moments and gate frequencies per class), as
     # bgln-d-cw is for Algorithm 2
     Preset("bgln-d-corrected-cw", "BGLN-D-CW (corrected)", BGLNVariant,
