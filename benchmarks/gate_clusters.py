@@ -3,9 +3,9 @@
 Run:  .venv/bin/python benchmarks/gate_clusters.py RUN_DIR --seed S [--tasks 1] \
           [--clusters 1,4,16,64,256] [--examples 2000] [--data-dir D] [--json F]
 
-RUN_DIR is an ``fsd cl`` run with BGLN summaries (an MLP or a CNN: every ReLU module counts). For the seed's final network θ
-and every earlier task t (reference θ_t, the summary's), on the task's first ``--examples``
-training inputs x and the summary's outputs:
+RUN_DIR is an ``fsd cl`` run with BGLN summaries, of an MLP or a CNN (every ReLU module's
+firing counts). For the seed's final network θ and every earlier task t (reference θ_t, the
+summary's), on the task's first ``--examples`` training inputs x and the summary's outputs:
 
 - ``true``: the FSD, ½ E‖z_θ(x) − z_θt(x)‖²;
 - ``laftr_data``: LAFTR on x, every input with the reference's own gates (one cluster per
