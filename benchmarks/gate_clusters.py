@@ -12,8 +12,8 @@ summary's), on the task's first ``--examples`` training inputs x and the summary
   input, the limit of the columns below);
 - per M in ``--clusters`` (``classes``: one cluster per class label, the paper's class-wise
   components, for comparison): x split into M clusters by k-means on the reference's gate
-  patterns (every hidden ReLU's 0/1 firing on each input, Lloyd's algorithm from a k-means++
-  start, seeded), then
+  patterns (every hidden ReLU's 0/1 firing on each input;
+  :func:`fsd_experiments.stats.kmeans_labels`, seeded), then
   - ``bgln_s_data``: BGLN-S on x whose gates are Bernoulli with their cluster's firing
     frequencies (``fsd.BGLN(inputs="coreset", classwise=True)`` with the cluster as label);
   - ``corrected``: the corrected recursion with one Gaussian component per cluster (its
@@ -46,6 +46,7 @@ from fsd_experiments.benchmarks import make_tasks
 from fsd_experiments.continual.reporting import _gap_checkpoint, _run_settings
 from fsd_experiments.continual.runner import build_model, checked_matrix, summary_outputs
 from fsd_experiments.data import TensorBatches
+from fsd_experiments.stats import kmeans_labels
 
 
 def gate_patterns(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -60,29 +61,6 @@ def gate_patterns(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         for hook in hooks:
             hook.remove()
     return torch.cat(fired, dim=1).to(torch.float32)
-
-
-def kmeans(points: torch.Tensor, clusters: int, seed: int, iterations: int = 30
-           ) -> torch.Tensor:
-    """Cluster labels (N,) by Lloyd's algorithm from a k-means++ start; no empty cluster."""
-    generator = torch.Generator().manual_seed(seed)
-    n = points.shape[0]
-    if clusters >= n:
-        return torch.arange(n)
-    centres = points[torch.randint(n, (1,), generator=generator)]
-    for _ in range(clusters - 1):  # k-means++: the next centre ∝ squared distance
-        gap = torch.cdist(points, centres).pow(2).min(dim=1).values
-        centres = torch.cat([centres, points[torch.multinomial(gap + 1e-12, 1,
-                                                               generator=generator)]])
-    labels = torch.zeros(n, dtype=torch.long)
-    for _ in range(iterations):
-        labels = torch.cdist(points, centres).argmin(dim=1)
-        for c in range(clusters):
-            members = points[labels == c]
-            if len(members):
-                centres[c] = members.mean(0)
-    # relabel to 0..M'-1 (a centre may have lost every member)
-    return torch.unique(labels, return_inverse=True)[1]
 
 
 def main() -> None:
@@ -133,8 +111,8 @@ def main() -> None:
             if m == "classes":  # the paper's class-wise components, for comparison
                 labels = torch.unique(tasks[t].y_train[:args.examples], return_inverse=True)[1]
             else:
-                labels = kmeans(patterns, int(m), seed=args.seed) if int(m) > 1 else \
-                    torch.zeros(len(x), dtype=torch.long)
+                labels = kmeans_labels(patterns, int(m), seed=args.seed)
+            labels = torch.unique(labels, return_inverse=True)[1]  # an emptied cluster: gone
             many = int(labels.max()) > 0
             data = TensorBatches(x, labels, 500)
             with torch.no_grad():
