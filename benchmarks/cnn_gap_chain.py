@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,13 +47,60 @@ from torch import nn
 
 import fsd
 from corrected_conv import sampled_bgln
-from fsd.estimators.base import load
+from fsd.estimators.base import Estimator, load
 from fsd.estimators.exact_fsd import ExactFSD
 from fsd.estimators.variants import BGLNVariant
 from fsd.model.rules import routing_statistics
-from fsd_experiments.benchmarks import make_tasks
+from fsd_experiments.benchmarks import Task, make_tasks
 from fsd_experiments.continual.reporting import _gap_checkpoint, _run_settings
 from fsd_experiments.continual.runner import build_model, checked_matrix, summary_outputs
+from fsd_experiments.continual.settings import Hyperparameters
+
+
+@dataclass
+class TrainedRun:
+    """A seed of an ``fsd cl`` run read back: its final network and the earlier tasks' summaries."""
+
+    run: Path
+    seed: int
+    method: str
+    hp: Hyperparameters
+    tasks: list[Task]
+    final: nn.Sequential
+    trained: int  # tasks trained
+    chosen: list[int]  # the earlier tasks to read (0-based)
+    outputs: int
+
+    @classmethod
+    def load(cls, run: Path, seed: int, data_dir: str | None, tasks: str | None
+             ) -> TrainedRun:
+        """The run's final network for ``seed``; ``tasks`` "1,2" (1-based) or all earlier ones."""
+        benchmark, method, hp, _ = _run_settings(run)
+        ckpt = run / "checkpoints" / f"seed{seed}"
+        state = _gap_checkpoint(ckpt)
+        stream, outputs = make_tasks(benchmark, data_dir, seed, train_subset=hp.train_subset,
+                                     test_subset=hp.test_subset, num_tasks=hp.tasks,
+                                     validation=hp.validation)
+        final = build_model(hp, stream[0].x_train.shape[1:], outputs).eval()
+        final.load_state_dict(state["model"])
+        trained = len(checked_matrix(state, ckpt / "state.pt", len(stream)))
+        chosen = ([int(t) - 1 for t in tasks.split(",")] if tasks
+                  else list(range(trained - 1)))
+        return cls(run, seed, method, hp, stream, final, trained, chosen, outputs)
+
+    def reference(self, task: int) -> tuple[Estimator, nn.Sequential]:
+        """Task ``task``'s (0-based) stored summary and its reference network θ_t."""
+        summary = load(self.run / "checkpoints" / f"seed{self.seed}" / f"task{task}.fsd")
+        reference = build_model(self.hp, self.tasks[0].x_train.shape[1:], self.outputs).eval()
+        reference.load_state_dict(summary.reference_state_dict())
+        return summary, reference
+
+    def announce(self) -> str:
+        """Print and return the machine line with the run read."""
+        machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+                   f"{torch.get_num_threads()} thread(s)")
+        print(f"# {machine}; {self.run.name} seed {self.seed}, after task {self.trained}")
+        return machine
 
 
 def fired_routing(model: nn.Sequential, x: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -88,28 +136,14 @@ def main() -> None:
     parser.add_argument("--note", default="", help="what else ran on the machine (for --json)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    run = Path(args.run)
-    benchmark, method, hp, _ = _run_settings(run)
-    ckpt = run / "checkpoints" / f"seed{args.seed}"
-    state = _gap_checkpoint(ckpt)
-    tasks, n_out = make_tasks(benchmark, args.data_dir, args.seed, train_subset=hp.train_subset,
-                              test_subset=hp.test_subset, num_tasks=hp.tasks,
-                              validation=hp.validation)
-    shape = tasks[0].x_train.shape[1:]
-    final = build_model(hp, shape, n_out).eval()
-    final.load_state_dict(state["model"])
-    trained = len(checked_matrix(state, ckpt / "state.pt", len(tasks)))
-    chosen = ([int(t) - 1 for t in args.tasks.split(",")] if args.tasks
-              else list(range(trained - 1)))
-    machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-               f"{torch.get_num_threads()} thread(s)")
-    print(f"# {machine}; {run.name} seed {args.seed}, after task {trained}")
+    loaded = TrainedRun.load(Path(args.run), args.seed, args.data_dir, args.tasks)
+    run, method, hp, tasks, final, trained = (loaded.run, loaded.method, loaded.hp, loaded.tasks,
+                                              loaded.final, loaded.trained)
+    machine = loaded.announce()
     rows = []
-    for t in chosen:
+    for t in loaded.chosen:
         began = time.perf_counter()
-        summary = load(ckpt / f"task{t}.fsd")
-        reference = build_model(hp, shape, n_out).eval()
-        reference.load_state_dict(summary.reference_state_dict())
+        summary, reference = loaded.reference(t)
         x = tasks[t].x_train[:args.examples]
         outputs = summary_outputs(tasks[t], hp)
         common = dict(covariance="lowrank", rank=64)

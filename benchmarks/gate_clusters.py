@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -39,12 +38,10 @@ import torch
 from torch import nn
 
 import fsd
-from fsd.estimators.base import load
+from cnn_gap_chain import TrainedRun
 from fsd.estimators.exact_fsd import ExactFSD
 from fsd.estimators.variants import BGLNVariant
-from fsd_experiments.benchmarks import make_tasks
-from fsd_experiments.continual.reporting import _gap_checkpoint, _run_settings
-from fsd_experiments.continual.runner import build_model, checked_matrix, summary_outputs
+from fsd_experiments.continual.runner import summary_outputs
 from fsd_experiments.data import TensorBatches
 from fsd_experiments.stats import kmeans_labels
 
@@ -77,27 +74,13 @@ def main() -> None:
     parser.add_argument("--note", default="", help="what else ran on the machine (for --json)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    run = Path(args.run)
-    benchmark, method, hp, _ = _run_settings(run)
-    ckpt = run / "checkpoints" / f"seed{args.seed}"
-    state = _gap_checkpoint(ckpt)
-    tasks, n_out = make_tasks(benchmark, args.data_dir, args.seed, train_subset=hp.train_subset,
-                              test_subset=hp.test_subset, num_tasks=hp.tasks,
-                              validation=hp.validation)
-    shape = tasks[0].x_train.shape[1:]
-    final = build_model(hp, shape, n_out).eval()
-    final.load_state_dict(state["model"])
-    trained = len(checked_matrix(state, ckpt / "state.pt", len(tasks)))
-    chosen = ([int(t) - 1 for t in args.tasks.split(",")] if args.tasks
-              else list(range(trained - 1)))
-    machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-               f"{torch.get_num_threads()} thread(s)")
-    print(f"# {machine}; {run.name} seed {args.seed}, after task {trained}")
+    loaded = TrainedRun.load(Path(args.run), args.seed, args.data_dir, args.tasks)
+    run, method, hp, tasks, final = (loaded.run, loaded.method, loaded.hp, loaded.tasks,
+                                     loaded.final)
+    machine = loaded.announce()
     rows = []
-    for t in chosen:
-        summary = load(ckpt / f"task{t}.fsd")
-        reference = build_model(hp, shape, n_out).eval()
-        reference.load_state_dict(summary.reference_state_dict())
+    for t in loaded.chosen:
+        reference = loaded.reference(t)[1]
         x = tasks[t].x_train[:args.examples]
         outputs = summary_outputs(tasks[t], hp)
         patterns = gate_patterns(reference, x)
@@ -128,7 +111,7 @@ def main() -> None:
                     classwise=many).fit(reference, data, outputs=outputs,
                                          progress=False).distance(final))
             row = {"run": run.name, "method": method, "fsd_scale": hp.fsd_scale,
-                   "seed": args.seed, "task": t + 1, "after_task": trained,
+                   "seed": args.seed, "task": t + 1, "after_task": loaded.trained,
                    "clusters": "classes" if m == "classes" else int(labels.max()) + 1,
                    "true": true, "laftr_data": laftr,
                    "bgln_s_data": float(values.mean()),
