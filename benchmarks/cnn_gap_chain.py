@@ -57,6 +57,21 @@ from fsd_experiments.continual.runner import build_model, checked_matrix, summar
 from fsd_experiments.continual.settings import Hyperparameters
 
 
+def run_arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The arguments of a study of one trained run (RUN, --seed, --tasks, --examples and more)."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    parser.add_argument("run")
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--tasks", default=None, help="earlier tasks, 1-based (default: all)")
+    parser.add_argument("--examples", type=int, default=2000)
+    parser.add_argument("--mc-calls", type=int, default=6)
+    parser.add_argument("--data-dir", default=os.environ.get("FSD_DATA_DIR"))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None, help="append the rows to this JSON file")
+    parser.add_argument("--note", default="", help="what else ran on the machine (for --json)")
+    return parser
+
+
 @dataclass
 class TrainedRun:
     """A seed of an ``fsd cl`` run read back: its final network and the earlier tasks' summaries."""
@@ -87,6 +102,12 @@ class TrainedRun:
         chosen = ([int(t) - 1 for t in tasks.split(",")] if tasks
                   else list(range(trained - 1)))
         return cls(run, seed, method, hp, stream, final, trained, chosen, outputs)
+
+    @classmethod
+    def from_arguments(cls, args: argparse.Namespace) -> TrainedRun:
+        """:meth:`load` from :func:`run_arguments`' parsed arguments (and their threads)."""
+        torch.set_num_threads(args.threads)
+        return cls.load(Path(args.run), args.seed, args.data_dir, args.tasks)
 
     def reference(self, task: int) -> tuple[Estimator, nn.Sequential]:
         """Task ``task``'s (0-based) stored summary and its reference network θ_t."""
@@ -123,20 +144,10 @@ def _mc(draw, calls: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("run")
-    parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--tasks", default=None, help="earlier tasks, 1-based (default: all)")
-    parser.add_argument("--examples", type=int, default=2000)
-    parser.add_argument("--mc-calls", type=int, default=6)
+    parser = run_arguments(__doc__)
     parser.add_argument("--mc-samples", type=int, default=512)
-    parser.add_argument("--data-dir", default=os.environ.get("FSD_DATA_DIR"))
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", default=None, help="append the rows to this JSON file")
-    parser.add_argument("--note", default="", help="what else ran on the machine (for --json)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    loaded = TrainedRun.load(Path(args.run), args.seed, args.data_dir, args.tasks)
+    loaded = TrainedRun.from_arguments(args)
     run, method, hp, tasks, final, trained = (loaded.run, loaded.method, loaded.hp, loaded.tasks,
                                               loaded.final, loaded.trained)
     machine = loaded.announce()

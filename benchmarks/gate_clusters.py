@@ -28,9 +28,7 @@ independent gates within each stop losing the changes that the optimiser found.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -38,7 +36,7 @@ import torch
 from torch import nn
 
 import fsd
-from cnn_gap_chain import TrainedRun
+from cnn_gap_chain import TrainedRun, run_arguments
 from fsd.estimators.exact_fsd import ExactFSD
 from fsd.estimators.variants import BGLNVariant
 from fsd_experiments.continual.runner import summary_outputs
@@ -61,20 +59,10 @@ def gate_patterns(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("run")
-    parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--tasks", default=None, help="earlier tasks, 1-based (default: all)")
+    parser = run_arguments(__doc__)
     parser.add_argument("--clusters", default="1,4,16,64,256")
-    parser.add_argument("--examples", type=int, default=2000)
-    parser.add_argument("--mc-calls", type=int, default=6)
-    parser.add_argument("--data-dir", default=os.environ.get("FSD_DATA_DIR"))
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", default=None, help="append the rows to this JSON file")
-    parser.add_argument("--note", default="", help="what else ran on the machine (for --json)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    loaded = TrainedRun.load(Path(args.run), args.seed, args.data_dir, args.tasks)
+    loaded = TrainedRun.from_arguments(args)
     run, method, hp, tasks, final = (loaded.run, loaded.method, loaded.hp, loaded.tasks,
                                      loaded.final)
     machine = loaded.announce()
