@@ -5,14 +5,16 @@ Run:  .venv/bin/python benchmarks/corrected_moments.py [--data-dir D] [--threads
 MLP 784-W-W-10 (W = 256, 512), K = 1 and 9 previous tasks' summaries (each fitted at its own
 perturbed reference on real MNIST moments, low-rank r = 64 covariance as ``fsd cl`` stores
 them), penalty = fsd.combine(summaries).distance + backward, medians in ms. Algorithm 2 and
-exact moments are batched by fsd.combine; the corrected prototype
-(fsd.moments.corrected) is evaluated summary by summary, with the whole covariance and with
-the gates' injections sized from its top ``--injection-rank`` directions plus the diagonal.
-The corrected recursion is differentiated by its hand-written reverse pass (the default);
-the two "autograd" columns time the same summaries with autograd recording the forward pass
-instead (``adjoint=False``), for the gain. All six are timed interleaved, three rounds, in
-one process, so drifting load from other jobs hits them alike. The last columns are the
-corrected estimates' |est/exact − 1| over the K summaries at the timed θ.
+exact moments are batched by fsd.combine, and so is the corrected recursion
+(fsd.moments.corrected), with the whole covariance and with the gates' injections sized
+from its top ``--injection-rank`` directions plus the diagonal. The corrected recursion is
+differentiated by its hand-written reverse pass (the default); the two "autograd" columns
+time the same summaries with autograd recording the forward pass instead
+(``adjoint=False``), and the two "one by one" columns the sum of the K summaries' own
+distances (what fsd.combine did before it stacked them), for the gains. All eight are timed
+interleaved, three rounds, in one process, so drifting load from other jobs hits them alike.
+The last columns are the corrected estimates' |est/exact − 1| over the K summaries at the
+timed θ.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ def main() -> None:
     print(f"| width | K | Algorithm 2: ms | exact: ms | corrected: ms | corrected, injections "
           f"rank {r}: ms | exact / Alg. 2 | corrected / Alg. 2 | injections rank {r} / Alg. 2 | "
           f"corrected, autograd / Alg. 2 | injections rank {r}, autograd / Alg. 2 | "
+          f"corrected, one by one / Alg. 2 | injections rank {r}, one by one / Alg. 2 | "
           f"corrected: max |est/exact − 1| | injections rank {r}: max |est/exact − 1| |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows: list[dict] = []
     rounds = 3
     for width in (int(w) for w in args.widths.split(",")):
@@ -80,9 +83,12 @@ def main() -> None:
                           for c, e in zip(summaries[m], summaries["exact"], strict=True)]
                       for m in ("corrected", "injections")}
 
-        def penalty(summary_set: fsd.Estimator, moved: torch.nn.Module = moved,
-                    adjoint: bool = True) -> None:
+        def penalty(summary_set: fsd.SummarySet, moved: torch.nn.Module = moved,
+                    adjoint: bool = True, stacked: bool = True) -> None:
             moved.zero_grad()
+            if not stacked:
+                sum(s.distance(moved) for s in summary_set).backward()
+                return
             if adjoint:
                 summary_set.distance(moved).backward()
                 return
@@ -90,16 +96,20 @@ def main() -> None:
             with mock.patch.object(corrected, "corrected_second_moment", autograd):
                 summary_set.distance(moved).backward()
 
-        timed = [*summaries, "corrected_autograd", "injections_autograd"]
+        timed = [*summaries, "corrected_autograd", "injections_autograd",
+                 "corrected_one_by_one", "injections_one_by_one"]
         times: dict[tuple[str, int], list[float]] = {(m, k): [] for m in timed for k in (1, 9)}
         repeats = max(1, args.repeats // rounds)
         for _ in range(rounds):
             for m in timed:
                 for k in (1, 9):
-                    summary_set = fsd.combine(summaries[m.removesuffix("_autograd")][:k])
-                    adjoint = not m.endswith("_autograd")
+                    base = m.removesuffix("_autograd").removesuffix("_one_by_one")
+                    summary_set = fsd.combine(summaries[base][:k])
+                    adjoint, stacked = not m.endswith("_autograd"), not m.endswith("_one_by_one")
                     times[m, k].append(median_ms(
-                        lambda s=summary_set, a=adjoint: penalty(s, adjoint=a), repeats))
+                        lambda s=summary_set, a=adjoint, b=stacked: penalty(s, adjoint=a,
+                                                                            stacked=b),
+                        repeats))
         for k in (1, 9):
             t = {m: statistics.median(times[m, k]) for m in timed}
             error = {m: max(abs(r - 1) for r in ratios[m][:k]) for m in ratios}
@@ -111,7 +121,9 @@ def main() -> None:
                   f"{t['exact'] / t['paper']:.1f}x | {t['corrected'] / t['paper']:.1f}x | "
                   f"{t['injections'] / t['paper']:.1f}x | "
                   f"{t['corrected_autograd'] / t['paper']:.1f}x | "
-                  f"{t['injections_autograd'] / t['paper']:.1f}x | {error['corrected']:.1e} | "
+                  f"{t['injections_autograd'] / t['paper']:.1f}x | "
+                  f"{t['corrected_one_by_one'] / t['paper']:.1f}x | "
+                  f"{t['injections_one_by_one'] / t['paper']:.1f}x | {error['corrected']:.1e} | "
                   f"{error['injections']:.1e} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -237,15 +237,58 @@ def test_variant_saves_loads_and_refuses_what_it_cannot_do(tmp_path):
         BGLNVariant(deterministic=False)
 
 
-def test_combine_evaluates_variants_one_by_one():
-    # fsd.combine batches Algorithm 2 and exact summaries; a variant must keep its own maths
-    model, data = _mlp(), _data()
-    moved = _moved(model)
-    summaries = [_fit(m, model, data, covariance="lowrank", rank=2)
-                 for m in ("corrected", "no-cross-covariance", "corrected")]
-    expected = sum(float(s.distance(moved)) for s in summaries)
-    torch.testing.assert_close(float(fsd.combine(summaries).distance(moved)), expected,
-                               rtol=1e-10, atol=0)
+@pytest.mark.parametrize("model_kind", ["relu", "general"])
+@pytest.mark.parametrize("options", [
+    {"covariance": "full"}, {"covariance": "lowrank", "rank": 2}, {"covariance": "diag"},
+    {"covariance": "lowrank", "rank": 3, "injection_rank": 1}])
+def test_combine_stacks_variant_summaries_and_equals_the_sum(monkeypatch, model_kind, options):
+    # summaries at different references (one ΔW per component), class-wise or not, heads of
+    # different width, in one pass each for corrected and its no-gate-variance twin; the
+    # dense ablation one by one. Value and every gradient against the one-by-one sum, float64.
+    import fsd.moments.corrected as corrected_module
+    calls = []
+    real = corrected_module.corrected_second_moment
+
+    def counting(*args, **kwargs):
+        calls.append((args[1]["0.weight"].shape[0], kwargs.get("gate_variance", True)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(corrected_module, "corrected_second_moment", counting)
+    model = _mlp(hidden=3) if model_kind == "relu" else _general_mlp()
+    data = _uneven_data()
+    summaries, weights = [], []
+
+    def perturbed(scale, seed):
+        copied = copy.deepcopy(model)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(seed)
+            for p in copied.parameters():
+                p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        return copied
+
+    for t in range(4):
+        outputs = [t % 3, (t + 1) % 3] if t < 2 else None
+        summaries.append(BGLNVariant(moments="corrected", classwise=(t == 1), **options)
+                         .fit(perturbed(0.1, 20 + t), data, outputs=outputs))
+        weights.append(0.5 + t)
+    plain = {k: v for k, v in options.items() if k != "injection_rank"}  # corrected's only
+    summaries.append(_fit("no-gate-variance", model, data, **plain))
+    summaries.append(_fit("no-gate-variance", perturbed(0.1, 40), data, **plain))
+    summaries.append(_fit("no-cross-covariance", model, data, covariance="lowrank", rank=2))
+    weights += [1.3, 0.7, 2.0]
+    moved = perturbed(0.3, 99)
+    batched = fsd.combine(summaries, weights).distance(moved)
+    # one corrected pass for 1 + 3 + 1 + 1 components, one no-gate-variance pass for 2
+    assert sorted(calls) == [(2, False), (6, True)]
+    calls.clear()
+    one_by_one = sum(w * s.distance(moved) for w, s in zip(weights, summaries, strict=True))
+    torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=0)
+    g_batched = torch.autograd.grad(batched, list(moved.parameters()))
+    g_single = torch.autograd.grad(one_by_one, list(moved.parameters()))
+    for (name, _), a, b in zip(moved.named_parameters(), g_batched, g_single, strict=True):
+        assert b.abs().max() > 0, name
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13 * float(b.abs().max()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("options", [{"covariance": "full"}, {"covariance": "lowrank", "rank": 4},

@@ -22,7 +22,9 @@ class BGLNVariant(BGLN):
 
     Chains only (no graphs: ``fit`` refuses them). ``"corrected"`` and ``"no-gate-variance"``
     also walk chains with convolutions and pools (:mod:`fsd.moments.corrected_conv`);
-    ``"no-cross-covariance"`` (dense) MLP chains only. Summaries are evaluated one by one.
+    ``"no-cross-covariance"`` (dense) MLP chains only. :func:`fsd.combine` stacks
+    ``"corrected"`` and ``"no-gate-variance"`` summaries of MLP chains into one call per
+    covariance form; the others are evaluated one by one.
 
     Args:
         moments: ``"corrected"`` (:func:`fsd.moments.corrected.corrected_second_moment`);

@@ -334,7 +334,8 @@ def corrected_second_moment(
     (:class:`_CorrectedAdjoint`) instead of recording every operation for autograd: the same
     arithmetic with fewer passes over the first layer's matrices and their gradients kept in
     one buffer each, which is what a call costs at these sizes. It applies to the whole
-    value with the correction and 2-D layer matrices (one reference network), outside
+    value with the correction and a 2-D W1 (θ0 one network, or one per component: summaries
+    stacked by :mod:`fsd.moments.evaluators`), outside
     ``torch.func`` transforms; otherwise, and with ``adjoint=False``, autograd differentiates
     the same forward pass. The hand-written pass gives first derivatives only.
     """
@@ -343,14 +344,18 @@ def corrected_second_moment(
     gates = [_gate_parts(step.gate, mats[0][0]) for step in steps]
     rows = output_rows.to(reference[0]["factor"].dtype)
     if adjoint and gate_variance and not parts and not _transformed() and all(
-            m is None or m.dim() == (1 if k == 1 else 2) for mat in mats
-            for k, m in enumerate(mat)):
+            _adjoint_shapes(*mat) for mat in mats):
         problem = _Problem(reference, gates, rows, len(steps))
         return _CorrectedAdjoint.apply(problem, *(m for mat in mats for m in mat))[0]
     tape = _recursion(reference, gates, mats, rows, gate_variance)
     if parts:
         return tape["signal"], tape["correction"]
     return tape["signal"] + tape["correction"]
+
+
+def _adjoint_shapes(dw: Tensor, db: Tensor | None, w1: Tensor) -> bool:
+    """Whether the hand-written pass takes these: W1 one matrix, ΔW one or one per component."""
+    return w1.dim() == 2 and dw.dim() in (2, 3) and (db is None or db.dim() == dw.dim() - 1)
 
 
 def _transformed() -> bool:
@@ -368,9 +373,25 @@ def _column(value: Tensor) -> Tensor:
     return value.unsqueeze(-1) if value.dim() else value
 
 
+def _vector_times(vector: Tensor, matrix: Tensor) -> Tensor:
+    """A per-unit vector (G, i) times a matrix (i, o), or one matrix per component (G, i, o)."""
+    if matrix.dim() == 2:
+        return vector @ matrix
+    return (vector.unsqueeze(-2) @ matrix).squeeze(-2)
+
+
+def _outer_sum(pairs: list[tuple[Tensor, Tensor]], per_component: bool) -> Tensor:
+    """Σ_pairs uᵀ v over components, (G, o) and (G, i) → (o, i); (G, o, i) ``per_component``."""
+    if per_component:
+        return sum((u.unsqueeze(-1) * v.unsqueeze(-2) for u, v in pairs[1:]),
+                   pairs[0][0].unsqueeze(-1) * pairs[0][1].unsqueeze(-2))
+    return torch.cat([u for u, _ in pairs]).mT @ torch.cat([v for _, v in pairs])
+
+
 def _rows_times(rows: Tensor, dw: Tensor, db: Tensor | None) -> Tensor:
     """The rows times [ΔW, Δb̃] (…, k, in + 1), without forming [ΔW, Δb̃]."""
-    last = rows.new_zeros(rows.shape[:-1]) if db is None else rows @ db
+    last = rows.new_zeros(rows.shape[:-1]) if db is None else (
+        rows @ db.unsqueeze(-1)).squeeze(-1)
     return torch.cat([rows @ dw, last.unsqueeze(-1)], dim=-1)
 
 
@@ -419,8 +440,9 @@ def _recursion(reference: list[dict[str, Tensor]], gates: list[tuple[Tensor, ...
             # the squared weights W0⊙ΔW, ΔW², ΔW⊙W1, W1² by W1 = W0 + ΔW: two products of
             # ΔW per call (A = W0⊙ΔW, B = ΔW²) and the stored W0², no difference of squares
             a, b, w0sq = block["w0"] * dw, dw * dw, block["w0sq"]
-            t0d = (c00 + c0d) @ a.mT + c0d @ w0sq.mT
-            tdd = (c00 + 2 * c0d + cdd) @ b.mT + (2 * (c0d + cdd)) @ a.mT + cdd @ w0sq.mT
+            t0d = _vector_times(c00 + c0d, a.mT) + _vector_times(c0d, w0sq.mT)
+            tdd = (_vector_times(c00 + 2 * c0d + cdd, b.mT)
+                   + _vector_times(2 * (c0d + cdd), a.mT) + _vector_times(cdd, w0sq.mT))
             tape.update({f"fad{index}": fad, f"c00{index}": c00, f"c0d{index}": c0d,
                          f"cdd{index}": cdd, f"a{index}": a, f"b{index}": b})
         else:
@@ -432,8 +454,8 @@ def _recursion(reference: list[dict[str, Tensor]], gates: list[tuple[Tensor, ...
             if residual is not None:  # the residual enters with a diagonal covariance
                 # D is 0 on the constant coordinate (input_factor pads it so): ΔW alone
                 diagonal = residual[..., :-1]
-                t0d = t0d + diagonal @ (block["w0"] * dw).mT
-                tdd = tdd + diagonal @ (dw * dw).mT
+                t0d = t0d + _vector_times(diagonal, (block["w0"] * dw).mT)
+                tdd = tdd + _vector_times(diagonal, (dw * dw).mT)
         tape.update({f"fd{index}": fd, f"t0d{index}": t0d, f"tdd{index}": tdd})
 
     # backward: the rows carrying a0 and Δa to PΔz through the mean-gate network
@@ -545,21 +567,29 @@ def _reverse(problem: _Problem, mats: list[tuple[Tensor, Tensor | None, Tensor]]
     grads: list[list[Tensor | None]] = [[None, None, None] for _ in mats]
 
     def add_outer(index: int, which: int, left: Tensor, right: Tensor) -> None:
-        held = grads[index][which]
-        if held is None:
+        held, target = grads[index][which], mats[index][which]
+        assert target is not None  # ΔW or W1 (which 0 or 2)
+        if target.dim() == 3:  # one ΔW per component (stacked summaries)
+            if held is None:
+                grads[index][which] = left.mT @ right
+            else:
+                held.baddbmm_(left.mT, right)
+        elif held is None:
             grads[index][which] = _sum_outer(left, right)
         else:
             held.addmm_(left.flatten(0, -2).mT, right.flatten(0, -2))
 
     def add_bias(index: int, value: Tensor) -> None:
-        if mats[index][1] is not None:
+        bias = mats[index][1]
+        if bias is not None:
+            value = value.sum(-2) if bias.dim() == 2 else value.flatten(0, -2).sum(0)
             held = grads[index][1]
             grads[index][1] = value if held is None else held + value
 
     def add_homogeneous(index: int, left: Tensor, right: Tensor) -> None:
         """The derivative in [ΔW, Δb̃] of Σ leftᵀ right, right's last column for Δb̃."""
         add_outer(index, 0, left, right[..., :-1])
-        add_bias(index, (left * right[..., -1:]).flatten(0, -2).sum(0))
+        add_bias(index, left * right[..., -1:])
 
     scale = grad_value.unsqueeze(-1).unsqueeze(-1)  # (G, 1, 1) against rows
     # the rows pass, from the input layer up: H0 = Sd ΔW̃ + S0 W̃0, Hd = Sd W1
@@ -574,7 +604,7 @@ def _reverse(problem: _Problem, mats: list[tuple[Tensor, Tensor | None, Tensor]]
     def rows_back(dh: Tensor, dw: Tensor, db: Tensor | None) -> Tensor:
         """The derivative dH times ΔW̃ᵀ, without forming ΔW̃."""
         back = dh[..., :-1] @ dw.mT
-        return back if db is None else back + dh[..., -1:] * db
+        return back if db is None else back + dh[..., -1:] * db.unsqueeze(-2)
 
     dconstant = dh0[..., -1:]
     ds_d = rows_back(dh0, *mats[0][:2])
@@ -614,10 +644,14 @@ def _reverse(problem: _Problem, mats: list[tuple[Tensor, Tensor | None, Tensor]]
             # + cdd W0²ᵀ; A = W0⊙ΔW, B = ΔW²: dΔW = W0⊙dA + 2 ΔW⊙dB
             held = grads[index][0]
             assert held is not None  # the rows pass set it
-            held.addcmul_(w0, torch.cat([dt0d, dtdd]).mT @ torch.cat([c00 + c0d, 2 * (c0d + cdd)]))
-            held.addcmul_(dw, dtdd.mT @ (c00 + 2 * c0d + cdd), value=2)
-            dc0d = (dt0d + 2 * dtdd) @ a + dt0d @ w0sq + 2 * dtdd @ b
-            dcdd = dtdd @ b + dtdd @ w0sq + 2 * dtdd @ a
+            per_component = dw.dim() == 3
+            held.addcmul_(w0, _outer_sum([(dt0d, c00 + c0d), (dtdd, 2 * (c0d + cdd))],
+                                         per_component))
+            held.addcmul_(dw, _outer_sum([(dtdd, c00 + 2 * c0d + cdd)], per_component), value=2)
+            dc0d = (_vector_times(dt0d + 2 * dtdd, a) + _vector_times(dt0d, w0sq)
+                    + 2 * _vector_times(dtdd, b))
+            dcdd = (_vector_times(dtdd, b) + _vector_times(dtdd, w0sq)
+                    + 2 * _vector_times(dtdd, a))
             # Fd = ΔW̃ Φ + W1 Fad
             factor = block["factor"]
             add_homogeneous(index, dfd.mT, factor.mT)
@@ -642,6 +676,7 @@ def _reverse(problem: _Problem, mats: list[tuple[Tensor, Tensor | None, Tensor]]
             held = grads[0][0]
             assert held is not None
             diagonal = block["residual"][..., :-1]
-            held.addcmul_(block["w0"], dt0d.mT @ diagonal)
-            held.addcmul_(dw, dtdd.mT @ diagonal, value=2)
+            per_component = dw.dim() == 3
+            held.addcmul_(block["w0"], _outer_sum([(dt0d, diagonal)], per_component))
+            held.addcmul_(dw, _outer_sum([(dtdd, diagonal)], per_component), value=2)
     return grads

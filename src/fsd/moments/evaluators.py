@@ -469,8 +469,34 @@ class _Variant(_ChainEvaluator):
     """The moment variants of :mod:`fsd.moments.corrected` (prototypes, MLP chains)."""
 
     def stack_key(self, summary: MomentSummary) -> tuple | None:
-        """Prototypes: evaluated one by one."""
-        return None
+        """One pass per covariance form and injection rank; the dense ablation one by one."""
+        if self.name == "no-cross-covariance":
+            return None
+        return (self.name, *_form(summary.covariance), summary.config.get("injection_rank"))
+
+    def stack(self, parts: Sequence[dict[str, Any]], params0: Sequence[dict[str, Tensor]],
+              weights: Sequence[float]) -> dict[str, Any]:
+        """Components concatenated, θ0's matrices repeated per component, factors zero-padded.
+
+        Each summary's θ0 differs, so ΔW is one matrix per component and the recursion runs
+        once for all of them (:func:`fsd.moments.corrected.corrected_second_moment`).
+        """
+        stacked = self._stack_common(parts, params0, weights, per_summary=False)
+        counts = [p["weights"].shape[0] for p in parts]
+
+        def joined(name: str, blocks: list[Tensor]) -> Tensor:
+            if name in ("w0h", "w0", "w0sq"):  # θ0's matrices (one per summary): per component
+                return torch.cat([b.expand(c, *b.shape)
+                                  for b, c in zip(blocks, counts, strict=True)])
+            if name in ("factor", "f0", "signal_factor"):  # factors (…, q): zero columns
+                return _cat_padded(blocks)
+            return torch.cat(blocks)
+
+        stacked["reference"] = [
+            {name: joined(name, [p["reference"][j][name] for p in parts])
+             for name in parts[0]["reference"][j]}
+            for j in range(len(parts[0]["reference"]))]
+        return stacked
 
     def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
         """The corrected reference side (none for the dense ablation)."""
