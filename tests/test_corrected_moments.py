@@ -243,14 +243,17 @@ def test_variant_saves_loads_and_refuses_what_it_cannot_do(tmp_path):
     {"covariance": "lowrank", "rank": 3, "injection_rank": 1}])
 def test_combine_stacks_variant_summaries_and_equals_the_sum(monkeypatch, model_kind, options):
     # summaries at different references (one ΔW per component), class-wise or not, heads of
-    # different width, in one pass each for corrected and its no-gate-variance twin; the
-    # dense ablation one by one. Value and every gradient against the one-by-one sum, float64.
+    # different width, in one pass each for corrected and its no-gate-variance twin; class-wise
+    # summaries and the dense ablation one by one. Value and every gradient against the
+    # one-by-one sum, float64.
     import fsd.moments.corrected as corrected_module
     calls = []
     real = corrected_module.corrected_second_moment
 
     def counting(*args, **kwargs):
-        calls.append((args[1]["0.weight"].shape[0], kwargs.get("gate_variance", True)))
+        weight = args[1]["0.weight"]  # θ0: one per component when stacked, else one matrix
+        calls.append((weight.shape[0] if weight.dim() == 3 else 1,
+                      kwargs.get("gate_variance", True)))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(corrected_module, "corrected_second_moment", counting)
@@ -278,8 +281,9 @@ def test_combine_stacks_variant_summaries_and_equals_the_sum(monkeypatch, model_
     weights += [1.3, 0.7, 2.0]
     moved = perturbed(0.3, 99)
     batched = fsd.combine(summaries, weights).distance(moved)
-    # one corrected pass for 1 + 3 + 1 + 1 components, one no-gate-variance pass for 2
-    assert sorted(calls) == [(2, False), (6, True)]
+    # one corrected pass for the three one-component summaries, the class-wise one (three
+    # classes) alone, one no-gate-variance pass for two
+    assert sorted(calls) == [(1, True), (2, False), (3, True)]
     calls.clear()
     one_by_one = sum(w * s.distance(moved) for w, s in zip(weights, summaries, strict=True))
     torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=0)

@@ -23,8 +23,8 @@ class BGLNVariant(BGLN):
     Chains only (no graphs: ``fit`` refuses them). ``"corrected"`` and ``"no-gate-variance"``
     also walk chains with convolutions and pools (:mod:`fsd.moments.corrected_conv`);
     ``"no-cross-covariance"`` (dense) MLP chains only. :func:`fsd.combine` stacks
-    ``"corrected"`` and ``"no-gate-variance"`` summaries of MLP chains into one call per
-    covariance form; the others are evaluated one by one.
+    ``"corrected"`` and ``"no-gate-variance"`` summaries of MLP chains with one component
+    (not class-wise) into one call per covariance form; the others go one by one.
 
     Args:
         moments: ``"corrected"`` (:func:`fsd.moments.corrected.corrected_second_moment`);

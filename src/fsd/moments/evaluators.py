@@ -469,8 +469,12 @@ class _Variant(_ChainEvaluator):
     """The moment variants of :mod:`fsd.moments.corrected` (prototypes, MLP chains)."""
 
     def stack_key(self, summary: MomentSummary) -> tuple | None:
-        """One pass per covariance form and injection rank; the dense ablation one by one."""
-        if self.name == "no-cross-covariance":
+        """One pass per covariance form and injection rank for one-component summaries.
+
+        The dense ablation, and class-wise summaries, go one by one: stacked, every class
+        would carry its own copy of ΔW (the hand-written pass takes one ΔW per component).
+        """
+        if self.name == "no-cross-covariance" or summary.weights.shape[0] > 1:
             return None
         return (self.name, *_form(summary.covariance), summary.config.get("injection_rank"))
 
