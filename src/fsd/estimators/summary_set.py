@@ -3,10 +3,10 @@
 Continual learning sums D(θ, θ_i, p_i) over all previous tasks i at every step.
 :class:`SummarySet` returns that (weighted) sum. BGLN-D summaries whose evaluator stacks them
 (:meth:`fsd.moments.evaluators.Evaluator.stack`: Algorithm 2, exact moments and the corrected
-recursion on chains) and that
-share a call, an evaluator and a covariance form are evaluated in one batched pass — their
-mixture components stacked along the component dimension — so the number of operations per
-call does not grow with the number of tasks. Other estimators are evaluated one by one.
+recursion on chains) and that share a call, an evaluator and a covariance form are evaluated
+in one batched pass — their mixture components stacked along the component dimension — so
+the number of operations per call does not grow with the number of tasks. Other estimators
+are evaluated one by one.
 """
 
 from __future__ import annotations
