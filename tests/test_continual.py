@@ -478,6 +478,22 @@ def test_rank_option_stores_low_rank_moments(tmp_path):
         continual.run_continual("split-mnist", "bgln-d-var", [0], tmp_path / "x", rank=4)
 
 
+def test_injection_rank_option_reaches_the_corrected_summaries_only(tmp_path):
+    # None keeps each preset's own (8 for the cut, the whole covariance otherwise); a value
+    # reaches the summary, is reported as a change, and other methods refuse it
+    hp = continual.default_hyperparameters("permuted-mnist", "bgln-d-corrected")
+    assert hp["injection_rank"] is None
+    whole, cut = continual.METHODS["bgln-d-corrected"], continual.METHODS["bgln-d-corrected-cut"]
+    assert "injection_rank" not in whole.continual_estimator(hp, 0).config
+    assert cut.continual_estimator(hp, 0).config["injection_rank"] == 8
+    for preset in (whole, cut):
+        assert preset.continual_estimator({**hp, "injection_rank": 16}, 0).config[
+            "injection_rank"] == 16
+    with pytest.raises(ValueError, match="injection rank applies to"):
+        continual.run_continual("permuted-mnist", "bgln-d-exact", [0], tmp_path / "x",
+                                injection_rank=4)
+
+
 def test_bgln_d_exact_defaults_to_the_measured_setting():
     # head-only summaries with a rank-64 covariance (99.66 on Split MNIST); the paper's
     # BGLN-D keeps the authors' all-logit penalty and full covariance

@@ -9,7 +9,8 @@ here, with what the older version meant.
     a fresh Adam per task), ``penalty`` (the plain sum), ``penalty_outputs`` (each summary
     covered its task's head, which on a single-head benchmark is every logit), ``model``
     (the MLP) and other settings whose default is ``None`` (``first_epochs``: every task
-    trained ``epochs``; ``validation``: accuracies on the test sets). Checkpoints from before
+    trained ``epochs``; ``validation``: accuracies on the test sets; ``injection_rank``: the
+    method's own). Checkpoints from before
     these settings resume under the same rules.
 
 ``fsd influence``:
@@ -53,7 +54,8 @@ def cl_checkpoint_settings(saved: str, benchmark: str, method: str) -> dict[str,
     written before ``validation`` scored the test sets.
     """
     return {"penalty_outputs": legacy_penalty_outputs(benchmark, method), "model": "mlp",
-            "first_epochs": None, "validation": None, **json.loads(saved)}
+            "first_epochs": None, "validation": None, "injection_rank": None,
+            **json.loads(saved)}
 
 
 def cl_hyperparameters(raw: Mapping[str, Any], benchmark: str, method: str) -> dict[str, Any]:

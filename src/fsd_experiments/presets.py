@@ -119,6 +119,8 @@ class Preset:
             options.update(covariance="lowrank", rank=hp["rank"])
         if self.metric_applies and hp.get("metric") is not None:
             options["metric"] = hp["metric"]
+        if hp.get("injection_rank") is not None:
+            options["injection_rank"] = hp["injection_rank"]
         return self.make(**options)
 
 
@@ -327,6 +329,10 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
         # None: accuracies on the test sets; a fraction in (0, 1): that much of each task's
         # training set held out and scored instead (``fsd cl tune``'s grid; not the paper's)
         "validation": None,
+        # the corrected BGLN-D methods: None, the preset's (8 for bgln-d-corrected-cut, the
+        # whole covariance for the others); r: the gates' injections sized from the stored
+        # covariance's top r directions plus its diagonal (fsd.moments.corrected)
+        "injection_rank": None,
     } | (_EXACT_MOMENTS if method.startswith("bgln-d-exact")
          or PRESETS[method].estimator is BGLNVariant else {})
 

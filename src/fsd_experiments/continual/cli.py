@@ -180,7 +180,11 @@ def _add_run_options(parser: argparse.ArgumentParser, *, enforce_required: bool)
             ("--rank", positive_int,
              "store each task's input covariance as its top-r eigenpairs plus "
              "a diagonal (BGLN methods with full moments; default: full covariance, "
-             "64 for bgln-d-exact)")]:
+             "64 for bgln-d-exact)"),
+            ("--injection-rank", positive_int,
+             "the corrected BGLN-D methods: size the gates' injected variance from the "
+             "stored covariance's top r directions plus its diagonal (default: 8 for "
+             "bgln-d-corrected-cut, the whole covariance for the others)")]:
         parser.add_argument(name, type=kind, default=None, help=what)
     parser.add_argument("--model", choices=MODELS, default=None,
                         help="the network: mlp (2 hidden ReLU layers), cnn (the paper's "

@@ -173,7 +173,8 @@ def _find_results(paths: Sequence[str]) -> list[Path]:
 #: protocol: …") and the row tables' "differs from the defaults" cell — in this order
 SETTINGS = ("fsd_scale", "lr", "epochs", "first_epochs", "batch_size", "model", "width",
             "penalty_outputs", "metric", "rank", "optimizer", "penalty", "coreset_size",
-            "num_samples", "momentum", "train_subset", "test_subset", "tasks", "validation")
+            "num_samples", "momentum", "train_subset", "test_subset", "tasks", "validation",
+            "injection_rank")
 
 
 def _protocol(hp: Hyperparameters, benchmark: str, method: str, device: str = "cpu") -> str:
@@ -192,6 +193,8 @@ def _protocol(hp: Hyperparameters, benchmark: str, method: str, device: str = "c
         parts.append(f"{hp.penalty_outputs} logits")
     if hp.rank:
         parts.append(f"lowrank r={hp.rank}")
+    if hp.injection_rank:
+        parts.append(f"injections r={hp.injection_rank}")
     if hp.metric != paper["metric"]:
         parts.append(f"metric {hp.metric or 'euclidean'}")
     if hp.train_subset:

@@ -52,6 +52,7 @@ class Hyperparameters:
     metric: str | None
     penalty_outputs: str
     validation: float | None
+    injection_rank: int | None = None
 
     @classmethod
     def paper(cls, benchmark: str, method: str) -> Hyperparameters:
@@ -115,13 +116,19 @@ class Hyperparameters:
                                  f"not {method!r}")
             if self.rank < 1:
                 raise ValueError(f"rank must be positive, got {self.rank}")
+        if self.injection_rank is not None:
+            if PRESETS[method].options.get("moments") != "corrected":
+                raise ValueError(f"injection rank applies to the corrected BGLN-D methods "
+                                 f"(bgln-d-corrected…), not {method!r}")
+            if self.injection_rank < 1:
+                raise ValueError(f"injection rank must be positive, got {self.injection_rank}")
 
 
 #: the ``fsd cl`` options that override a hyper-parameter of the same name
 OVERRIDABLE: tuple[str, ...] = (
     "epochs", "first_epochs", "model", "lr", "batch_size", "fsd_scale", "width", "momentum",
     "coreset_size", "num_samples", "train_subset", "test_subset", "tasks", "optimizer",
-    "penalty", "rank", "metric", "penalty_outputs", "validation")
+    "penalty", "rank", "metric", "penalty_outputs", "validation", "injection_rank")
 
 
 @dataclass(frozen=True)
