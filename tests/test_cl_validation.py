@@ -247,11 +247,15 @@ def test_runs_without_validation_record_none_and_old_files_read_as_none(tmp_path
 
 def test_compat_and_reporting_of_the_setting():
     paper = continual.default_hyperparameters("split-mnist", "bgln-d")
-    assert paper["validation"] is None and list(paper)[-1] == "validation"
+    # settings added later come last, and files from before them read as what those runs did
+    assert list(paper)[-2:] == ["validation", "injection_rank"]
+    assert paper["validation"] is None and paper["injection_rank"] is None
+    for added in ("validation", "injection_rank"):
+        old = {k: v for k, v in paper.items() if k != added}
+        assert cl_hyperparameters(old, "split-mnist", "bgln-d")[added] is None
+        saved = json.dumps({"benchmark": "split-mnist", "method": "bgln-d", **old})
+        assert cl_checkpoint_settings(saved, "split-mnist", "bgln-d")[added] is None
     old = {k: v for k, v in paper.items() if k != "validation"}
-    assert cl_hyperparameters(old, "split-mnist", "bgln-d")["validation"] is None
-    saved = json.dumps({"benchmark": "split-mnist", "method": "bgln-d", **old})
-    assert cl_checkpoint_settings(saved, "split-mnist", "bgln-d")["validation"] is None
     saved = json.dumps({**old, "validation": 0.1})
     assert cl_checkpoint_settings(saved, "split-mnist", "bgln-d")["validation"] == 0.1
     hp = continual.Hyperparameters.from_dict(paper)
