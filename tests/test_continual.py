@@ -776,3 +776,57 @@ def test_tune_runs_the_papers_protocol_and_resumes(tmp_path, capsys):
     with pytest.raises(SystemExit):  # a repeated λ is refused while parsing
         main(["cl", "tune", "--benchmark", "split-mnist", "--method", "ewc", "--grid", "1",
               "1", "--out", str(tmp_path / "again")])
+
+
+@needs_mnist
+def test_merge_carries_checkpoints_so_gap_and_tune_use_runs_made_apart(tmp_path, capsys):
+    # the grid points and the final seeds run as separate processes (in parallel, or on
+    # other machines), then gathered: fsd cl tune must find every run finished
+    base = ["--benchmark", "split-mnist", "--method", "ewc", "--no-plots", *TINY]
+    root = tmp_path / "tune"
+    accuracy = {}
+    for scale in ("0", "30"):
+        out = root / "grid" / f"lambda-{scale}"
+        assert main(["cl", *base, "--validation", "0.1", "--seeds", "7", "--fsd-scale", scale,
+                     "--out", str(out)]) == 0
+        accuracy[scale] = json.loads((out / "results.json").read_text())["avg_accuracy"]["mean"]
+    chosen = max(accuracy, key=lambda s: accuracy[s])  # the first of equal ones, as tune
+    for seed in ("3", "4"):
+        assert main(["cl", *base, "--seeds", seed, "--fsd-scale", chosen,
+                     "--out", str(tmp_path / f"s{seed}")]) == 0
+    capsys.readouterr()
+    assert main(["cl", "merge", str(tmp_path / "s3"), str(tmp_path / "s4"),
+                 "--out", str(root / "final"), "--no-plots"]) == 0
+    assert "checkpoints of seeds [3, 4]" in capsys.readouterr().out
+    for seed in ("3", "4"):
+        source = tmp_path / f"s{seed}" / "checkpoints" / f"seed{seed}"
+        carried = root / "final" / "checkpoints" / f"seed{seed}"
+        assert sorted(p.name for p in carried.iterdir()) == \
+            sorted(p.name for p in source.iterdir())
+        for file in source.iterdir():
+            assert (carried / file.name).read_bytes() == file.read_bytes()
+    # the gathered tuning trains nothing and reports what the separate runs measured
+    assert main(["cl", "tune", *base, "--grid", "0", "30", "--tuning-seed", "7",
+                 "--seeds", "3", "4", "--out", str(root)]) == 0
+    assert "] task" not in capsys.readouterr().err
+    tuned = json.loads((root / "tune.json").read_text())
+    assert tuned["chosen"] == float(chosen) and tuned["final_seeds"] == [3, 4]
+    assert [row["avg_accuracy"] for row in tuned["grid"]] == [accuracy["0"], accuracy["30"]]
+    # fsd cl gap reads the merged seeds' checkpoints: the same rows as each run's own
+    gap_args = ["--data-dir", str(DATA_DIR), "--examples", "100"]
+    rows = set()
+    for seed in ("3", "4"):
+        assert main(["cl", "gap", str(tmp_path / f"s{seed}"), *gap_args]) == 0
+        rows |= {line for line in capsys.readouterr().out.splitlines()
+                 if line.startswith(f"| {seed} |")}
+    assert main(["cl", "gap", str(root / "final"), *gap_args]) == 0
+    merged_rows = {line for line in capsys.readouterr().out.splitlines()
+                   if line.startswith(("| 3 |", "| 4 |"))}
+    assert rows and merged_rows == rows
+    # without them, the merged seeds are results only
+    assert main(["cl", "merge", str(tmp_path / "s3"), str(tmp_path / "s4"),
+                 "--out", str(tmp_path / "bare"), "--no-plots", "--no-checkpoints"]) == 0
+    assert not (tmp_path / "bare" / "checkpoints").exists()
+    assert "checkpoints of seeds none" in capsys.readouterr().out
+    assert main(["cl", "gap", str(tmp_path / "bare"), *gap_args]) == 2
+    assert "checkpoint" in capsys.readouterr().err

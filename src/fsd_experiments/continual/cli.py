@@ -79,12 +79,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 def _cmd_merge(args: argparse.Namespace) -> int:
     try:
-        merged = merge_runs(args.dirs, args.out, plots=not args.no_plots, partial=args.partial)
+        merged = merge_runs(args.dirs, args.out, plots=not args.no_plots, partial=args.partial,
+                            checkpoints=not args.no_checkpoints)
     except DirectoryInUseError as error:  # an fsd cl (or merge) holds --out: a message
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(results_markdown(merged))
-    print(f"wrote {Path(args.out) / 'results.json'} (seeds {merged.seeds})")
+    carried = sorted(int(p.name[4:]) for p in (Path(args.out) / "checkpoints").glob("seed*"))
+    print(f"wrote {Path(args.out) / 'results.json'} (seeds {merged.seeds}; checkpoints of "
+          f"seeds {carried or 'none'})")
     return 0
 
 
@@ -289,6 +292,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     merge.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     merge.add_argument("--partial", action="store_true",
                        help="accept runs stopped before all their seeds; take the finished ones")
+    merge.add_argument("--no-checkpoints", action="store_true",
+                       help="do not carry each seed's checkpoint (checkpoints/seed<S>, "
+                            "hard-linked or copied) into --out; without them fsd cl gap and a "
+                            "resumed fsd cl or tune cannot use the merged seeds")
     merge.set_defaults(func=_cmd_merge)
     tune_parser = cl_sub.add_parser(
         "tune", help="the paper's tuning protocol: a grid of λ on one seed, then the best λ "

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,11 +34,16 @@ from .settings import Hyperparameters
 
 
 def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
-               plots: bool = True, partial: bool = False) -> RunResults:
+               plots: bool = True, partial: bool = False,
+               checkpoints: bool = True) -> RunResults:
     """Combine separate runs of the same benchmark, method and settings into one.
 
     Seeds run in parallel or on other machines become one ``out/results.json`` with
-    statistics over all seeds.
+    statistics over all seeds. With ``checkpoints`` (the default), each merged seed's
+    checkpoint folder (``checkpoints/seed<S>``), where its run kept one, is carried into
+    ``out`` (hard-linked where the file system allows, else copied), so ``fsd cl gap`` and a
+    resumed ``fsd cl`` or ``fsd cl tune`` see the merged seeds as finished; seeds whose runs
+    kept no checkpoint (committed result files) merge without one.
     Raises ``ValueError`` if the runs differ in benchmark, method or hyper-parameters (older
     files are read as :mod:`fsd_experiments.compat` says: a setting absent from them is what
     the run did then, ``None`` for most), are unfinished, or repeat a seed. ``partial=True``
@@ -63,6 +69,7 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
     first_file, first = runs[0]
     done: list[SeedResult] = []
     devices: list[str] = []
+    seed_folders: dict[int, Path] = {}
     for file, results in runs:
         for key in ("benchmark", "method", "hyperparameters"):
             if getattr(results, key) != getattr(first, key):
@@ -80,6 +87,9 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
             done.append(SeedResult(seed, results.accuracy_matrix[str(seed)], float(wall),
                                    [int(bytes_per_task)] if bytes_per_task else []))
             devices.append(results.device)
+            folder = file.parent / "checkpoints" / f"seed{seed}"
+            if checkpoints and (folder / "state.pt").is_file():
+                seed_folders[int(seed)] = folder
     # the runs' own thread count (the merging process's says nothing about them); None
     # when they differ or did not record it
     threads = {results.torch_threads for _, results in runs}
@@ -100,8 +110,25 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
     out = Path(out)
     with exclusive_directory(out):  # an fsd cl (or merge) starting there now is refused
         refuse_used_directory(out, why)
+        # checkpoints first: results.json, written last, is what says the seeds are done
+        for seed, folder in sorted(seed_folders.items()):
+            shutil.copytree(folder, out / "checkpoints" / f"seed{seed}",
+                            copy_function=_link_or_copy,
+                            ignore=shutil.ignore_patterns(".*.tmp"))
         write_results(merged, out, plots=plots)
     return merged
+
+
+def _link_or_copy(source: str, destination: str) -> None:
+    """Hard-link a checkpoint file (no second copy on disk), or copy it across file systems.
+
+    A link is safe: runs replace their checkpoint files (write, then rename), never write
+    into them, so resuming either directory does not change the other's files.
+    """
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
 
 
 def _joined(versions: set[str | None]) -> str | None:
