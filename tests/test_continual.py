@@ -830,3 +830,40 @@ def test_merge_carries_checkpoints_so_gap_and_tune_use_runs_made_apart(tmp_path,
     assert "checkpoints of seeds none" in capsys.readouterr().out
     assert main(["cl", "gap", str(tmp_path / "bare"), *gap_args]) == 2
     assert "checkpoint" in capsys.readouterr().err
+
+
+@needs_mnist
+def test_tune_with_jobs_equals_one_process_and_resumes(tmp_path, capfd):
+    args = ["cl", "tune", "--benchmark", "split-mnist", "--method", "ewc", "--grid", "0", "30",
+            "--tuning-seed", "7", "--seeds", "3", "4", "--no-plots", "--threads", "1", *TINY]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    capfd.readouterr()
+    assert main([*args, "--out", str(tmp_path / "two"), "--jobs", "2"]) == 0
+    err = capfd.readouterr().err  # the workers write to the inherited stderr
+    assert "grid/lambda-30: [ewc seed 7] task 1/3" in err
+    assert "final-seeds/seed4: [ewc seed 4] task 3/3" in err
+    one, two = (json.loads((tmp_path / d / "tune.json").read_text()) for d in ("one", "two"))
+    assert two == one
+    finals = [json.loads((tmp_path / d / "final" / "results.json").read_text())
+              for d in ("one", "two")]
+    assert finals[1]["accuracy_matrix"] == finals[0]["accuracy_matrix"]
+    assert finals[1]["seeds"] == [3, 4] and finals[1]["torch_threads"] == 1
+    # the seeds run apart were merged into final, their checkpoints with them
+    assert not (tmp_path / "two" / "final-seeds").exists()
+    for seed in (3, 4):
+        assert (tmp_path / "two" / "final" / "checkpoints" / f"seed{seed}" / "state.pt").is_file()
+    # started again, it trains nothing
+    assert main([*args, "--out", str(tmp_path / "two"), "--jobs", "2"]) == 0
+    assert "] task" not in capfd.readouterr().err
+    assert json.loads((tmp_path / "two" / "tune.json").read_text()) == two
+    # a worker's error is the command's one-line error, after the other runs finish
+    bad = tmp_path / "bad"
+    assert main(["cl", "--benchmark", "split-mnist", "--method", "ewc", "--seeds", "7",
+                 "--fsd-scale", "30", "--validation", "0.1", "--lr", "0.01", "--no-plots",
+                 *TINY, "--out", str(bad / "grid" / "lambda-30")]) == 0
+    capfd.readouterr()
+    assert main([*args, "--out", str(bad), "--jobs", "2"]) == 2
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "lambda-30" in lines[-1]
+    assert (bad / "grid" / "lambda-0" / "results.json").is_file()
+    assert not (bad / "tune.json").exists()

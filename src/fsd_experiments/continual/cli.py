@@ -68,7 +68,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     settings = RunSettings.from_args(args)
     apply_threads(settings.threads)
     try:
-        result = tune(settings, args.grid, args.tuning_seed)
+        result = tune(settings, args.grid, args.tuning_seed, jobs=args.jobs)
     except (CheckpointMismatchError, DirectoryInUseError) as error:  # a message, not a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -320,4 +320,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                              help="the values of the penalty weight λ to try")
     tune_parser.add_argument("--tuning-seed", type=argtypes.seed, default=42,
                              help="the seed the grid runs on (default 42, the paper's)")
+    tune_parser.add_argument(
+        "--jobs", type=argtypes.positive_int, default=1,
+        help="run the grid points, then the final seeds, this many processes at a time "
+             "(each with --threads torch threads, or the default count divided by --jobs; "
+             "per-task lines instead of progress bars); default 1")
     tune_parser.set_defaults(func=_cmd_tune)

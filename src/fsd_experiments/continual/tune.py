@@ -8,21 +8,30 @@ measured on; the final run trains on the full training sets and reports the test
 Each grid point and the final run are ordinary ``fsd cl`` runs in sub-directories of the
 output (``grid/lambda-<λ>`` and ``final``), so a stopped tuning resumes where it stopped,
 point by point and task by task. ``tune.json`` and ``tune.md`` hold the grid's table, the
-split it was scored on and the chosen λ.
+split it was scored on and the chosen λ. With ``jobs`` > 1 the grid points, and then the
+final seeds, run as that many processes at a time; each final seed in
+``final-seeds/seed<S>``, merged into ``final`` (checkpoints with it) when all are done.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
+import multiprocessing
+import shutil
+import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..io import atomic_write_text, read_json, versioned, write_json
+import torch
+
+from ..io import DirectoryInUseError, atomic_write_text, read_json, versioned, write_json
 from ..presets import default_hyperparameters
-from .reporting import _ROW_FOLDER, PAPER, _per_seed, _read_runs, _row_changes, _row_key
+from .reporting import _ROW_FOLDER, PAPER, _per_seed, _read_runs, _row_changes, _row_key, merge_runs
 from .results import RunResults, _pm
-from .runner import run
+from .runner import CheckpointMismatchError, UnreadableCheckpointError, run
 from .settings import RunSettings
 
 #: 2: ``validation``, the split the grid was scored on
@@ -83,39 +92,116 @@ class TuneResult:
         return "\n".join(lines) + "\n"
 
 
-def tune(settings: RunSettings, grid: Sequence[float], tuning_seed: int = 42) -> TuneResult:
+def tune(settings: RunSettings, grid: Sequence[float], tuning_seed: int = 42,
+         jobs: int = 1) -> TuneResult:
     """Run the protocol; ``settings.seeds`` are the reported seeds, ``settings.out`` the root.
 
     The grid's runs hold out ``settings.hyperparameters.validation`` of each task's training
     examples and are scored on them (``None``: on the test sets); the final run at the
     chosen λ has ``validation`` ``None``: the full training sets, the test sets.
 
-    Raises ``ValueError`` for an empty grid or one that repeats a λ.
+    ``jobs`` > 1 runs the grid points, then the final seeds, as that many processes at a
+    time (each with ``settings.threads`` torch threads, or torch's default count divided
+    by ``jobs``; per-task lines only, prefixed by the run's folder, no progress bars); the
+    numbers are those of one process. A final run already started in ``final`` (by a
+    tuning with one job) resumes there, in this process.
+
+    Raises ``ValueError`` for an empty grid, one that repeats a λ, or ``jobs`` < 1.
     """
     grid = [float(v) for v in grid]
     if not grid or len(set(grid)) != len(grid):
         raise ValueError(f"the grid needs distinct values of λ, got {grid}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
     root = Path(settings.out)
+    points = [dataclasses.replace(
+        settings, seeds=(tuning_seed,), out=root / "grid" / f"lambda-{scale:g}", plots=False,
+        hyperparameters=dataclasses.replace(settings.hyperparameters, fsd_scale=scale))
+        for scale in grid]
     rows = []
-    for scale in grid:
-        point = dataclasses.replace(
-            settings, seeds=(tuning_seed,), out=root / "grid" / f"lambda-{scale:g}",
-            plots=False,
-            hyperparameters=dataclasses.replace(settings.hyperparameters, fsd_scale=scale))
-        result = run(point)
+    for scale, result in zip(grid, _run_all(points, jobs, root), strict=True):
         rows.append({"fsd_scale": scale,
                      "avg_accuracy": float(result.avg_accuracy["mean"]),
                      "backward_transfer": float(result.backward_transfer["mean"])})
     # the first of equal accuracies: the grid's order decides a tie
     chosen = max(rows, key=lambda r: r["avg_accuracy"])["fsd_scale"]
-    final = run(dataclasses.replace(
+    final_settings = dataclasses.replace(
         settings, out=root / "final",
         hyperparameters=dataclasses.replace(settings.hyperparameters, fsd_scale=chosen,
-                                            validation=None)))
+                                            validation=None))
+    started = final_settings.out.is_dir() and any(
+        p.name != ".lock" for p in final_settings.out.iterdir())
+    if jobs == 1 or len(settings.seeds) == 1 or started:
+        final = run(final_settings)
+    else:
+        apart = root / "final-seeds"
+        seeds = [dataclasses.replace(final_settings, seeds=(seed,), plots=False,
+                                     out=apart / f"seed{seed}")
+                 for seed in settings.seeds]
+        _run_all(seeds, jobs, root)
+        final = merge_runs([s.out for s in seeds], final_settings.out,
+                           plots=final_settings.plots)
+        shutil.rmtree(apart)  # final holds their results and (linked) checkpoints
     result = TuneResult(rows, chosen, tuning_seed, final, settings.hyperparameters.validation)
     write_json(root / "tune.json", result.to_json())
     atomic_write_text(root / "tune.md", result.markdown(settings))
     return result
+
+
+# the errors fsd cl reports in one line, rebuilt by name in the parent: a worker's own
+# exception object may not survive pickling
+_REPORTED = {cls.__name__: cls for cls in (CheckpointMismatchError, UnreadableCheckpointError,
+                                           DirectoryInUseError, ValueError, FileNotFoundError)}
+
+
+def _run_all(runs: Sequence[RunSettings], jobs: int, root: Path) -> list[RunResults]:
+    """``run`` each of ``runs``: in this process for one job, else ``jobs`` at a time."""
+    if jobs == 1 or len(runs) == 1:
+        return [run(r) for r in runs]
+    threads = runs[0].threads or max(1, torch.get_num_threads() // jobs)
+    quiet = [dataclasses.replace(r, progress=False, threads=threads) for r in runs]
+    # spawn: a forked child would inherit torch's thread pools mid-state
+    with ProcessPoolExecutor(max_workers=min(jobs, len(runs)),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        outcomes = list(pool.map(_run_in_worker, quiet,
+                                 [str(r.out.relative_to(root)) for r in quiet]))
+    # every run has finished (or stopped) by now: raise the first failure in order
+    results = []
+    for outcome in outcomes:
+        if isinstance(outcome, tuple):
+            name, message = outcome
+            raise _REPORTED.get(name, RuntimeError)(
+                message if name in _REPORTED else f"{name}: {message}")
+        results.append(outcome)
+    return results
+
+
+def _run_in_worker(settings: RunSettings, label: str) -> RunResults | tuple[str, str]:
+    """One run in a worker process, its log lines prefixed by ``label``; errors as values."""
+    torch.set_num_threads(settings.threads or 1)
+    sys.stderr = _Prefixed(sys.stderr, f"{label}: ")
+    try:
+        return run(settings)
+    except Exception as error:  # reported by the parent, after the other runs finish
+        return type(error).__name__, str(error)
+
+
+class _Prefixed(io.TextIOBase):
+    """A text stream that starts every line written to it with ``prefix``."""
+
+    def __init__(self, stream: Any, prefix: str) -> None:
+        self._stream, self._prefix, self._line_start = stream, prefix, True
+
+    def write(self, text: str) -> int:
+        for piece in text.splitlines(keepends=True):
+            if self._line_start:
+                self._stream.write(self._prefix)
+            self._stream.write(piece)
+            self._line_start = piece.endswith("\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
 
 
 def _grid_cell(tuning: dict[str, Any]) -> str:
