@@ -833,7 +833,7 @@ def test_merge_carries_checkpoints_so_gap_and_tune_use_runs_made_apart(tmp_path,
 
 
 @needs_mnist
-def test_tune_with_jobs_equals_one_process_and_resumes(tmp_path, capfd):
+def test_tune_with_jobs_equals_one_process_and_resumes(tmp_path, capfd, monkeypatch):
     args = ["cl", "tune", "--benchmark", "split-mnist", "--method", "ewc", "--grid", "0", "30",
             "--tuning-seed", "7", "--seeds", "3", "4", "--no-plots", "--threads", "1", *TINY]
     assert main([*args, "--out", str(tmp_path / "one")]) == 0
@@ -856,6 +856,25 @@ def test_tune_with_jobs_equals_one_process_and_resumes(tmp_path, capfd):
     assert main([*args, "--out", str(tmp_path / "two"), "--jobs", "2"]) == 0
     assert "] task" not in capfd.readouterr().err
     assert json.loads((tmp_path / "two" / "tune.json").read_text()) == two
+    # stopped after the final seeds ran apart, before their merge: one job resumes them
+    # apart (they are complete, so it trains nothing) and merges them
+    def stop(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    # the package re-exports the function tune, which hides the module of that name
+    monkeypatch.setattr(sys.modules["fsd_experiments.continual.tune"], "merge_runs", stop)
+    with pytest.raises(KeyboardInterrupt):
+        main([*args, "--out", str(tmp_path / "three"), "--jobs", "2"])
+    monkeypatch.undo()
+    assert (tmp_path / "three" / "final-seeds" / "seed4" / "results.json").is_file()
+    assert not (tmp_path / "three" / "final").exists()
+    capfd.readouterr()
+    assert main([*args, "--out", str(tmp_path / "three")]) == 0
+    assert "] task" not in capfd.readouterr().err
+    assert json.loads((tmp_path / "three" / "tune.json").read_text()) == one
+    assert not (tmp_path / "three" / "final-seeds").exists()
+    three = json.loads((tmp_path / "three" / "final" / "results.json").read_text())
+    assert three["accuracy_matrix"] == finals[0]["accuracy_matrix"]
     # a worker's error is the command's one-line error, after the other runs finish
     bad = tmp_path / "bad"
     assert main(["cl", "--benchmark", "split-mnist", "--method", "ewc", "--seeds", "7",

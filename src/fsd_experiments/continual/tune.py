@@ -104,7 +104,8 @@ def tune(settings: RunSettings, grid: Sequence[float], tuning_seed: int = 42,
     time (each with ``settings.threads`` torch threads, or torch's default count divided
     by ``jobs``; per-task lines only, prefixed by the run's folder, no progress bars); the
     numbers are those of one process. A final run already started in ``final`` (by a
-    tuning with one job) resumes there, in this process.
+    tuning with one job) resumes there, in this process; final seeds already started in
+    ``final-seeds`` resume there, one at a time for one job, and are merged as usual.
 
     Raises ``ValueError`` for an empty grid, one that repeats a λ, or ``jobs`` < 1.
     """
@@ -131,10 +132,11 @@ def tune(settings: RunSettings, grid: Sequence[float], tuning_seed: int = 42,
                                             validation=None))
     started = final_settings.out.is_dir() and any(
         p.name != ".lock" for p in final_settings.out.iterdir())
-    if jobs == 1 or len(settings.seeds) == 1 or started:
+    apart = root / "final-seeds"
+    # seeds already started apart (by a tuning with jobs > 1) resume apart, whatever jobs is
+    if started or (not apart.is_dir() and (jobs == 1 or len(settings.seeds) == 1)):
         final = run(final_settings)
     else:
-        apart = root / "final-seeds"
         seeds = [dataclasses.replace(final_settings, seeds=(seed,), plots=False,
                                      out=apart / f"seed{seed}")
                  for seed in settings.seeds]
