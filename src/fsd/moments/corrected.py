@@ -262,7 +262,8 @@ def corrected_reference(
     Per affine layer: ``"factor"`` — the factor of [a0; 1] at its input (mean-gate network,
     (G, in + 1, q)); ``"f0"`` — that of s0 at its output; ``"t00"`` — the diagonally carried
     part of E s0² (residual and injections); ``"e00"`` — the factor part of E s0²; and
-    ``"residual"`` (first layer, if any) — D.
+    ``"residual"`` (first layer, if any) — D, and for one component ``"w0d"`` = W0⊙D (rows
+    of W0 scaled by D), which spares every call a first-layer-sized product.
 
     With ``injection_rank`` the diagonals that size the injections are pushed forward from the
     input covariance cut to that rank plus its diagonal (:func:`truncated_input`), so the
@@ -301,6 +302,8 @@ def corrected_reference(
             if residual is not None:
                 block["residual"] = residual
                 t00 = t00 + residual @ w0h.pow(2).mT
+                if residual.shape[0] == 1:  # one component: W0⊙D for row-wise products
+                    block["w0d"] = w0 * residual[..., None, :-1]
         else:
             assert carried is not None
             t00 = carried @ block["w0sq"].mT
@@ -382,9 +385,9 @@ def _vector_times(vector: Tensor, matrix: Tensor) -> Tensor:
 
 def _outer_sum(pairs: list[tuple[Tensor, Tensor]], per_component: bool) -> Tensor:
     """Σ_pairs uᵀ v over components, (G, o) and (G, i) → (o, i); (G, o, i) ``per_component``."""
-    if per_component:
-        return sum((u.unsqueeze(-1) * v.unsqueeze(-2) for u, v in pairs[1:]),
-                   pairs[0][0].unsqueeze(-1) * pairs[0][1].unsqueeze(-2))
+    if per_component:  # one product, one buffer: the pairs stacked along the inner dimension
+        return (torch.stack([u for u, _ in pairs], -1)
+                @ torch.stack([v for _, v in pairs], -2))
     return torch.cat([u for u, _ in pairs]).mT @ torch.cat([v for _, v in pairs])
 
 
@@ -440,9 +443,12 @@ def _recursion(reference: list[dict[str, Tensor]], gates: list[tuple[Tensor, ...
             # the squared weights W0⊙ΔW, ΔW², ΔW⊙W1, W1² by W1 = W0 + ΔW: two products of
             # ΔW per call (A = W0⊙ΔW, B = ΔW²) and the stored W0², no difference of squares
             a, b, w0sq = block["w0"] * dw, dw * dw, block["w0sq"]
-            t0d = _vector_times(c00 + c0d, a.mT) + _vector_times(c0d, w0sq.mT)
-            tdd = (_vector_times(c00 + 2 * c0d + cdd, b.mT)
-                   + _vector_times(2 * (c0d + cdd), a.mT) + _vector_times(cdd, w0sq.mT))
+            # each matrix read once: the vectors that multiply it stacked as rows
+            by_a = torch.stack([c00 + c0d, 2 * (c0d + cdd)], -2) @ a.mT
+            by_w0sq = torch.stack([c0d, cdd], -2) @ w0sq.mT
+            t0d = by_a[..., 0, :] + by_w0sq[..., 0, :]
+            tdd = (_vector_times(c00 + 2 * c0d + cdd, b.mT) + by_a[..., 1, :]
+                   + by_w0sq[..., 1, :])
             tape.update({f"fad{index}": fad, f"c00{index}": c00, f"c0d{index}": c0d,
                          f"cdd{index}": cdd, f"a{index}": a, f"b{index}": b})
         else:
@@ -454,7 +460,10 @@ def _recursion(reference: list[dict[str, Tensor]], gates: list[tuple[Tensor, ...
             if residual is not None:  # the residual enters with a diagonal covariance
                 # D is 0 on the constant coordinate (input_factor pads it so): ΔW alone
                 diagonal = residual[..., :-1]
-                t0d = t0d + _vector_times(diagonal, (block["w0"] * dw).mT)
+                if "w0d" in block:  # one component per ΔW: t0d row by row, no temporary
+                    t0d = t0d + torch.linalg.vecdot(dw, block["w0d"])
+                else:
+                    t0d = t0d + _vector_times(diagonal, (block["w0"] * dw).mT)
                 tdd = tdd + _vector_times(diagonal, (dw * dw).mT)
         tape.update({f"fd{index}": fd, f"t0d{index}": t0d, f"tdd{index}": tdd})
 
@@ -648,10 +657,11 @@ def _reverse(problem: _Problem, mats: list[tuple[Tensor, Tensor | None, Tensor]]
             held.addcmul_(w0, _outer_sum([(dt0d, c00 + c0d), (dtdd, 2 * (c0d + cdd))],
                                          per_component))
             held.addcmul_(dw, _outer_sum([(dtdd, c00 + 2 * c0d + cdd)], per_component), value=2)
-            dc0d = (_vector_times(dt0d + 2 * dtdd, a) + _vector_times(dt0d, w0sq)
-                    + 2 * _vector_times(dtdd, b))
-            dcdd = (_vector_times(dtdd, b) + _vector_times(dtdd, w0sq)
-                    + 2 * _vector_times(dtdd, a))
+            by_a = torch.stack([dt0d + 2 * dtdd, 2 * dtdd], -2) @ a
+            by_w0sq = torch.stack([dt0d, dtdd], -2) @ w0sq
+            by_b = _vector_times(dtdd, b)
+            dc0d = by_a[..., 0, :] + by_w0sq[..., 0, :] + 2 * by_b
+            dcdd = by_b + by_w0sq[..., 1, :] + by_a[..., 1, :]
             # Fd = ΔW̃ Φ + W1 Fad
             factor = block["factor"]
             add_homogeneous(index, dfd.mT, factor.mT)
@@ -676,7 +686,14 @@ def _reverse(problem: _Problem, mats: list[tuple[Tensor, Tensor | None, Tensor]]
             held = grads[0][0]
             assert held is not None
             diagonal = block["residual"][..., :-1]
-            per_component = dw.dim() == 3
-            held.addcmul_(block["w0"], _outer_sum([(dt0d, diagonal)], per_component))
-            held.addcmul_(dw, _outer_sum([(dtdd, diagonal)], per_component), value=2)
+            if "w0d" in block:  # one component per ΔW: (W0⊙dt0d + 2 ΔW⊙dtdd) ⊙ D, one buffer
+                if dw.dim() == 2:
+                    dt0d, dtdd, diagonal = dt0d[0], dtdd[0], diagonal[0]
+                part = dw * (2 * _column(dtdd))
+                part.addcmul_(block["w0"], _column(dt0d))
+                held.addcmul_(part, diagonal.unsqueeze(-2))
+            else:
+                per_component = dw.dim() == 3
+                held.addcmul_(block["w0"], _outer_sum([(dt0d, diagonal)], per_component))
+                held.addcmul_(dw, _outer_sum([(dtdd, diagonal)], per_component), value=2)
     return grads
