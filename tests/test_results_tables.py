@@ -1,8 +1,11 @@
-"""The docs' continual-learning tables equal what the committed result files say.
+"""The docs' results tables equal what the committed result files say.
 
 Every table between ``<!-- fsd cl report ... --rows: begin -->`` markers in docs/ is
-regenerated from ``results/cl`` and compared character for character; every row folder there
-is shown by some table. The generator itself is checked on handmade results files.
+regenerated from ``results/cl``, and every table between ``<!-- copied from FILE, table N:
+begin -->`` markers is read again from that committed markdown, and compared character for
+character; every row folder under ``results/cl`` is shown by some table, and every committed
+``fsd fidelity`` markdown is what its JSON renders to. The generator itself is checked on
+handmade results files.
 """
 
 import json
@@ -13,7 +16,8 @@ import pytest
 from fsd_experiments import continual
 from fsd_experiments.cli import main
 from fsd_experiments.continual import reporting
-from fsd_experiments.continual.doc_tables import BLOCK, refreshed, stale_tables
+from fsd_experiments.doc_tables import BLOCK, COPY, markdown_tables, refreshed, stale_tables
+from fsd_experiments.fidelity.study import fidelity_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -22,9 +26,31 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 @pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
 def test_docs_tables_equal_the_committed_results(doc):
     stale = stale_tables(doc, ROOT)
-    assert not stale, (f"{doc.name}: the tables of `fsd cl report {stale} --rows` differ from "
-                       f"results/cl; run python -m fsd_experiments.continual.doc_tables "
-                       f"docs/{doc.name}")
+    assert not stale, (f"{doc.name}: the tables from {stale} differ from the committed "
+                       f"results; run python -m fsd_experiments.doc_tables docs/{doc.name}")
+
+
+FIDELITY = sorted((ROOT / "results" / "fidelity").glob("*/fidelity_*.json"))
+
+
+@pytest.mark.parametrize("result", FIDELITY, ids=[f.parent.name for f in FIDELITY])
+def test_committed_fidelity_markdown_is_what_its_json_renders(result):
+    written = result.with_suffix(".md").read_text(encoding="utf-8")
+    assert written == fidelity_markdown(json.loads(result.read_text(encoding="utf-8")))
+
+
+def test_every_committed_study_markdown_is_copied_from():
+    sources = {m["path"] for doc in DOCS for m in COPY.finditer(doc.read_text(encoding="utf-8"))}
+    files = {str(f.relative_to(ROOT)) for f in (ROOT / "results").glob("fidelity/**/*.md")}
+    assert files, "no study markdown under results/fidelity"
+    assert files <= sources, f"committed study tables no docs page copies: " \
+                             f"{sorted(files - sources)}"
+    # a fidelity study's every table is in the docs, not only some of them
+    for name in (f for f in files if "/fidelity_" in f):
+        shown = {int(m["number"]) for doc in DOCS
+                 for m in COPY.finditer(doc.read_text(encoding="utf-8")) if m["path"] == name}
+        count = len(markdown_tables((ROOT / name).read_text(encoding="utf-8")))
+        assert shown == set(range(1, count + 1)), f"{name}: tables {shown} of {count} copied"
 
 
 def test_every_committed_row_is_in_a_docs_table():
@@ -127,6 +153,24 @@ def test_refreshing_a_page_rewrites_only_its_blocks(tmp_path):
     # a number changed by hand is caught
     doc.write_text(new.replace("99.60 ± 0.10", "99.61 ± 0.10"))
     assert stale_tables(doc, tmp_path) == ["results/*"]
+
+
+def test_a_copied_block_is_read_again_from_its_file(tmp_path):
+    (tmp_path / "study.md").write_text("## study\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+                                      "text\n| c |\n|---|\n| 3 |\n")
+    page = ("prose\n\n<!-- copied from study.md, table 2: begin -->\n\n| c |\n|---|\n| 4 |\n\n"
+            "<!-- copied: end -->\n")
+    doc = tmp_path / "page.md"
+    doc.write_text(page)
+    assert stale_tables(doc, tmp_path) == ["study.md, table 2"]
+    new = refreshed(page, tmp_path)
+    assert new == page.replace("| 4 |", "| 3 |")
+    doc.write_text(new)
+    assert stale_tables(doc, tmp_path) == []
+    with pytest.raises(ValueError, match="has 2 tables, not a table 3"):
+        refreshed(page.replace("table 2", "table 3"), tmp_path)
+    with pytest.raises(ValueError, match="is not a file"):
+        refreshed(page.replace("study.md", "other.md"), tmp_path)
 
 
 def test_a_block_glob_takes_row_folders_not_the_files_beside_them(tmp_path):

@@ -126,13 +126,11 @@ def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | Non
     results: dict[str, Any] = {"benchmark": tag, "config": {
         k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()},
         "task1_train_size": int(bench.task1.x_train.shape[0])}
-    md: list[str] = [f"## {tag}\n", f"Output metric: {cfg.metric} (the truth's and every "
-                     f"estimator's).\n"]
     say = print if progress else (lambda *a, **k: None)
 
     def save() -> None:
         write_json(out / f"fidelity_{tag}.json", versioned(results, FIDELITY_SCHEMA), indent=1)
-        atomic_write_text(out / f"fidelity_{tag}.md", "\n".join(md) + "\n")
+        atomic_write_text(out / f"fidelity_{tag}.md", fidelity_markdown(results))
 
     reference = suite = None
     if "pairs" in studies or "minimize" in studies:
@@ -181,15 +179,6 @@ def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | Non
                   if "NTK (coreset)" in cfg.estimators else None)
         result["spearman_vs_ntk"] = versus
         results["pairs"] = result
-        md += [f"### Pairs: {len(pairs)} pairs ({cfg.references} references θ_i × "
-               f"{len(cfg.lrs)} learning rates × {len(cfg.iters)} iteration counts; "
-               f"MLP {cfg.depth}×{cfg.width}, coreset N = {cfg.coreset_size}, sampled "
-               f"estimators: mean of {cfg.repeats} calls × {cfg.num_samples} samples)\n",
-               format_summary(result["summary"], results["nbytes"], versus), "",
-               f"True FSD range: {min(p['true'] for p in pairs):.4g} – "
-               f"{max(p['true'] for p in pairs):.4g}; ExactFSD stores "
-               f"{results['nbytes']['ExactFSD']:,} bytes. Bytes are those of reference 0's "
-               f"summaries.\n"]
         scatter_plot(result, out / f"scatter_{tag}.png",
                      f"{tag}: estimated vs true FSD ({len(pairs)} pairs)")
         say(f"pairs: {time.perf_counter() - start:.0f}s", flush=True)
@@ -211,11 +200,6 @@ def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | Non
                                     batch_size=cfg.batch_size, log_every=cfg.log_every,
                                     seed=cfg.seed, progress=progress)
         results["minimize"] = result
-        md += [f"### Minimization: task 2 trained with λ·estimate from θ1 "
-               f"({cfg.minimize_steps} Adam steps, lr {cfg.minimize_lr:g}, batch "
-               f"{cfg.batch_size}; sampled estimators {cfg.minimize_samples} samples per "
-               f"call)\n",
-               format_minimization(result), ""]
         minimization_plot(result, out / f"minimize_{tag}.png",
                           f"{tag}: true FSD ({cfg.metric}) while training task 2")
         say(f"minimize: {time.perf_counter() - start:.0f}s", flush=True)
@@ -231,13 +215,44 @@ def run_fidelity(bench: Benchmark, out: str | Path, config: FidelityConfig | Non
                              references=cfg.depth_references, progress=progress,
                              metric=cfg.metric)
         results["depth"] = result
-        md += [f"### Depth: Spearman / Kendall with the truth, MLP width {cfg.width}, "
-               f"{cfg.depth_references * len(cfg.depth_lrs) * len(cfg.depth_iters)} pairs "
-               f"per depth ({cfg.depth_references} references)\n",
-               format_depth(result), ""]
         depth_plot(result, out / f"depth_{tag}.png",
                    f"{tag}: correlation with true FSD vs depth")
         say(f"depth: {time.perf_counter() - start:.0f}s", flush=True)
         save()
     save()
     return results
+
+
+def fidelity_markdown(results: dict[str, Any]) -> str:
+    """The markdown ``fsd fidelity`` writes beside its JSON, rendered from those results.
+
+    One function for both, so a committed ``fidelity_<benchmark>.json`` regenerates its
+    ``.md`` (and the docs tables copied from it) exactly.
+    """
+    cfg = results["config"]
+    md = [f"## {results['benchmark']}\n",
+          f"Output metric: {cfg['metric']} (the truth's and every estimator's).\n"]
+    if "pairs" in results:
+        pairs, versus = results["pairs"]["pairs"], results["pairs"]["spearman_vs_ntk"]
+        md += [f"### Pairs: {len(pairs)} pairs ({cfg['references']} references θ_i × "
+               f"{len(cfg['lrs'])} learning rates × {len(cfg['iters'])} iteration counts; "
+               f"MLP {cfg['depth']}×{cfg['width']}, coreset N = {cfg['coreset_size']}, sampled "
+               f"estimators: mean of {cfg['repeats']} calls × {cfg['num_samples']} samples)\n",
+               format_summary(results["pairs"]["summary"], results["nbytes"], versus), "",
+               f"True FSD range: {min(p['true'] for p in pairs):.4g} – "
+               f"{max(p['true'] for p in pairs):.4g}; ExactFSD stores "
+               f"{results['nbytes']['ExactFSD']:,} bytes. Bytes are those of reference 0's "
+               f"summaries.\n"]
+    if "minimize" in results:
+        md += [f"### Minimization: task 2 trained with λ·estimate from θ1 "
+               f"({cfg['minimize_steps']} Adam steps, lr {cfg['minimize_lr']:g}, batch "
+               f"{cfg['batch_size']}; sampled estimators {cfg['minimize_samples']} samples per "
+               f"call)\n",
+               format_minimization(results["minimize"]), ""]
+    if "depth" in results:
+        per_depth = (cfg["depth_references"] * len(cfg["depth_lrs"])
+                     * len(cfg["depth_iters"]))
+        md += [f"### Depth: Spearman / Kendall with the truth, MLP width {cfg['width']}, "
+               f"{per_depth} pairs per depth ({cfg['depth_references']} references)\n",
+               format_depth(results["depth"]), ""]
+    return "\n".join(md) + "\n"

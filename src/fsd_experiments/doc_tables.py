@@ -1,0 +1,126 @@
+"""The docs' results tables, regenerated from the result files committed under ``results/``.
+
+A table in a docs page sits between two markers that name where it comes from. A
+continual-learning table names the command producing it::
+
+    <!-- fsd cl report results/cl/split-mnist --rows: begin -->
+    | row | method | ...
+    <!-- fsd cl report: end -->
+
+``--rows`` blocks hold the results tables (:func:`~.continual.reporting.row_tables`),
+``--tune`` blocks the tuning table (:func:`~.continual.tune.tune_tables`), ``--gap`` blocks
+the estimate-against-truth table (:func:`~.continual.reporting.gap_tables`), ``--wall``
+blocks the wall-time table (:func:`~.continual.reporting.wall_tables`).
+
+A table copied from the markdown a study wrote beside its JSON (``fsd fidelity``, ``fsd toy``,
+``fsd memory``) names the file and which of its tables, counted from 1::
+
+    <!-- copied from results/fidelity/split-mnist/fidelity_split-mnist.md, table 1: begin -->
+    | estimator | Spearman | ...
+    <!-- copied: end -->
+
+``python -m fsd_experiments.doc_tables docs/*.md`` rewrites every such block from the files
+(run from the repository root); ``stale_tables`` lists the blocks that differ, which the test
+suite checks, so no number in those tables can drift from the committed results.
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+import shlex
+import sys
+from pathlib import Path
+
+from .continual.reporting import gap_tables, row_tables, wall_tables
+from .continual.tune import tune_tables
+from .io import atomic_write_text
+
+#: a generated block: the report's arguments in the opening marker, the table, the end marker
+BLOCK = re.compile(r"(<!-- fsd cl report (?P<args>[^>]*?) "
+                   r"--(?P<kind>rows|tune|gap|wall): begin -->\n)"
+                   r"(?P<table>.*?)(<!-- fsd cl report: end -->)", re.S)
+#: a copied block: the markdown file and the table's number in it, the table, the end marker
+COPY = re.compile(r"(<!-- copied from (?P<path>\S+), table (?P<number>\d+): begin -->\n)"
+                  r"(?P<table>.*?)(<!-- copied: end -->)", re.S)
+
+
+def markdown_tables(text: str) -> list[str]:
+    """The tables of a markdown text (each a maximal run of lines starting with ``|``)."""
+    tables: list[list[str]] = []
+    previous = False
+    for line in text.splitlines():
+        inside = line.startswith("|")
+        if inside:
+            if not previous:
+                tables.append([])
+            tables[-1].append(line)
+        previous = inside
+    return ["\n".join(t) for t in tables]
+
+
+def copied_table(path: str, number: int, root: Path) -> str:
+    """Table ``number`` (from 1) of the markdown file ``path`` under ``root``."""
+    file = root / path
+    if not file.is_file():
+        raise ValueError(f"{path} is not a file under {root}")
+    tables = markdown_tables(file.read_text(encoding="utf-8"))
+    if not 1 <= number <= len(tables):
+        raise ValueError(f"{path} has {len(tables)} tables, not a table {number}")
+    return tables[number - 1]
+
+
+def render(args: str, root: Path, kind: str = "rows") -> str:
+    """The table ``fsd cl report ARGS --KIND`` prints (KIND: rows, tune, gap, wall).
+
+    The folders are looked up under ``root``.
+    """
+    paths: list[str] = []
+    for word in shlex.split(args):
+        # row folders only: a file beside them (a README, notes) matches a glob as well
+        found = [f for f in sorted(glob.glob(word, root_dir=root)) if (root / f).is_dir()]
+        if not found:
+            raise ValueError(f"{word} matches no folder under {root}")
+        paths += [str(root / f) for f in found]
+    return {"rows": row_tables, "tune": tune_tables, "gap": gap_tables,
+            "wall": wall_tables}[kind](paths)
+
+
+def refreshed(text: str, root: Path) -> str:
+    """``text`` with every generated and every copied block's table regenerated."""
+    text = BLOCK.sub(lambda m: m[1] + "\n" + render(m["args"], root, m["kind"]) + "\n" + m[5],
+                     text)
+    return COPY.sub(lambda m: m[1] + "\n" + copied_table(m["path"], int(m["number"]), root)
+                    + "\n\n" + m[5], text)
+
+
+def stale_tables(doc: Path, root: Path) -> list[str]:
+    """The sources of every block of ``doc`` whose table differs from the result files.
+
+    A report's arguments for a generated block, ``PATH, table N`` for a copied one.
+    """
+    text = doc.read_text(encoding="utf-8")
+    stale = [m["args"] for m in BLOCK.finditer(text)
+             if m["table"] != "\n" + render(m["args"], root, m["kind"]) + "\n"]
+    return stale + [f"{m['path']}, table {m['number']}" for m in COPY.finditer(text)
+                    if m["table"] != "\n" + copied_table(m["path"], int(m["number"]), root)
+                    + "\n\n"]
+
+
+def main(argv: list[str]) -> int:
+    """Rewrite the generated blocks of the docs pages given (paths from the repo root)."""
+    if not argv:
+        print("usage: python -m fsd_experiments.doc_tables DOC.md...", file=sys.stderr)
+        return 2
+    for name in argv:
+        doc = Path(name)
+        text = doc.read_text(encoding="utf-8")
+        new = refreshed(text, Path("."))
+        if new != text:
+            atomic_write_text(doc, new)
+            print(f"updated {doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
