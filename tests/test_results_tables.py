@@ -17,6 +17,7 @@ from fsd_experiments import continual
 from fsd_experiments.cli import main
 from fsd_experiments.continual import reporting
 from fsd_experiments.doc_tables import BLOCK, COPY, markdown_tables, refreshed, stale_tables
+from fsd_experiments.doc_tables import main as doc_tables_main
 from fsd_experiments.fidelity.study import fidelity_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,6 +172,16 @@ def test_a_copied_block_is_read_again_from_its_file(tmp_path):
         refreshed(page.replace("table 2", "table 3"), tmp_path)
     with pytest.raises(ValueError, match="is not a file"):
         refreshed(page.replace("study.md", "other.md"), tmp_path)
+
+
+def test_the_rewriting_command_names_a_bad_block_in_one_line(tmp_path, monkeypatch, capsys):
+    page = "<!-- copied from missing.md, table 1: begin -->\n| x |\n<!-- copied: end -->\n"
+    (tmp_path / "page.md").write_text(page)
+    monkeypatch.chdir(tmp_path)
+    assert doc_tables_main(["page.md"]) == 2
+    err = capsys.readouterr().err
+    assert err == "page.md: missing.md is not a file under .\n"
+    assert (tmp_path / "page.md").read_text() == page  # nothing written
 
 
 def test_a_block_glob_takes_row_folders_not_the_files_beside_them(tmp_path):

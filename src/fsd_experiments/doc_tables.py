@@ -115,7 +115,11 @@ def main(argv: list[str]) -> int:
     for name in argv:
         doc = Path(name)
         text = doc.read_text(encoding="utf-8")
-        new = refreshed(text, Path("."))
+        try:
+            new = refreshed(text, Path("."))
+        except ValueError as error:  # a missing file or table: one line, nothing written
+            print(f"{doc}: {error}", file=sys.stderr)
+            return 2
         if new != text:
             atomic_write_text(doc, new)
             print(f"updated {doc}")
