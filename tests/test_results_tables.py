@@ -16,7 +16,15 @@ import pytest
 from fsd_experiments import continual
 from fsd_experiments.cli import main
 from fsd_experiments.continual import reporting
-from fsd_experiments.doc_tables import BLOCK, COPY, markdown_tables, refreshed, stale_tables
+from fsd_experiments.doc_tables import (
+    BLOCK,
+    COPY,
+    INFLUENCE,
+    block_folders,
+    markdown_tables,
+    refreshed,
+    stale_tables,
+)
 from fsd_experiments.doc_tables import main as doc_tables_main
 from fsd_experiments.fidelity.study import fidelity_markdown
 
@@ -52,6 +60,17 @@ def test_every_committed_study_markdown_is_copied_from():
                  for m in COPY.finditer(doc.read_text(encoding="utf-8")) if m["path"] == name}
         count = len(markdown_tables((ROOT / name).read_text(encoding="utf-8")))
         assert shown == set(range(1, count + 1)), f"{name}: tables {shown} of {count} copied"
+
+
+def test_every_committed_influence_run_is_in_a_docs_table():
+    shown = {Path(folder).resolve() for doc in DOCS
+             for block in INFLUENCE.finditer(doc.read_text(encoding="utf-8"))
+             for folder in block_folders(block["args"], ROOT)}
+    # a run folder: results/influence/uci/RUN/<data set>/, results/influence/mislabeled/RUN/
+    committed = {p.resolve() for kind in ("uci", "mislabeled")
+                 for p in (ROOT / "results" / "influence" / kind).glob("*") if p.is_dir()}
+    assert committed <= shown, f"influence runs in results/influence that no docs table shows: " \
+                               f"{sorted(str(c.relative_to(ROOT)) for c in committed - shown)}"
 
 
 def test_every_committed_row_is_in_a_docs_table():

@@ -7,6 +7,12 @@ continual-learning table names the command producing it::
     | row | method | ...
     <!-- fsd cl report: end -->
 
+An influence table names ``fsd influence report`` and its run folders the same way::
+
+    <!-- fsd influence report results/influence/uci/U1-*: begin -->
+    | run | data set | ...
+    <!-- fsd influence report: end -->
+
 ``--rows`` blocks hold the results tables (:func:`~.continual.reporting.row_tables`),
 ``--tune`` blocks the tuning table (:func:`~.continual.tune.tune_tables`), ``--gap`` blocks
 the estimate-against-truth table (:func:`~.continual.reporting.gap_tables`), ``--wall``
@@ -34,12 +40,16 @@ from pathlib import Path
 
 from .continual.reporting import gap_tables, row_tables, wall_tables
 from .continual.tune import tune_tables
+from .influence.report import report_tables
 from .io import atomic_write_text
 
 #: a generated block: the report's arguments in the opening marker, the table, the end marker
 BLOCK = re.compile(r"(<!-- fsd cl report (?P<args>[^>]*?) "
                    r"--(?P<kind>rows|tune|gap|wall): begin -->\n)"
                    r"(?P<table>.*?)(<!-- fsd cl report: end -->)", re.S)
+#: an influence block: the report's run folders, the table, the end marker
+INFLUENCE = re.compile(r"(<!-- fsd influence report (?P<args>[^>]*?): begin -->\n)"
+                       r"(?P<table>.*?)(<!-- fsd influence report: end -->)", re.S)
 #: a copied block: the markdown file and the table's number in it, the table, the end marker
 COPY = re.compile(r"(<!-- copied from (?P<path>\S+), table (?P<number>\d+): begin -->\n)"
                   r"(?P<table>.*?)(<!-- copied: end -->)", re.S)
@@ -70,11 +80,8 @@ def copied_table(path: str, number: int, root: Path) -> str:
     return tables[number - 1]
 
 
-def render(args: str, root: Path, kind: str = "rows") -> str:
-    """The table ``fsd cl report ARGS --KIND`` prints (KIND: rows, tune, gap, wall).
-
-    The folders are looked up under ``root``.
-    """
+def block_folders(args: str, root: Path) -> list[str]:
+    """The folders under ``root`` that the words of ``args`` (paths or globs) name."""
     paths: list[str] = []
     for word in shlex.split(args):
         # row folders only: a file beside them (a README, notes) matches a glob as well
@@ -82,6 +89,15 @@ def render(args: str, root: Path, kind: str = "rows") -> str:
         if not found:
             raise ValueError(f"{word} matches no folder under {root}")
         paths += [str(root / f) for f in found]
+    return paths
+
+
+def render(args: str, root: Path, kind: str = "rows") -> str:
+    """The table ``fsd cl report ARGS --KIND`` prints (KIND: rows, tune, gap, wall).
+
+    The folders are looked up under ``root``.
+    """
+    paths = block_folders(args, root)
     return {"rows": row_tables, "tune": tune_tables, "gap": gap_tables,
             "wall": wall_tables}[kind](paths)
 
@@ -90,6 +106,8 @@ def refreshed(text: str, root: Path) -> str:
     """``text`` with every generated and every copied block's table regenerated."""
     text = BLOCK.sub(lambda m: m[1] + "\n" + render(m["args"], root, m["kind"]) + "\n" + m[5],
                      text)
+    text = INFLUENCE.sub(lambda m: m[1] + "\n" + report_tables(block_folders(m["args"], root))
+                         + "\n\n" + m[4], text)
     return COPY.sub(lambda m: m[1] + "\n" + copied_table(m["path"], int(m["number"]), root)
                     + "\n\n" + m[5], text)
 
@@ -102,6 +120,8 @@ def stale_tables(doc: Path, root: Path) -> list[str]:
     text = doc.read_text(encoding="utf-8")
     stale = [m["args"] for m in BLOCK.finditer(text)
              if m["table"] != "\n" + render(m["args"], root, m["kind"]) + "\n"]
+    stale += [m["args"] for m in INFLUENCE.finditer(text)
+              if m["table"] != "\n" + report_tables(block_folders(m["args"], root)) + "\n\n"]
     return stale + [f"{m['path']}, table {m['number']}" for m in COPY.finditer(text)
                     if m["table"] != "\n" + copied_table(m["path"], int(m["number"]), root)
                     + "\n\n"]

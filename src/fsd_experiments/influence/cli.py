@@ -1,4 +1,4 @@
-"""The ``fsd influence uci`` and ``fsd influence mislabeled`` commands."""
+"""The ``fsd influence uci``, ``fsd influence mislabeled`` and ``fsd influence report`` commands."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from ..argtypes import (
 )
 from ..data import UCI_DATASETS, DataNotFoundError, add_data_options, load_uci
 from .mislabeled import MISLABELED_METHODS, run_mislabeled
+from .report import report_tables
 from .uci import LEARNING_RATES, UCI_METHODS, _canonical_uci, run_uci, write_uci_summary
 
 
@@ -76,8 +77,16 @@ def _cmd_mislabeled(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    try:
+        print(report_tables(args.runs))
+    except (ValueError, OSError) as error:
+        return _error(str(error))
+    return 0
+
+
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``fsd influence uci`` and ``fsd influence mislabeled`` to the ``fsd`` command."""
+    """Add ``fsd influence uci``, ``mislabeled`` and ``report`` to the ``fsd`` command."""
     influence = subparsers.add_parser(
         "influence", help="influence functions: PBRF with exact / EWC / BGLN-D terms, and CG",
         description="Self-influence via the proximal Bregman response function (paper §5.3).")
@@ -167,3 +176,11 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                      help="torch device for the network and every method, e.g. cuda (cpu)")
     common(mis)
     mis.set_defaults(func=_cmd_mislabeled)
+
+    report = sub.add_parser(
+        "report", help="tables over finished runs, read back from their results.json",
+        description="One table of the UCI runs (a row per run and data set) and one of the "
+                    "mislabeled runs (a row per run), from the folders their --out named.")
+    report.add_argument("runs", nargs="+", metavar="RUN",
+                        help="run folders of fsd influence uci or fsd influence mislabeled")
+    report.set_defaults(func=_cmd_report)
