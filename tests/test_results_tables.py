@@ -4,8 +4,9 @@ Every table between ``<!-- fsd cl report ... --rows: begin -->`` markers in docs
 regenerated from ``results/cl``, and every table between ``<!-- copied from FILE, table N:
 begin -->`` markers is read again from that committed markdown, and compared character for
 character; every row folder under ``results/cl`` is shown by some table, and every committed
-``fsd fidelity`` markdown is what its JSON renders to. The generator itself is checked on
-handmade results files.
+``fsd fidelity``, ``fsd toy`` and ``fsd memory`` markdown is what its JSON renders to; every
+influence run under ``results/influence`` is shown by a ``fsd influence report`` block. The
+generator itself is checked on handmade results files.
 """
 
 import json
@@ -27,6 +28,8 @@ from fsd_experiments.doc_tables import (
 )
 from fsd_experiments.doc_tables import main as doc_tables_main
 from fsd_experiments.fidelity.study import fidelity_markdown
+from fsd_experiments.memory import memory_markdown
+from fsd_experiments.toy import toy_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -46,6 +49,20 @@ FIDELITY = sorted((ROOT / "results" / "fidelity").glob("*/fidelity_*.json"))
 def test_committed_fidelity_markdown_is_what_its_json_renders(result):
     written = result.with_suffix(".md").read_text(encoding="utf-8")
     assert written == fidelity_markdown(json.loads(result.read_text(encoding="utf-8")))
+
+
+TOY = sorted((ROOT / "results" / "fidelity").glob("*/toy.json"))
+MEMORY = sorted((ROOT / "results" / "fidelity").glob("*/memory_*.json"))
+
+
+@pytest.mark.parametrize("result", TOY + MEMORY, ids=[f.name for f in TOY + MEMORY])
+def test_committed_toy_and_memory_markdown_is_what_its_json_renders(result):
+    saved = json.loads(result.read_text(encoding="utf-8"))
+    written = result.with_suffix(".md").read_text(encoding="utf-8")
+    if result.name == "toy.json":
+        assert written == toy_markdown(saved)
+    else:
+        assert written == memory_markdown(saved, result.stem.removeprefix("memory_"))
 
 
 def test_every_committed_study_markdown_is_copied_from():

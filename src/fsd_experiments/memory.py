@@ -279,6 +279,25 @@ def format_measured(rows: list[MeasuredRow]) -> str:
     return "\n".join(lines)
 
 
+def memory_markdown(result: dict[str, Any], arch_name: str) -> str:
+    """memory_<arch>.md from what memory_<arch>.json holds (``arch_name``: the file's arch)."""
+    raw = result["architecture"]
+    arch = Architecture(P=raw["P"], A=raw["A"], d=raw["d"], layer_params=list(raw["layer_params"]),
+                        kfac_factors=[(a, g) for a, g in raw["kfac_factors"]])
+    N, C = result["N"], result["C"]
+    sections = [f"## Memory formulas: {arch_name}\n", format_costs(arch, N, C), "",
+                f"## Percentage reduction vs B = 2P + Nd + C²N², Split CIFAR100 CNN "
+                f"(P = {CIFAR_CNN_P:,}; paper's value in parentheses where it differs)\n",
+                format_gain_table(result["gain_table"]), ""]
+    if arch.P != CIFAR_CNN_P:  # the same table for the chosen network (no paper values)
+        sections += [f"## The same reduction table for {arch_name} (P = {arch.P:,})\n",
+                     format_gain_table(result["gain_table_this_arch"]), ""]
+    if "measured" in result:
+        sections += [f"## Measured summaries ({arch_name}, float32, N = {N}, C = {C})\n",
+                     format_measured([MeasuredRow(**r) for r in result["measured"]]), ""]
+    return "\n".join(sections) + "\n"
+
+
 # ----- command line -------------------------------------------------------------------------
 ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "cifar-cnn": (cifar_cnn, (3, 32, 32)),
@@ -301,13 +320,6 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                         A=args.A if args.A is not None else arch.A,
                         d=args.d if args.d is not None else arch.d,
                         layer_params=arch.layer_params, kfac_factors=arch.kfac_factors)
-    sections = [f"## Memory formulas: {args.arch}\n", format_costs(arch, args.N, args.C), "",
-                f"## Percentage reduction vs B = 2P + Nd + C²N², Split CIFAR100 CNN "
-                f"(P = {CIFAR_CNN_P:,}; paper's value in parentheses where it differs)\n",
-                format_gain_table(memory_gain_table(CIFAR_CNN_P)), ""]
-    if arch.P != CIFAR_CNN_P:  # the same table for the chosen network (no paper values)
-        sections += [f"## The same reduction table for {args.arch} (P = {arch.P:,})\n",
-                     format_gain_table(memory_gain_table(arch.P)), ""]
     result: dict[str, Any] = {"architecture": asdict(arch), "N": args.N, "C": args.C,
                               "costs": memory_costs(arch.P, arch.A, arch.d, args.N, args.C,
                                                     arch.layer_params, arch.kfac_factors),
@@ -317,15 +329,13 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         rows = measured_counts(model, shape, args.N, args.C,
                                classwise=not args.skip_classwise,
                                deterministic=args.arch != "cifar-cnn")
-        sections += [f"## Measured summaries ({args.arch}, float32, N = {args.N}, "
-                     f"C = {args.C})\n", format_measured(rows), ""]
         result["measured"] = [asdict(r) for r in rows]
-    text = "\n".join(sections)
-    print(text)
+    text = memory_markdown(result, args.arch)
+    print(text, end="")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / f"memory_{args.arch}.md", text + "\n")
+        atomic_write_text(out / f"memory_{args.arch}.md", text)
         write_json(out / f"memory_{args.arch}.json", versioned(result, MEMORY_SCHEMA), indent=1)
         print(f"wrote {out / f'memory_{args.arch}.md'} and .json")
     return 0

@@ -236,14 +236,19 @@ def seed_table(config: ToyConfig, seeds: list[int],
     """Re-run the toy for other seeds (data and initialization).
 
     Tabulates the task-1 MSE after task 2 per regularizer and the approximations' MSE vs f2,
-    as markdown and as a dict. ``done`` maps seeds already run to their :func:`run_toy`
-    results (not re-run).
+    as markdown (:func:`format_seed_table`) and as a dict. ``done`` maps seeds already run to
+    their :func:`run_toy` results (not re-run).
     """
     per_seed: dict[int, Any] = {}
     for seed in seeds:
         result = (done or {}).get(seed) or run_toy(ToyConfig(**{**config.__dict__,
                                                                  "seed": seed}))
         per_seed[seed] = {"errors": result["errors"], "approximation": result["approximation"]}
+    return format_seed_table(per_seed), per_seed
+
+
+def format_seed_table(per_seed: dict[Any, Any]) -> str:
+    """Markdown: per seed, each regularizer's task-1 MSE and the approximations' MSE vs f2."""
     names = [n for n in next(iter(per_seed.values()))["errors"] if n != "f1 (before task 2)"]
     lines = ["| seed | " + " | ".join(f"{'unregularized' if n == 'none' else n} task-1 MSE"
                                       for n in names)
@@ -253,7 +258,16 @@ def seed_table(config: ToyConfig, seeds: list[int],
                                                  for n in names)
                      + f" | {r['approximation']['LAFTR']['mse_vs_f2_all']:.3f}"
                      + f" | {r['approximation']['NTK']['mse_vs_f2_all']:.3f} |")
-    return "\n".join(lines), per_seed
+    return "\n".join(lines)
+
+
+def toy_markdown(saved: dict[str, Any]) -> str:
+    """toy.md from what toy.json holds: :func:`format_toy`, then the seeds' table if any."""
+    text = format_toy(saved)
+    if "seeds" in saved:
+        text += (f"\n\nAcross seeds (λ = {saved['config']['lam']:g}):\n\n"
+                 + format_seed_table(saved["seeds"]))
+    return text + "\n"
 
 
 def _cmd_toy(args: argparse.Namespace) -> int:
@@ -263,15 +277,14 @@ def _cmd_toy(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     toy_plot(result, out / "toy.png")
-    text = format_toy(result)
     saved = {k: result[k] for k in ("config", "approximation", "errors")}
     if args.seeds > 1:
-        table, saved["seeds"] = seed_table(cfg, [args.seed + k for k in range(args.seeds)],
-                                           done={args.seed: result})
-        text += f"\n\nAcross seeds (λ = {cfg.lam:g}):\n\n" + table
-    atomic_write_text(out / "toy.md", text + "\n")
+        _, saved["seeds"] = seed_table(cfg, [args.seed + k for k in range(args.seeds)],
+                                       done={args.seed: result})
+    text = toy_markdown(saved)
+    atomic_write_text(out / "toy.md", text)
     write_json(out / "toy.json", versioned(saved, TOY_SCHEMA), indent=1)
-    print(text)
+    print(text, end="")
     print(f"wrote {out / 'toy.png'}, toy.md and toy.json")
     return 0
 
