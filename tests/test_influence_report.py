@@ -30,7 +30,7 @@ def uci_file(folder: Path, dataset: str, *, seed: int, point_term: bool,
         "seconds": {"exact": 10.4, "ewc": 5.6, "bgln-d": 20.2},
         "correlation": {m: correlations(scores[m], exact) for m in ("ewc", "bgln-d")},
         "nonfinite": {"exact": 0, "ewc": diverged, "bgln-d": 0},
-        "bootstrap": {"pearson": {}, "spearman": {}, "level": 0.95,
+        "bootstrap": {"pearson": {"ewc": [0.5, 0.9]}, "spearman": {}, "level": 0.95,
                       "difference": {"bgln-d": {"pearson": [-0.01, 0.2],
                                                 "spearman": [0.0, 0.3]}}},
     }
@@ -72,7 +72,8 @@ def test_uci_rows_are_the_results_files_numbers(tmp_path):
         ("U1-a", "concrete"), ("U1-a", "energy"), ("U1-b", "concrete")]
     for row, result in zip(rows, [first["concrete"], first["energy"], second], strict=True):
         c = result["correlation"]
-        assert row["BGLN-D P"] == f"{c['bgln-d']['pearson']:.3f}"
+        assert row["BGLN-D P"] == f"{c['bgln-d']['pearson']:.3f}"  # no interval saved
+        assert row["EWC P"] == f"{c['ewc']['pearson']:.3f} [0.50, 0.90]"
         assert row["EWC S"] == f"{c['ewc']['spearman']:.3f}"
         gain = c["bgln-d"]["pearson"] - c["ewc"]["pearson"]
         assert row["BGLN-D − EWC, P"] == f"{gain:+.3f} [-0.010, +0.200]"

@@ -63,10 +63,10 @@ def uci_report_table(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> st
 
     Columns: the run folder, the data set, N, removals, the PBRF's SGD rate and steps; the
     point term and BGLN-D's form (one Gaussian or k-means clusters, Algorithm 2 or exact
-    moments) when they differ between rows; Pearson (P) and Spearman (S) of every estimator
-    any row has; the paired bootstrap difference BGLN-D − EWC with its interval; the exact
-    PBRF against a second run of itself (``--oracle-repeat``); solves that diverged; wall
-    seconds of each method over all removals.
+    moments) when they differ between rows; Pearson (P, with its bootstrap interval) and
+    Spearman (S) of every estimator any row has; the paired bootstrap difference BGLN-D − EWC
+    with its interval; the exact PBRF against a second run of itself (``--oracle-repeat``);
+    solves that diverged; wall seconds of each method over all removals.
     """
     rows = [(name, r) for name, results in runs for r in results]
     if not rows:
@@ -112,11 +112,16 @@ def uci_report_table(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> st
             cells.append("yes" if pbrf.get("point_term") else "no")
         if show_form:
             cells.append(_bgln_form(pbrf) if "bgln-d" in r["scores"] else "–")
+        boot = uci_bootstrap(r)
         for m in methods:
             c = r["correlation"].get(m)
-            cells += [_number(c["pearson"]), _number(c["spearman"])] if c else ["–", "–"]
+            if not c:
+                cells += ["–", "–"]
+                continue
+            interval = (boot or {}).get("pearson", {}).get(m)
+            cells += [_number(c["pearson"]) + (f" [{interval[0]:.2f}, {interval[1]:.2f}]"
+                                               if interval else ""), _number(c["spearman"])]
         if show_difference:
-            boot = uci_bootstrap(r)
             d = (boot or {}).get("difference", {}).get("bgln-d")
             if d and "ewc" in r["correlation"]:
                 cells += [_difference(r["correlation"]["bgln-d"][k]
