@@ -15,7 +15,7 @@ from fsd_experiments.stats import correlations
 
 
 def uci_file(folder: Path, dataset: str, *, seed: int, point_term: bool,
-             clusters: int | None, diverged: int = 0) -> dict:
+             clusters: int | None, diverged: int = 0, fisher: str = "true") -> dict:
     """A results.json as ``fsd influence uci`` writes it, with scores drawn at random."""
     rng = np.random.default_rng(seed)
     exact = rng.normal(size=12)
@@ -25,7 +25,7 @@ def uci_file(folder: Path, dataset: str, *, seed: int, point_term: bool,
         "experiment": "uci", "dataset": dataset, "seed": seed, "n_train": 100 + seed,
         "removed_indices": list(range(12)),
         "pbrf": {"lr": 0.03, "steps": 80, "point_term": point_term, "bgln_clusters": clusters,
-                 "bgln_moments": "paper", "ewc_fisher": "true"},
+                 "bgln_moments": "paper", "ewc_fisher": fisher},
         "scores": {m: s.tolist() for m, s in scores.items()},
         "seconds": {"exact": 10.4, "ewc": 5.6, "bgln-d": 20.2},
         "correlation": {m: correlations(scores[m], exact) for m in ("ewc", "bgln-d")},
@@ -65,7 +65,7 @@ def test_uci_rows_are_the_results_files_numbers(tmp_path):
     first = {d: uci_file(tmp_path / "U1-a", d, seed=i, point_term=False, clusters=None)
              for i, d in enumerate(["energy", "concrete"])}
     second = uci_file(tmp_path / "U1-b", "concrete", seed=7, point_term=True, clusters=30,
-                      diverged=1)
+                      diverged=1, fisher="sampled")
     rows = table_rows(report_tables([tmp_path / "U1-a", tmp_path / "U1-b"]))
     # data sets in the paper's order, whatever order they ran in
     assert [(r["run"], r["data set"]) for r in rows] == [
@@ -85,9 +85,11 @@ def test_uci_rows_are_the_results_files_numbers(tmp_path):
     assert [r["point term"] for r in rows] == ["no", "no", "yes"]
     assert [r["BGLN-D"] for r in rows] == ["1 Gaussian", "1 Gaussian", "30 clusters"]
     assert [r["diverged solves"] for r in rows] == ["–", "–", "EWC 1"]
+    assert [r["EWC Fisher"] for r in rows] == ["true", "true", "sampled"]
     # columns nobody has are left out; settings all rows share are not repeated
     only_first = report_tables([tmp_path / "U1-a"])
     assert "point term" not in only_first and "diverged" not in only_first
+    assert "Fisher" not in only_first
     assert "CG P" not in only_first
 
 

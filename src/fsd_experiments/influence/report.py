@@ -62,11 +62,12 @@ def uci_report_table(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> st
     """One row per (run, data set): each estimator's correlation with the exact PBRF.
 
     Columns: the run folder, the data set, N, removals, the PBRF's SGD rate and steps; the
-    point term and BGLN-D's form (one Gaussian or k-means clusters, Algorithm 2 or exact
-    moments) when they differ between rows; Pearson (P, with its bootstrap interval) and
-    Spearman (S) of every estimator any row has; the paired bootstrap difference BGLN-D − EWC
-    with its interval; the exact PBRF against a second run of itself (``--oracle-repeat``);
-    solves that diverged; wall seconds of each method over all removals.
+    point term, BGLN-D's form (one Gaussian or k-means clusters, Algorithm 2 or exact
+    moments) and EWC's Fisher (``--ewc-fisher``) when they differ between rows; Pearson (P,
+    with its bootstrap interval) and Spearman (S) of every estimator any row has; the paired
+    bootstrap difference BGLN-D − EWC with its interval; the exact PBRF against a second run
+    of itself (``--oracle-repeat``); solves that diverged; wall seconds of each method over
+    all removals.
     """
     rows = [(name, r) for name, results in runs for r in results]
     if not rows:
@@ -74,9 +75,10 @@ def uci_report_table(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> st
     methods = [m for m in _UCI_COMPARED if any(m in r["correlation"] for _, r in rows)]
     timed = [m for m in ("exact", *_UCI_COMPARED) if any(m in r["seconds"] for _, r in rows)]
     varies = {key: len({str(r["pbrf"].get(key)) for _, r in rows}) > 1
-              for key in ("point_term", "bgln_clusters", "bgln_moments")}
+              for key in ("point_term", "bgln_clusters", "bgln_moments", "ewc_fisher")}
     show_point_term = varies["point_term"]
     show_form = "bgln-d" in methods and (varies["bgln_clusters"] or varies["bgln_moments"])
+    show_fisher = "ewc" in methods and varies["ewc_fisher"]
     show_difference = any("bgln-d" in r["correlation"] and "ewc" in r["correlation"]
                           for _, r in rows)
     show_repeat = any("oracle_repeat" in r for _, r in rows)
@@ -88,6 +90,9 @@ def uci_report_table(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> st
         align.append("---")
     if show_form:
         head.append("BGLN-D")
+        align.append("---")
+    if show_fisher:
+        head.append("EWC Fisher")
         align.append("---")
     for m in methods:
         head += [f"{METHOD_TITLES[m]} P", f"{METHOD_TITLES[m]} S"]
@@ -112,6 +117,8 @@ def uci_report_table(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> st
             cells.append("yes" if pbrf.get("point_term") else "no")
         if show_form:
             cells.append(_bgln_form(pbrf) if "bgln-d" in r["scores"] else "–")
+        if show_fisher:
+            cells.append(pbrf["ewc_fisher"] if "ewc" in r["scores"] else "–")
         boot = uci_bootstrap(r)
         for m in methods:
             c = r["correlation"].get(m)
