@@ -116,6 +116,30 @@ def test_report_command_prints_the_tables_and_refuses_an_empty_folder(tmp_path, 
     assert err.count("\n") == 1 and "holds no influence results" in err
 
 
+@pytest.mark.parametrize("damage", ["drop pbrf", "drop correlation", "not json", "a list"])
+def test_a_damaged_results_file_is_one_line_naming_it(tmp_path, capsys, damage):
+    """A results.json that is not the command's gives one line naming the file, no traceback,
+    and the good run beside it is not needed to tell."""
+    uci_file(tmp_path / "good", "energy", seed=0, point_term=False, clusters=None)
+    result = uci_file(tmp_path / "bad", "concrete", seed=1, point_term=False, clusters=None)
+    path = tmp_path / "bad" / "concrete" / "results.json"
+    if damage == "not json":
+        path.write_text("{\"experiment\": ")
+    elif damage == "a list":
+        path.write_text("[]")
+    else:
+        del result[damage.split()[1]]
+        path.write_text(json.dumps(result))
+    assert main(["influence", "report", str(tmp_path / "good"), str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and "Traceback" not in err
+    mislabeled = mislabeled_file(tmp_path / "m", seed=0)
+    del mislabeled["auc"]
+    (tmp_path / "m" / "results.json").write_text(json.dumps(mislabeled))
+    assert main(["influence", "report", str(tmp_path / "m")]) == 2
+    assert "fsd influence mislabeled" in capsys.readouterr().err
+
+
 def test_an_influence_block_in_a_page_is_regenerated_from_its_folders(tmp_path):
     uci_file(tmp_path / "results" / "U6-x", "energy", seed=0, point_term=False, clusters=None)
     page = ("prose\n\n<!-- fsd influence report results/U6-*: begin -->\n| stale |\n"

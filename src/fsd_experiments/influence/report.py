@@ -28,20 +28,50 @@ def read_run(path: str | Path) -> tuple[str, str, list[dict[str, Any]]]:
     """(kind, name, results) of one run folder; kind is ``"uci"`` or ``"mislabeled"``.
 
     A UCI run's results come in the order of :data:`~fsd_experiments.data.UCI_DATASETS`.
+    A results.json that is not JSON, or lacks what its table shows, raises ValueError
+    naming the file.
     """
     folder = Path(path)
     own = folder / "results.json"
     if own.is_file():
-        raw = json.loads(own.read_text(encoding="utf-8"))
+        raw = _load(own)
         if raw.get("experiment") == "mislabeled":
-            return "mislabeled", folder.name, [mislabeled_result(raw)]
-    sets = [folder / name / "results.json" for name in UCI_DATASETS]
-    found = [uci_result(json.loads(p.read_text(encoding="utf-8"))) for p in sets if p.is_file()]
+            return "mislabeled", folder.name, [_checked(own, folder.name, raw, "mislabeled")]
+    found = [_checked(p, folder.name, _load(p), "uci")
+             for p in (folder / name / "results.json" for name in UCI_DATASETS) if p.is_file()]
     if not found:
         raise ValueError(f"{folder} holds no influence results (neither results.json of "
                          "fsd influence mislabeled nor <data set>/results.json of "
                          "fsd influence uci)")
     return "uci", folder.name, found
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not JSON ({error})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} is not a results.json of fsd influence (not an object)")
+    return raw
+
+
+def _checked(path: Path, name: str, raw: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The normalised result of ``path``, once its own row renders.
+
+    A file missing a key so fails here, naming itself, not deep inside a table of many runs.
+    """
+    try:
+        if kind == "mislabeled":
+            result = mislabeled_result(raw)
+            mislabeled_report_table([(name, [result])])
+        else:
+            result = uci_result(raw)
+            uci_report_table([(name, [result])])
+    except (KeyError, TypeError, IndexError, AttributeError) as error:
+        raise ValueError(f"{path} is not a results.json of fsd influence {kind} "
+                         f"({type(error).__name__}: {error})") from None
+    return result
 
 
 def _number(value: float | None, digits: int = 3) -> str:
