@@ -259,9 +259,14 @@ def test_cl_commands_refuse_bad_results_naming_the_file(raw, expected, command, 
             "run": ["cl", "--benchmark", "split-mnist", "--method", "finetune", "--seeds", "1",
                     "--out", str(run), "--data-dir", str(tmp_path / "no-data"),
                     "--no-progress"]}[command]
-    if command == "report" and not (isinstance(raw, dict) and "accuracy_matrix" in raw):
-        return  # report passes over other commands' results.json files
     line = fails_in_one_line(argv, capsys)
+    if command == "report" and not (isinstance(raw, dict) and "accuracy_matrix" in raw):
+        # report passes over other commands' results.json files, and says when none is left
+        assert line == (f"error: none of the 1 results.json under {run} was written by fsd cl"
+                        if not (isinstance(raw, dict) and "method" in raw) else
+                        f"error: {file} names a benchmark and a method but has no "
+                        "accuracy_matrix: not a finished fsd cl run (damaged?)"), line
+        return
     assert line.startswith(f"error: {file}: not a valid fsd cl results file: "), line
     assert expected in line
     assert not (tmp_path / "merged").exists()

@@ -237,12 +237,20 @@ def _protocol(hp: Hyperparameters, benchmark: str, method: str, device: str = "c
 def _read_runs(paths: Sequence[str]) -> list[tuple[str, str, Path, RunResults]]:
     """(benchmark, method, results.json, results) of every ``fsd cl`` run under ``paths``."""
     rows: list[tuple[str, str, Path, RunResults]] = []
-    for path in _find_results(paths):
+    found = _find_results(paths)
+    for path in found:
         raw = read_json(path)  # a file that is not JSON is named, not a bare JSON error
+        if isinstance(raw, dict) and {"benchmark", "method"} <= set(raw) \
+                and not is_cl_results(raw):
+            raise ValueError(f"{path} names a benchmark and a method but has no "
+                             "accuracy_matrix: not a finished fsd cl run (damaged?)")
         if not isinstance(raw, dict) or not is_cl_results(raw):
             continue  # another tool's results.json (e.g. fsd influence) under the same folder
         res = RunResults.from_json(raw, path)  # checked: a NaN or a null is named, not shown
         rows.append((res.benchmark, res.method, path, res))
+    if found and not rows:
+        raise ValueError(f"none of the {len(found)} results.json under "
+                         f"{', '.join(map(str, paths))} was written by fsd cl")
     rows.sort(key=lambda r: (r[0], r[1], str(r[2])))
     return rows
 
@@ -267,8 +275,6 @@ def report(paths: Sequence[str]) -> str:
             f"{_pm(res.backward_transfer)} | {PAPER['bwt'].get(bench, {}).get(method, '–')} | "
             f"{res.summary_bytes_per_task:,.0f} | {per / 60:.1f} min/seed{threads} | "
             f"{_protocol(res.hyperparameters, bench, method, res.device)} | `{path.parent}` |")
-    if len(lines) == 2:
-        lines.append("| (no results.json found) |||||||||||")
     notes = [
         "", "avg acc: mean test accuracy over all tasks after the last task; BWT: "
         "(1/(T−1)) Σ_{i<T} (R[T,i] − R[i,i]), in accuracy points. ± is the standard deviation "
