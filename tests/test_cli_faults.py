@@ -272,6 +272,28 @@ def test_cl_commands_refuse_bad_results_naming_the_file(raw, expected, command, 
     assert not (tmp_path / "merged").exists()
 
 
+BAD_TUNINGS = {
+    "not an object": ([], "expected a JSON object"),
+    "no chosen λ": ({"tuning_seed": 42, "grid": [{"fsd_scale": 1, "avg_accuracy": 90}]},
+                    "chosen must be a number"),
+    "a grid point without accuracy": ({"chosen": 1, "tuning_seed": 42,
+                                       "grid": [{"fsd_scale": 1}]}, "grid must list points"),
+    "an empty grid": ({"chosen": 1, "tuning_seed": 42, "grid": []}, "grid must list points"),
+    "a seed that is text": ({"chosen": 1, "tuning_seed": "42",
+                             "grid": [{"fsd_scale": 1, "avg_accuracy": 90}]},
+                            "tuning_seed must be an integer"),
+}
+
+
+@pytest.mark.parametrize("raw, expected", list(BAD_TUNINGS.values()), ids=list(BAD_TUNINGS))
+def test_cl_report_tune_names_a_damaged_tune_file(raw, expected, tmp_path, capsys):
+    run = _write_run(tmp_path / "R1t-finetune-tuned", _results((1,)))
+    (run / "tune.json").write_text(json.dumps(raw))
+    line = fails_in_one_line(["cl", "report", str(tmp_path), "--tune"], capsys)
+    assert line == f"error: {run / 'tune.json'}: not a tune.json of fsd cl tune: " \
+                   + line.split("fsd cl tune: ", 1)[1] and expected in line, line
+
+
 @pytest.mark.parametrize("command", ["report", "merge", "gap"])
 def test_cl_commands_name_a_results_file_that_is_not_json(command, tmp_path, capsys):
     run = tmp_path / "run"

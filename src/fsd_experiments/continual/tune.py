@@ -206,6 +206,31 @@ class _Prefixed(io.TextIOBase):
         self._stream.flush()
 
 
+def _read_tuning(path: Path) -> dict[str, Any]:
+    """A ``tune.json``, checked for what the tuning table shows; ValueError names the file."""
+    raw = read_json(path)
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    problem = None
+    if not isinstance(raw, dict):
+        problem = "expected a JSON object"
+    elif not number(raw.get("chosen")):
+        problem = "chosen must be a number (the λ the grid chose)"
+    elif not isinstance(raw.get("tuning_seed"), int):
+        problem = "tuning_seed must be an integer"
+    elif not (raw.get("validation") is None or number(raw["validation"])):
+        problem = "validation must be a fraction or null"
+    elif not (isinstance(raw.get("grid"), list) and raw["grid"] and all(
+            isinstance(p, dict) and number(p.get("fsd_scale")) and number(p.get("avg_accuracy"))
+            for p in raw["grid"])):
+        problem = "grid must list points with a number fsd_scale and avg_accuracy"
+    if problem:
+        raise ValueError(f"{path}: not a tune.json of fsd cl tune: {problem}")
+    return raw
+
+
 def _grid_cell(tuning: dict[str, Any]) -> str:
     cells = []
     for point in tuning["grid"]:
@@ -256,7 +281,7 @@ def tune_tables(paths: Sequence[str]) -> str:
              "λ: avg acc (%) on the grid | seeds at the chosen λ | avg acc (%) | paper | BWT |",
              "|---|---|---|---|---|---|---|---:|---:|---:|"]
     for folder, res in found:
-        tuning = read_json(folder / "tune.json")
+        tuning = _read_tuning(folder / "tune.json")
         hp = res.hyperparameters
         if tuning["chosen"] != hp.fsd_scale:
             raise ValueError(f"{folder}: tune.json chose λ {tuning['chosen']:g}, the final "
