@@ -9,13 +9,13 @@ these tables, regenerated from the committed ``results/influence`` by
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..compat import mislabeled_result, uci_bootstrap, uci_result
 from ..data import UCI_DATASETS
+from ..io import read_json
 from .common import METHOD_TITLES
 
 #: the estimators a UCI row compares with the exact PBRF, in column order
@@ -47,10 +47,7 @@ def read_run(path: str | Path) -> tuple[str, str, list[dict[str, Any]]]:
 
 
 def _load(path: Path) -> dict[str, Any]:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not JSON ({error})") from None
+    raw = read_json(path)
     if not isinstance(raw, dict):
         raise ValueError(f"{path} is not a results.json of fsd influence (not an object)")
     return raw
