@@ -25,7 +25,9 @@ import torch
 from torch import nn
 
 import fsd
+from fsd_experiments.devices import device_name
 from fsd_experiments.models import cifar_cnn
+from fsd_experiments.printed_report import printed_report
 from penalty import median_ms, perturbed
 
 SHAPE = (3, 32, 32)
@@ -80,9 +82,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None,
+                        help="also write what is printed to OUT.md and its tables to OUT.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    with printed_report(args.out, device=device_name(device)):
+        run(args, device)
+
+
+def run(args: argparse.Namespace, device: torch.device) -> None:
     print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s), device {device}")
     model = _model(device)
@@ -117,9 +126,9 @@ def main() -> None:
 
         rows.append((f"plain step, batch {batch}", median_ms(step, args.repeats, warmup=1),
                      peak_mib(step, device), 0.0))
-    print(f"{'':34s} {'ms (median)':>12s} {'peak MiB':>9s} {'summary MiB':>12s}")
+    print("\n| call | ms (median) | peak MiB | summary MiB |\n|---|---:|---:|---:|")
     for name, ms, peak, size in rows:
-        print(f"{name:34s} {ms:12.1f} {peak:9.1f} {size:12.2f}")
+        print(f"| {name} | {ms:,.1f} | {peak:,.1f} | {size:.2f} |")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import fsd
 from fsd.uses.calibration import perturbed_copies
 from fsd_experiments.compare import mnist_pair
 from fsd_experiments.data import TensorBatches, load_mnist, split_by_classes
+from fsd_experiments.printed_report import printed_report
 
 
 def _timed(estimator: fsd.Estimator, model: torch.nn.Module, repeats: int
@@ -98,8 +99,16 @@ def main() -> None:
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=None,
+                        help="also write what is printed to OUT.md and its tables to OUT.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    with printed_report(args.out):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Print tables (a), (b), (d) and (c)."""
     model, moved, (x01, y01), _ = mnist_pair(args.data_dir, progress=False)
     data = TensorBatches(x01, y01, 1024)
     with torch.no_grad():

@@ -22,6 +22,8 @@ import torch
 import fsd
 import fsd.estimators.ewc
 from fsd_experiments.compare import mlp
+from fsd_experiments.devices import device_name
+from fsd_experiments.printed_report import printed_report
 
 
 def _fit(model: torch.nn.Module, data: list, device: torch.device) -> tuple[float, dict]:
@@ -39,14 +41,21 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=256)
     parser.add_argument("--widths", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None,
+                        help="also write what is printed to OUT.md and its tables to OUT.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    with printed_report(args.out, device=device_name(device)):
+        run(args, device)
+
+
+def run(args: argparse.Namespace, device: torch.device) -> None:
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{args.threads} thread(s), device {device}, float32, {args.examples} examples, "
           f"10 classes")
-    print(f"{'width':>6} | {'fast s':>8} | {'generic s':>9} | {'generic/fast':>12} | "
-          f"max rel diff")
+    print("\n| width | fast: s | generic: s | generic / fast | largest relative difference |\n"
+          "|---:|---:|---:|---:|---:|")
     for width in args.widths:
         torch.manual_seed(width)
         model = mlp(784, width, 2, 10).to(device)
@@ -57,8 +66,8 @@ def main() -> None:
             generic_seconds, generic = _fit(model, data, device)
         diff = max(float((fast[k] - generic[k]).abs().max() / generic[k].abs().max())
                    for k in generic)
-        print(f"{width:>6} | {fast_seconds:8.2f} | {generic_seconds:9.2f} | "
-              f"{generic_seconds / fast_seconds:12.1f} | {diff:.1e}", flush=True)
+        print(f"| {width} | {fast_seconds:.2f} | {generic_seconds:.2f} | "
+              f"{generic_seconds / fast_seconds:.1f} | {diff:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import fsd
 from conv_moments import peak_mib
 from fsd.model.signature import model_state
 from fsd.moments.exact_graph import graph_plan, graph_second_moment
+from fsd_experiments.printed_report import printed_report
 from penalty import median_ms, perturbed
 
 
@@ -59,9 +60,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--out", default=None,
+                        help="also write what is printed to OUT.md and its tables to OUT.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    device = torch.device("cpu")
+    with printed_report(args.out):
+        run(args, torch.device("cpu"))
+
+
+def run(args: argparse.Namespace, device: torch.device) -> None:
     print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s), width {args.width}")
     torch.manual_seed(0)
@@ -99,9 +106,9 @@ def main() -> None:
                            (f"plain MLP, graph walk, {groups}", walk_call),
                            (f"residual MLP, graph walk, {groups}", residual_call)):
             rows.append((name, median_ms(call, args.repeats, warmup=1), peak_mib(call, device)))
-    print(f"{'':48s} {'ms (median)':>12s} {'peak MiB':>9s}")
+    print("\n| call | ms (median) | peak MiB |\n|---|---:|---:|")
     for name, ms, peak in rows:
-        print(f"{name:48s} {ms:12.1f} {peak:9.1f}")
+        print(f"| {name} | {ms:,.1f} | {peak:,.1f} |")
 
 
 if __name__ == "__main__":

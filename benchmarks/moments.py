@@ -17,6 +17,7 @@ import torch
 import fsd
 from fsd_experiments.compare import mlp
 from fsd_experiments.data import DataNotFoundError, TensorBatches, load_mnist
+from fsd_experiments.printed_report import printed_report
 from penalty import median_ms, perturbed
 
 
@@ -25,8 +26,15 @@ def main() -> None:
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=None,
+                        help="also write what is printed to OUT.md and its tables to OUT.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    with printed_report(args.out):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     try:
         x, y = load_mnist(args.data_dir, "train")
@@ -38,13 +46,13 @@ def main() -> None:
     print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s); inputs: {source}")
     variants = {
-        "paper (Algorithm 2)": dict(),
+        "paper (Algorithm 2)": dict(covariance="full"),
         "paper, lowrank r=64": dict(covariance="lowrank", rank=64),
-        "exact moments": dict(moments="exact"),
+        "exact moments": dict(moments="exact", covariance="full"),
         "exact moments, lowrank r=64": dict(moments="exact", covariance="lowrank", rank=64),
         "exact moments, diag": dict(moments="exact", covariance="diag"),
-        "exact + layerwise": dict(moments="exact", reference="layerwise"),
-        "paper + layerwise": dict(reference="layerwise"),
+        "exact + layerwise": dict(moments="exact", covariance="full", reference="layerwise"),
+        "paper + layerwise": dict(covariance="full", reference="layerwise"),
     }
     for outputs in (2, 10):
         model = mlp(784, 256, 2, outputs)

@@ -27,6 +27,8 @@ import torch
 from fsd.testing import one_point_at_a_time
 from fsd.uses import influence
 from fsd_experiments.compare import mlp
+from fsd_experiments.devices import device_name
+from fsd_experiments.printed_report import printed_report
 from fsd_experiments.stats import kmeans_labels
 
 
@@ -42,9 +44,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="SGD steps per solve")
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None,
+                        help="also write what is printed to OUT.md and its tables to OUT.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    with printed_report(args.out, device=device_name(device)):
+        run(args, device)
+
+
+def run(args: argparse.Namespace, device: torch.device) -> None:
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{args.threads} thread(s), device {device}, float32")
 
@@ -64,8 +73,8 @@ def main() -> None:
 
     print(f"N = {n}, MLP {d}-{args.width}-{args.width}-1, {args.points} points, "
           f"{args.steps} steps per solve")
-    print(f"{'term':>28} | {'(a) loop s/pt':>13} | {'(b) P=1 s/pt':>12} | "
-          f"{'(c) P s/pt':>10} | {'(a)/(c)':>7} | {'(b)/(c)':>7} | max |a−c|/max|a|")
+    print("\n| term | (a) loop s/pt | (b) P=1 s/pt | (c) P s/pt | (a)/(c) | (b)/(c) | "
+          "largest difference (a) − (c), relative |\n|---|---:|---:|---:|---:|---:|---:|")
     for method, clusters, point_term in (("exact", None, False), ("ewc", None, True),
                                          ("bgln-d", 30, True)):
         groups = None if clusters is None else kmeans_labels(x, clusters)
@@ -88,10 +97,9 @@ def main() -> None:
             times[key] = time.perf_counter() - start
         name = f"{method}{f' K={clusters}' if clusters else ''}{' +point' if point_term else ''}"
         error = np.abs(baseline - scores).max() / np.abs(baseline).max()
-        print(f"{name:>28} | {times['a'] / args.points:13.4f} | "
-              f"{times['b'] / args.points:12.4f} | {times['c'] / args.points:10.4f} | "
-              f"{times['a'] / times['c']:7.1f} | {times['b'] / times['c']:7.1f} | {error:.1e}",
-              flush=True)
+        print(f"| {name} | {times['a'] / args.points:.4f} | {times['b'] / args.points:.4f} | "
+              f"{times['c'] / args.points:.4f} | {times['a'] / times['c']:.1f} | "
+              f"{times['b'] / times['c']:.1f} | {error:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,17 +13,18 @@ Prints, in one process, medians of repeated timings:
      batch 128 against a plain step;
  (d) the library's BGLN-D vs a dense float64 transcription of paper Algorithm 2 (value, speed);
  (e) low-rank (r = 16, 64, 128) vs full-covariance BGLN-D on MNIST-trained networks;
- (f) K exact-moment summaries (moments="exact", low-rank r = 64): fsd.combine's one batched
-     pass vs the sum of K separate distance calls (distance + backward);
+ (f) K BGLN-D summaries (Algorithm 2 and exact moments, full and low-rank r = 64, widths
+     256 and 512): fsd.combine's one stacked pass vs the sum of K separate distance calls
+     (distance + backward);
  (g) exact moments by the adjoint recursion (what BGLN uses) vs the forward recursion it
      replaced (fsd.moments.exact.delta_second_moment), one summary, distance + backward;
  (h) K class-wise Algorithm 2 summaries (10 classes, full covariance, width 512) in one
      fsd.combine call: reference parameters stacked once per summary (what fsd.combine does)
-     against one copy per class (what it did before), distance + backward and, at K = 9,
+     against one copy per class, distance + backward and, at K = 9,
      the input layer's tr(P C Pᵀ) alone;
  (i) K fsd.KFAC summaries (the OSLA baseline, width 512), distance + backward: the
      library's backward, which reuses the forward's G ΔW̄ A, against plain autograd through
-     ½ Σ (G ΔW̄) ⊙ (ΔW̄ A) (what it did before).
+     ½ Σ (G ΔW̄) ⊙ (ΔW̄ A).
 Model: MLP 784-256-256-10 (and 784-512-512-10 where said), Adam. `--sections a,c` runs only
 those sections. Moments are real MNIST moments when the data is found
 (--data-dir / $FSD_DATA_DIR), else random inputs (said in the output).
@@ -44,8 +45,11 @@ from torch import nn
 import fsd
 from fsd.moments import evaluators
 from fsd.testing import dense_algorithm2
-from fsd_experiments.compare import mlp, train
+from fsd_experiments.compare import mlp
 from fsd_experiments.data import DataNotFoundError, TensorBatches, load_mnist, split_by_classes
+from fsd_experiments.devices import cpu_name, device_name
+from fsd_experiments.printed_report import printed_report
+from fsd_experiments.training import cross_entropy, train
 
 DEVICE = torch.device("cpu")
 
@@ -98,6 +102,8 @@ def main() -> None:
                         help="examples used to fit the summaries in (a)")
     parser.add_argument("--sections", default="abcdefghi",
                         help="which sections to run, e.g. 'ac' (default: all)")
+    parser.add_argument("--out", default=None,
+                        help="also write what is printed to OUT.md and its tables to OUT.json")
     args = parser.parse_args()
     global DEVICE
     DEVICE = torch.device(args.device)
@@ -108,7 +114,13 @@ def main() -> None:
     x, y, source = load_inputs(args.data_dir)
     x, y = x.to(DEVICE), y.to(DEVICE)
     where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "CPU"
-    print(f"# machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    with printed_report(args.out, device=device_name(DEVICE)):
+        run_sections(args, x, y, source, where)
+
+
+def run_sections(args, x, y, source: str, where: str) -> None:
+    print(f"# machine: {platform.machine()} ({cpu_name()}), {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s), device {where}; inputs: {source}; "
           f"load average at start {os.getloadavg()[0]:.1f} (other processes share the CPU: "
           f"compare ratios measured side by side, not absolute times)")
@@ -126,7 +138,7 @@ def main() -> None:
     if "e" in args.sections:
         section_e(args, x, y)
     if "f" in args.sections:
-        section_f(args, model, moved, fit_data)
+        section_f(args, fit_data)
     if "g" in args.sections:
         section_g(args, x, y, fit_data)
     if "h" in args.sections:
@@ -138,8 +150,9 @@ def main() -> None:
 
 def _estimators_a(width: int) -> dict[str, fsd.Estimator]:
     bgln_d = {
-        "BGLN-D full (Algorithm 2)": fsd.BGLN(deterministic=True),
-        "BGLN-D full (exact moments)": fsd.BGLN(deterministic=True, moments="exact"),
+        "BGLN-D full (Algorithm 2)": fsd.BGLN(deterministic=True, covariance="full"),
+        "BGLN-D full (exact moments)": fsd.BGLN(deterministic=True, moments="exact",
+                                                covariance="full"),
         "BGLN-D lowrank r=64 (Algorithm 2)": fsd.BGLN(deterministic=True, covariance="lowrank",
                                                       rank=64),
         "BGLN-D lowrank r=64 (exact moments)": fsd.BGLN(deterministic=True, moments="exact",
@@ -149,7 +162,7 @@ def _estimators_a(width: int) -> dict[str, fsd.Estimator]:
         return bgln_d
     return {
         **bgln_d,
-        "BGLN-D diag": fsd.BGLN(deterministic=True, covariance="diag"),
+        "BGLN-D diag (Algorithm 2)": fsd.BGLN(deterministic=True, covariance="diag"),
         "BGLN-S (128 samples)": fsd.BGLN(num_samples=128),
         "LAFTR gaussian (128)": fsd.LAFTR(inputs="gaussian", num_samples=128),
         "NTK (coreset 40)": fsd.NTK(coreset_size=40),
@@ -207,14 +220,15 @@ def _section_a_width(args, width, model, moved, x, y, fit_data) -> None:
 def section_b(args, model, moved, x, y) -> None:
     # (b) one BGLN-D evaluation vs ExactFSD over all 60k training inputs
     all_data = TensorBatches(x, y, 2000)
-    bgln_d = fsd.BGLN(deterministic=True).fit(model, all_data)
+    bgln_d = fsd.BGLN(deterministic=True, covariance="full").fit(model, all_data)
     exact = fsd.ExactFSD().fit(model, all_data)
     with torch.no_grad():
         exact.distance(moved)  # caches f(x, θ0), as a user's repeated calls would
         t_exact = median_ms(lambda: exact.distance(moved), 5, warmup=1)
         t_bgln = median_ms(lambda: bgln_d.distance(moved), args.repeats)
     print("\n## (b) one distance call (no backward), 60k MNIST training inputs")
-    print(f"ExactFSD: {t_exact:.1f} ms, BGLN-D: {t_bgln:.3f} ms, ratio {t_exact / t_bgln:.0f}x")
+    print(f"ExactFSD: {t_exact:.1f} ms, BGLN-D (full covariance): {t_bgln:.3f} ms, "
+          f"ratio {t_exact / t_bgln:.0f}x")
 
 def _timed_steps(moved, xb, yb):
     """(penalty(s): distance + backward, step(s=None): an Adam step with penalty s)."""
@@ -253,7 +267,7 @@ def section_c(args, x, y, fit_data) -> None:
         model = mlp(784, width, 2, 10).to(DEVICE)
         moved = perturbed(model, 0.01, 1)
         penalty, step = _timed_steps(moved, xb, yb)
-        for label, kwargs in (("full", {}),
+        for label, kwargs in (("full", {"covariance": "full"}),
                               ("lowrank r=64", {"covariance": "lowrank", "rank": 64})):
             summaries = {moments: [fsd.BGLN(deterministic=True, moments=moments, **kwargs).fit(
                 perturbed(model, 0.02, 10 + k), fit_data) for k in range(9)]
@@ -286,7 +300,7 @@ def section_c(args, x, y, fit_data) -> None:
 def section_d(args, model, moved, x, y) -> None:
     # (d) the library vs a dense float64 transcription of Algorithm 2
     model64, moved64 = copy.deepcopy(model).double(), copy.deepcopy(moved).double()
-    est64 = fsd.BGLN(deterministic=True).fit(model64, TensorBatches(
+    est64 = fsd.BGLN(deterministic=True, covariance="full").fit(model64, TensorBatches(
         x[: args.fit_examples].double(), y[: args.fit_examples], 1000))
     mean, cov = est64._state["input.mean"][0], est64._state["input.cov"][0]
     gates = [est64._state[f"gate.{p}"][0] for p in ("2", "4")]
@@ -311,10 +325,10 @@ def section_e(args, x, y) -> None:
     x23, y23 = split_by_classes(x, y, [2, 3])
     g = torch.Generator().manual_seed(0)
     trained = mlp(784, 256, 2, 2).to(DEVICE)
-    train(trained, TensorBatches(x01, y01, 64, shuffle=True, generator=g), 1, 1e-3,
-          progress=False)
+    train(trained, TensorBatches(x01, y01, 64, shuffle=True, generator=g), cross_entropy,
+          torch.optim.Adam(trained.parameters(), lr=1e-3))
     data01 = TensorBatches(x01, y01, 2000)
-    full = fsd.BGLN(deterministic=True).fit(trained, data01)
+    full = fsd.BGLN(deterministic=True, covariance="full").fit(trained, data01)
     lowrank = {r: fsd.BGLN(deterministic=True, covariance="lowrank", rank=r).fit(trained, data01)
                for r in (16, 64, 128)}
     finetuned = copy.deepcopy(trained)
@@ -342,41 +356,50 @@ def section_e(args, x, y) -> None:
         f"r={r} {lowrank[r].nbytes:,}" for r in (16, 64, 128)))
 
 
-def section_f(args, model, moved, fit_data) -> None:
-    # (f) exact-moment summaries: batched pass vs one call per summary, interleaved
-    print("\n## (f) K exact-moment summaries (lowrank r=64, 10 outputs): batched vs one by one")
-    print("| K | one by one: ms | fsd.combine: ms | speed-up | relative difference |")
-    print("|---:|---:|---:|---:|---:|")
-    exact_summaries = [fsd.BGLN(deterministic=True, moments="exact", covariance="lowrank",
-                                rank=64).fit(perturbed(model, 0.02, 10 + k), fit_data)
-                       for k in range(9)]
+def section_f(args, fit_data) -> None:
+    # (f) fsd.combine's one stacked pass against one call per summary, interleaved
+    print("\n## (f) K BGLN-D summaries (10 outputs each) in one fsd.combine call vs one call "
+          "per summary, distance + backward")
+    print("| width | summaries | moments | K | one by one: ms | fsd.combine: ms | speed-up | "
+          "relative difference |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|")
+    for width in (256, 512):
+        torch.manual_seed(0)
+        model = mlp(784, width, 2, 10).to(DEVICE)
+        moved = perturbed(model, 0.01, 1)
+        penalty, _ = _timed_steps(moved, None, None)
 
-    penalty, _ = _timed_steps(moved, None, None)
+        def separately(summaries, moved=moved):
+            moved.zero_grad()
+            sum(e.distance(moved) for e in summaries).backward()
 
-    def separately(summaries):
-        moved.zero_grad()
-        sum(e.distance(moved) for e in summaries).backward()
-
-    for k in (3, 9):
-        summary_set = fsd.combine(exact_summaries[:k])
-        with torch.no_grad():
-            value = float(summary_set.distance(moved))
-            single = float(sum(e.distance(moved) for e in exact_summaries[:k]))
-        one, batched = [], []
-        for _ in range(3):
-            one.append(median_ms(lambda k=k: separately(exact_summaries[:k]),
-                                 args.repeats // 3 or 1))
-            batched.append(median_ms(lambda s=summary_set: penalty(s), args.repeats // 3 or 1))
-        a, b = statistics.median(one), statistics.median(batched)
-        print(f"| {k} | {a:.2f} | {b:.2f} | {a / b:.2f} | {abs(value - single) / single:.1e} |")
-
+        for label, kwargs in (("full", {"covariance": "full"}),
+                              ("lowrank r=64", {"covariance": "lowrank", "rank": 64})):
+            for moments in ("paper", "exact"):
+                summaries = [fsd.BGLN(deterministic=True, moments=moments, **kwargs).fit(
+                    perturbed(model, 0.02, 10 + k), fit_data) for k in range(9)]
+                for k in (3, 9):
+                    summary_set = fsd.combine(summaries[:k])
+                    with torch.no_grad():
+                        value = float(summary_set.distance(moved))
+                        single = float(sum(e.distance(moved) for e in summaries[:k]))
+                    one, batched = [], []
+                    for _ in range(3):
+                        one.append(median_ms(lambda k=k, s=summaries: separately(s[:k]),
+                                             args.repeats // 3 or 1))
+                        batched.append(median_ms(lambda s=summary_set, p=penalty: p(s),
+                                                 args.repeats // 3 or 1))
+                    a, b = statistics.median(one), statistics.median(batched)
+                    name = "Algorithm 2" if moments == "paper" else "exact"
+                    print(f"| {width} | {label} | {name} | {k} | {a:.2f} | {b:.2f} | "
+                          f"{a / b:.2f} | {abs(value - single) / single:.1e} |")
 
 
 def section_g(args, x, y, fit_data) -> None:
     # (g) the adjoint recursion against the forward one on the same cached blocks
     from fsd.moments.exact import delta_second_moment
 
-    print("\n## (g) exact moments: adjoint recursion vs the forward recursion it replaced "
+    print("\n## (g) exact moments: adjoint recursion vs the forward recursion "
           "(one summary, 10 outputs, distance + backward)")
     print("| width | summaries | forward: ms | adjoint: ms | speed-up | relative difference |")
     print("|---:|---|---:|---:|---:|---:|")
@@ -386,7 +409,7 @@ def section_g(args, x, y, fit_data) -> None:
         model = mlp(784, width, 2, 10).to(DEVICE)
         moved = perturbed(model, 0.01, 1)
         layers = fsd.trace(moved)
-        for label, kwargs in (("full", {}),
+        for label, kwargs in (("full", {"covariance": "full"}),
                               ("lowrank r=64", {"covariance": "lowrank", "rank": 64})):
             est = fsd.BGLN(deterministic=True, moments="exact", **kwargs).fit(
                 perturbed(model, 0.02, 10), fit_data)
