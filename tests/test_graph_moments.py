@@ -309,3 +309,24 @@ def test_on_every_zoo_model_exact_moments_are_bgln_s_mean_or_a_one_line_refusal(
     mean, standard_error = float(draws.mean()), float(draws.std() / math.sqrt(12))
     assert abs(mean - expected) < 5 * standard_error
     assert standard_error < 0.03 * expected
+
+
+class RootOfInput(nn.Module):
+    """Finite on positive data, NaN at the affinity check's random probes."""
+
+    def __init__(self, root=torch.sqrt) -> None:
+        super().__init__()
+        self.root = root
+        self.fc, self.out = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc(self.root(x))))
+
+
+@pytest.mark.parametrize("root", [torch.sqrt, torch.log], ids=["sqrt", "log"])
+def test_an_operation_undefined_at_the_probes_is_refused_not_passed(root):
+    # NaN compares False against the tolerance: it used to pass as affine
+    x = torch.rand(50, 3, dtype=DTYPE) + 0.5
+    with pytest.raises(NotImplementedError,
+                       match=rf"not affine in its inputs at graph node '{root.__name__}'"):
+        fsd.BGLN(deterministic=True, moments="exact").fit(RootOfInput(root).to(DTYPE), x)

@@ -262,11 +262,13 @@ def test_running_statistics_alone_count_as_movement(make):
         torch.testing.assert_close(value, 0.5 * jv.pow(2).sum(-1).mean(), rtol=1e-6, atol=0)
 
 
-def test_ewc_warns_that_moved_buffers_are_not_counted():
+@pytest.mark.parametrize("make", [fsd.EWC, fsd.KFAC])
+def test_parameter_only_estimators_warn_that_moved_buffers_are_not_counted(make):
     model, x = _build("tiny-resnet")
     moved = _moved(model, 0.2)
-    est = fsd.EWC(metric="euclidean").fit(model, x)
-    with pytest.warns(UserWarning, match="buffers .*running_mean.* are not counted"):
+    est = make(metric="euclidean").fit(model, x)
+    with pytest.warns(UserWarning, match=rf"^{make.__name__} measures parameter movement only"
+                                         r".*buffers .*running_mean.* are not counted"):
         est.distance(moved)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -278,3 +279,166 @@ def test_a_regularizer_file_naming_a_private_estimator_is_refused(tmp_path):
     with pytest.raises(fsd.SummaryFormatError,
                        match=r"\(task 0\): unknown estimator '_LinearizedEstimator'"):
         fsd.ContinualRegularizer.load(tmp_path / "bad.fsd")
+
+
+# ----- outputs fsd cannot measure, refused at fit; a failed fit loses nothing -------------
+
+class _Squeezed(nn.Module):
+    """A regression net returning (N,): the metrics would reduce over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).squeeze(-1)
+
+
+class _PerToken(nn.Module):
+    """(N, T, C) outputs: the metrics would reduce over C only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x.view(x.shape[0], 5, 4))))
+
+
+class _SqrtInput(nn.Module):
+    """NaN outputs on finite inputs at θ0 (the square root of negative inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(torch.sqrt(x))))
+
+
+@pytest.mark.parametrize("name", list(ESTIMATORS))
+@pytest.mark.parametrize("model, features, shape", [
+    (_Squeezed, 6, "(1,)"), (_PerToken, 20, "(1, 5, 3)")], ids=["squeezed", "per-token"])
+def test_fit_refuses_outputs_that_are_not_one_row_per_example(name, model, features, shape):
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=rf"shape {re.escape(shape)}; fsd measures \(N, K\)"):
+        ESTIMATORS[name]().fit(model(), torch.randn(16, features))
+
+
+@pytest.mark.parametrize("name", list(ESTIMATORS))
+def test_fit_refuses_a_model_whose_reference_output_is_not_finite(name):
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="NaN or infinite at the reference parameters"):
+        ESTIMATORS[name]().fit(_SqrtInput(), -torch.rand(16, 6))
+
+
+@pytest.mark.parametrize("make", [fsd.ExactFSD, fsd.LAFTR, fsd.BGLN, fsd.NTK, fsd.EWC,
+                                  fsd.KFAC])
+@pytest.mark.parametrize("metric", ["kl", "softmax_euclidean"])
+def test_a_softmax_metric_over_one_output_is_refused(make, metric):
+    # a softmax over one unit is constant: every distance would be exactly 0
+    x = torch.randn(16, 6)
+    with pytest.raises(ValueError, match="softmax over one output is always 1"):
+        make(metric=metric).fit(mlp([6, 8, 1]), x)
+    with pytest.raises(ValueError, match="softmax over one output is always 1"):
+        make(metric=metric).fit(mlp([6, 8, 3]), x, outputs=[2])
+    make(metric=metric).fit(mlp([6, 8, 3]), x, outputs=[1, 2])  # two outputs are fine
+
+
+@pytest.mark.parametrize("name", list(ESTIMATORS))
+def test_a_failed_refit_keeps_the_summary_fitted_before(name, tmp_path):
+    model, x = mlp([6, 8, 3]), torch.randn(16, 6)
+    moved = perturbed(model, scale=0.05)
+    estimator = ESTIMATORS[name]().fit(model, x)
+    fitted = {k: v.clone() for k, v in estimator._stored.items()}
+    estimator.distance(moved)
+    for bad in (dict(data=torch.randn(8, 5)), dict(data=x, outputs=[7]),
+                dict(data=[])):
+        with pytest.raises(ValueError):
+            estimator.fit(model, **bad)
+        assert estimator._meta["fitted"]
+        torch.testing.assert_close(estimator._stored, fitted, rtol=0, atol=0)
+        assert bool(torch.isfinite(estimator.distance(moved)))
+    estimator.save(tmp_path / "kept.fsd")
+    torch.testing.assert_close(fsd.load(tmp_path / "kept.fsd")._stored, fitted, rtol=0, atol=0)
+
+
+def test_ntk_refuses_a_model_that_computes_another_function_at_theta0(tmp_path):
+    # the same parameters under another activation: J·Δθ = 0 would read a distance of 0
+    torch.manual_seed(0)
+    x = torch.randn(32, 6)
+    relu = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    gelu = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
+    gelu.load_state_dict(relu.state_dict())
+    estimator = fsd.NTK().fit(relu, x)
+    with pytest.raises(fsd.ArchitectureMismatchError, match="another function"):
+        estimator.distance(gelu)
+    moved = perturbed(relu, scale=0.05)
+    value = estimator.distance(moved)
+    # a summary saved without f(x, θ0) (before it was stored) still loads and measures
+    del estimator._stored["coreset.f0"]
+    estimator.save(tmp_path / "old.fsd")
+    torch.testing.assert_close(fsd.load(tmp_path / "old.fsd").distance(moved), value)
+
+
+@pytest.mark.parametrize("covariance", ["full", "lowrank", "diag"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_recorded_non_finite_inputs_are_refused_at_fit(covariance, value):
+    # fit with data refuses such a batch; recorded batches are checked when fit reads them
+    torch.manual_seed(0)
+    x = torch.randn(48, 6, dtype=torch.float64)
+    x[5, 0] = value
+    model = mlp([6, 8, 3])
+    estimator = fsd.BGLN(deterministic=True, covariance=covariance)
+    collector = estimator.statistics_collector(model)
+    for i in range(0, 48, 16):
+        with collector.record():
+            model(x[i:i + 16])
+    with pytest.raises(ValueError, match="recorded inputs contain NaN or infinite values"):
+        estimator.fit(model, statistics=collector)
+
+
+# ----- EWC's empirical Fisher: labels and targets it can use -----------------------------
+
+def _ewc_data(classes: int = 4):
+    torch.manual_seed(0)
+    x = torch.randn(48, 6, dtype=torch.float64)
+    return mlp([6, 8, classes]), x, torch.randint(0, classes, (48,))
+
+
+def test_empirical_fisher_takes_labels_as_a_column_too():
+    model, x, y = _ewc_data()
+    flat = fsd.EWC(fisher="empirical", metric="kl").fit(model, (x, y))
+    column = fsd.EWC(fisher="empirical", metric="kl").fit(model, (x, y[:, None]))
+    torch.testing.assert_close(column._stored, flat._stored, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("labels, outputs, message", [
+    (lambda y: y.double() + 0.5, None, "one integer class label per example"),
+    (lambda y: torch.stack([y, y], 1), None, "one integer class label per example"),
+    (lambda y: y + 2, [2, 3], r"label \d is not an index of the 2 selected outputs"),
+    (lambda y: -y - 1, None, r"label -\d is not an index of the 4 selected outputs"),
+])
+def test_empirical_fisher_refuses_labels_it_cannot_use(labels, outputs, message):
+    model, x, y = _ewc_data()
+    if outputs is not None:
+        y = y % 2
+    with pytest.raises(ValueError, match=message):
+        fsd.EWC(fisher="empirical", metric="kl").fit(model, (x, labels(y)), outputs=outputs)
+
+
+def test_empirical_fisher_with_the_euclidean_metric_takes_targets_not_labels():
+    model, x, y = _ewc_data()
+    with pytest.raises(ValueError, match=r"targets of the selected outputs' shape \(48, 4\), "
+                                         r"got \(48,\) \(class labels: use metric='kl'\)"):
+        fsd.EWC(fisher="empirical").fit(model, (x, y))
+    targets = torch.randn(48, 4, dtype=torch.float64)
+    targets[3, 1] = float("nan")
+    with pytest.raises(ValueError, match="targets contain NaN or infinite values"):
+        fsd.EWC(fisher="empirical").fit(model, (x, targets))
+    # one output: (n,) targets are its column
+    single = mlp([6, 8, 1])
+    t = torch.randn(48, dtype=torch.float64)
+    a = fsd.EWC(fisher="empirical").fit(single, (x, t))
+    b = fsd.EWC(fisher="empirical").fit(single, (x, t[:, None]))
+    torch.testing.assert_close(a._stored, b._stored, rtol=0, atol=0)

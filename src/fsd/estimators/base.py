@@ -18,6 +18,7 @@ import os
 import stat
 import tempfile
 import time
+import warnings
 from collections.abc import Sized
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
@@ -291,6 +292,10 @@ def _umask() -> int:
     return mask
 
 
+
+class _UnmeasurableOutput(ValueError):
+    """The model's outputs at θ0 are none the estimators can measure (fit's one-line error)."""
+
 class Estimator:
     """Base class of all FSD estimators.
 
@@ -365,27 +370,37 @@ class Estimator:
         Raises:
             ValueError: in one line, before any statistic is collected: a parameter or
                 buffer that is NaN, infinite or on the ``meta`` device (the first is named),
-                empty data, data the model cannot run on, bad ``outputs``.
+                empty data, data the model cannot run on, bad ``outputs``, outputs that are
+                not (N, K) or not finite on the first example, a softmax metric over one
+                output.
+
+        A fit that raises leaves the estimator as it was: a summary fitted before stays.
             fsd.statistics.distributed.DistributedFitError: under torch.distributed, on every rank
                 alike, when one rank fails those checks or the ranks' θ0 differ.
 
         A float16 or bfloat16 model is fitted in float32 (:mod:`fsd.precision`).
         """
         model = unwrap(model)  # torch.compile / DDP wrappers: the user's model inside
-        # a float16/bfloat16 model is fitted on float32 casts: its sums would overflow
-        with float32_view(model, differentiable=False):
-            try:
-                data, dtype, device = self._prepare(model, data, outputs, batch_to_input,
-                                                    output, forward_kwargs)
-            except Exception as error:
-                # under torch.distributed every rank raises this rank's error alike; alone,
-                # the error itself
-                distributed.agree_to_fit(error, None)
-                raise
-            distributed.agree_to_fit(None, model)  # every rank has data and the same θ0
-            with evaluation_mode(model):
-                self._fit(self.bind(model), data, statistics=statistics, dtype=dtype,
-                          device=device, progress=progress)
+        # a fit that fails leaves the summary fitted before it as it was
+        previous = (self._stored, self._state, self._meta, self._cache)
+        try:
+            # a float16/bfloat16 model is fitted on float32 casts: its sums would overflow
+            with float32_view(model, differentiable=False):
+                try:
+                    data, dtype, device = self._prepare(model, data, outputs, batch_to_input,
+                                                        output, forward_kwargs)
+                except Exception as error:
+                    # under torch.distributed every rank raises this rank's error alike;
+                    # alone, the error itself
+                    distributed.agree_to_fit(error, None)
+                    raise
+                distributed.agree_to_fit(None, model)  # every rank has data and the same θ0
+                with evaluation_mode(model):
+                    self._fit(self.bind(model), data, statistics=statistics, dtype=dtype,
+                              device=device, progress=progress)
+        except BaseException:
+            self._stored, self._state, self._meta, self._cache = previous
+            raise
         self._meta["fitted"] = True
         return self
 
@@ -430,7 +445,8 @@ class Estimator:
                 try:
                     self._check_runs_on(model, as_batches(data, batch_to_input), dtype, device)
                 except ValueError as run_error:
-                    if "forward_kwargs" in str(run_error) or "output=" in str(run_error):
+                    if "forward_kwargs" in str(run_error) or "output=" in str(run_error) \
+                            or isinstance(run_error, _UnmeasurableOutput):
                         raise run_error from None
             raise error
         if data is not None:
@@ -631,9 +647,34 @@ class Estimator:
             data = _MappedBatches(data, _FloatInputs(dtype))
         z = select_output(result, self._meta.get("output"),
                           f"{type(model).__name__}.forward")
-        if z.dim() >= 1:
-            self._select(z)  # raises for an outputs index beyond the model's outputs
+        self._check_reference_output(z)
         return data
+
+    def _check_reference_output(self, z: Tensor) -> None:
+        """The model's output for one example: (1, K) outputs, finite, enough for the metric.
+
+        Every estimator measures one row of K outputs per example, and the metrics reduce
+        over the last dimension: a (N,) output would be reduced over the batch, a (N, T, C)
+        one over C only, each a silently wrong distance, so both are refused here.
+        """
+        if z.dim() != 2:
+            fix = ("for one output per example return out.unsqueeze(-1)" if z.dim() == 1 else
+                   "flatten the rest into the outputs (out.flatten(1)) or into the batch"
+                   if z.dim() > 2 else "return the outputs, not a reduced value")
+            raise _UnmeasurableOutput(f"the model's output for one example has shape "
+                                      f"{tuple(z.shape)}; fsd measures (N, K) outputs, K per "
+                                      f"example: {fix}")
+        selected = self._select(z)  # raises for an outputs index beyond the model's outputs
+        if not bool(torch.isfinite(z).all()):
+            raise _UnmeasurableOutput("the model's output on the first example is NaN or "
+                                      "infinite at the reference parameters: a distance from "
+                                      "it would be NaN")
+        metric = self.config.get("metric")
+        if metric in ("kl", "softmax_euclidean") and selected.shape[-1] == 1:
+            raise _UnmeasurableOutput(f"metric={metric!r} compares softmax probabilities, and "
+                                      f"a softmax over one output is always 1: use "
+                                      f"metric='euclidean' for a single output (a binary "
+                                      f"classifier's logit)")
 
     @staticmethod
     def _run_once(model: nn.Module, x: Tensor, kwargs: dict[str, Any]) -> Any:
@@ -708,6 +749,18 @@ class Estimator:
 
     def _layer_terms(self, model: nn.Module) -> dict[str, Tensor]:
         raise NotImplementedError  # estimators with splits_by_layer override it
+
+    def _warn_moved_buffers(self, model: nn.Module, walker: support.Walker) -> None:
+        """Warn when floating buffers moved for an estimator that measures parameters only."""
+        moved = [name for name, b in model.named_buffers()
+                 if b.is_floating_point() and f"buffer0.{name}" in self._state
+                 and not torch.equal(b, self._state[f"buffer0.{name}"])]
+        if moved:
+            warnings.warn(f"{type(self).__name__} measures parameter movement only; the buffers "
+                          f"{moved[:3]} (e.g. BatchNorm running statistics) moved too and are "
+                          f"not counted; to include them, "
+                          f"{support.advice(walker, support.Feature.MOVED_BUFFERS)}",
+                          stacklevel=4)
 
     def _check_summary(self) -> None:
         """Check the stored fields this estimator reads (raise SummaryFormatError)."""

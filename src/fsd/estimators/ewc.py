@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -18,6 +17,36 @@ from .base import Data, Estimator, iter_batches
 
 FISHERS = ("true", "sampled", "empirical")
 
+
+
+def _class_labels(y: Tensor | None, z0: Tensor) -> Tensor:
+    """The empirical Fisher's labels: one integer per example, indexing the selected outputs."""
+    if y is None:
+        raise ValueError("fisher='empirical' needs (x, y) batches")
+    n, classes = z0.shape
+    labels = y.reshape(n) if y.dim() == 2 and y.shape == (n, 1) else y
+    if labels.shape != (n,) or (labels.is_floating_point()
+                                and not bool((labels == labels.round()).all())):
+        raise ValueError(f"fisher='empirical' with metric='kl' needs one integer class label per "
+                         f"example, got shape {tuple(y.shape)} and dtype {y.dtype}")
+    if bool((labels < 0).any()) or bool((labels >= classes).any()):
+        bad = int(labels[(labels < 0) | (labels >= classes)][0])
+        raise ValueError(f"label {bad} is not an index of the {classes} selected outputs: "
+                         f"labels index the selected outputs (map outputs[i] to i)")
+    return labels.long()
+
+
+def _regression_targets(y: Tensor | None, z0: Tensor) -> Tensor:
+    """The empirical Fisher's targets for the Euclidean metric: finite, one per output."""
+    if y is None:
+        raise ValueError("fisher='empirical' needs (x, y) batches with regression targets")
+    if y.numel() != z0.numel() or (y.dim() > 1 and y.shape != z0.shape):
+        raise ValueError(f"fisher='empirical' with metric={'euclidean'!r} takes regression "
+                         f"targets of the selected outputs' shape {tuple(z0.shape)}, got "
+                         f"{tuple(y.shape)} (class labels: use metric='kl')")
+    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        raise ValueError("fisher='empirical' regression targets contain NaN or infinite values")
+    return y.to(z0.dtype).reshape(z0.shape)
 
 class EWC(Estimator):
     """Elastic weight consolidation as an FSD estimator.
@@ -69,18 +98,14 @@ class EWC(Estimator):
             if fisher == "sampled":
                 labels = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1)
             else:
-                if y is None:
-                    raise ValueError("fisher='empirical' needs (x, y) batches")
-                labels = y.long()
+                labels = _class_labels(y, z0)
             onehot = torch.nn.functional.one_hot(labels.to(z0.device), z0.shape[-1])
             return (onehot.to(z0.dtype) - probs).unsqueeze(1)  # ∇_z −log p(y)
         # euclidean: Gaussian likelihood N(z, I)
         if fisher == "sampled":
             noise = torch.randn(z0.shape, generator=generator, dtype=z0.dtype).to(z0.device)
             return noise.unsqueeze(1)
-        if y is None:
-            raise ValueError("fisher='empirical' needs (x, y) batches with regression targets")
-        return (z0 - y.to(z0.dtype).reshape(z0.shape)).unsqueeze(1)
+        return (z0 - _regression_targets(y, z0)).unsqueeze(1)
 
     def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
              dtype: torch.dtype, device: torch.device, progress: bool) -> None:
@@ -135,15 +160,7 @@ class EWC(Estimator):
                 require_nonnegative(self._stored, name)
 
     def _distance(self, model: nn.Module) -> Tensor:
-        moved = [name for name, b in model.named_buffers()
-                 if b.is_floating_point() and f"buffer0.{name}" in self._state
-                 and not torch.equal(b, self._state[f"buffer0.{name}"])]
-        if moved:
-            warnings.warn(f"EWC measures parameter movement only; the buffers {moved[:3]} "
-                          f"(e.g. BatchNorm running statistics) moved too and are not "
-                          f"counted; to include them, "
-                          f"{support.advice(support.EWC, support.Feature.MOVED_BUFFERS)}",
-                          stacklevel=3)
+        self._warn_moved_buffers(model, support.EWC)
         return torch.stack(list(self._layer_terms(model).values())).sum()
 
     def _layer_terms(self, model: nn.Module) -> dict[str, Tensor]:

@@ -265,6 +265,7 @@ class KFAC(Estimator):
         return terms
 
     def _distance(self, model: nn.Module) -> Tensor:
+        self._warn_moved_buffers(model, support.KFAC)
         return torch.stack(list(self._layer_terms(model).values())).sum()
 
 

@@ -12,8 +12,9 @@ from torch.func import functional_call
 
 from ..metrics import check_metric, pointwise_distance
 from ..model import autodiff, support
+from ..model.signature import ArchitectureMismatchError
 from ..statistics.coreset import Reservoir
-from ..validation import SummaryFormatError, positive_int, require
+from ..validation import SummaryFormatError, positive_int, require, require_shape
 from .base import Data, Estimator, iter_batches
 
 
@@ -50,6 +51,11 @@ class NTK(Estimator):
             reservoir.add(x, y)
         self._state["coreset.x"] = reservoir.tensors()[0]
         self._check_differentiable(model)
+        # f(x, θ0) as fitted: distance recomputes it from the model it is given, and a model
+        # that computes another function at θ0 (an activation swapped) would read 0
+        with torch.no_grad():
+            self._state["coreset.f0"] = functional_call(model, self.reference_state(),
+                                                        (self._state["coreset.x"],)).detach()
 
     def _check_differentiable(self, model: nn.Module) -> None:
         """Take J·v once on one stored input: a model neither mode differentiates fails here."""
@@ -70,6 +76,8 @@ class NTK(Estimator):
         if x.dim() < 2 or x.shape[0] == 0:
             raise SummaryFormatError(f"field 'coreset.x': shape {tuple(x.shape)}, expected "
                                      f"(examples, *features)")
+        if "coreset.f0" in self._stored:  # absent from summaries saved before it was kept
+            require_shape(self._stored, "coreset.f0", [x.shape[0], None])
 
     def _distance(self, model: nn.Module) -> Tensor:
         # θ0 and the floating buffers (BatchNorm's running statistics) are linearized alike:
@@ -78,8 +86,26 @@ class NTK(Estimator):
         current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         tangents = {n: current[n] - v for n, v in reference.items() if v.is_floating_point()}
         f0, jv = self._products(model, self._state["coreset.x"], tangents)
+        self._check_same_function(f0.detach())
         reference = self._select(f0).detach()
         return pointwise_distance(self.config["metric"], reference, self._select(jv)).mean()
+
+    def _check_same_function(self, f0: Tensor) -> None:
+        """f(x, θ0) of the model given equals the fitted one (up to float round-off)."""
+        fitted = self._state.get("coreset.f0")
+        if fitted is None:
+            return
+        if f0.shape != fitted.shape:
+            raise ArchitectureMismatchError(
+                f"the model gives {tuple(f0.shape[1:])} outputs per example, the summary was "
+                f"fitted on a model giving {tuple(fitted.shape[1:])}")
+        # loose enough for another device or kernel, far below a changed activation
+        gap = float((f0 - fitted).abs().max())
+        if gap > 1e-3 * (float(fitted.abs().max()) + 1e-6):
+            raise ArchitectureMismatchError(
+                f"the model computes another function than the one fitted: at the fitted "
+                f"parameters θ0 its outputs on the stored inputs differ by up to {gap:.3g} "
+                f"(an activation or a layer without parameters changed?)")
 
     def _products(self, model: nn.Module, x: Tensor, tangents: dict[str, Tensor]
                   ) -> tuple[Tensor, Tensor]:

@@ -306,7 +306,10 @@ def _linear_step(node: fx.Node, inputs: list[fx.Node], value: dict[fx.Node, Any]
     got = evaluate(node, value, modules, probe)
     expected = constant + sum(x @ j.T for x, j in zip(probe.values(), jacobians, strict=True))
     tolerance = 1e3 * torch.finfo(constant.dtype).eps * (1.0 + float(expected.abs().max()))
+    # NaN compares False with any tolerance: an operation undefined at the probes (a square
+    # root, a logarithm of negative values) is refused as not affine, not let through
     if not isinstance(got, Tensor) or got.shape != expected.shape \
+            or not bool(torch.isfinite(got).all() and torch.isfinite(expected).all()) \
             or float((got - expected).abs().max()) > tolerance:
         raise _refuse(node, "an operation that is not affine in its inputs")
     if float((constant - constant[:1]).abs().max()) > tolerance:

@@ -486,6 +486,10 @@ class StatisticsCollector:
                     if p in gate_acc.get(key, {}):
                         gate[p].merge(gate_acc[key][p])
             if moment is not None:
+                # a NaN or infinite input spreads into every sum (fit with data refuses it per
+                # batch; recorded batches are checked here, on their merged moments)
+                if moment.mean is not None and not bool(torch.isfinite(moment.mean).all()):
+                    raise ValueError("the recorded inputs contain NaN or infinite values")
                 counts.append(moment.count)
                 means.append(moment.mean)
                 covs.append(moment.covariance())
