@@ -327,11 +327,27 @@ def test_configuration_errors():
 
 
 def test_statistics_must_be_a_collector():
-    model, data, _ = _setup()
+    model, _, _ = _setup()
     with pytest.raises(TypeError, match="StatisticsCollector, got dict"):
         fsd.BGLN(deterministic=True).fit(model, statistics={"means": None})
-    # estimators that need no statistics ignore the argument, as before
-    fsd.LAFTR().fit(model, data, statistics={"means": None})
+
+def test_statistics_an_estimator_would_ignore_are_refused():
+    # ignored statistics (or data) would be a summary of something else than was meant
+    model, data, _ = _setup()
+    collector = fsd.StatisticsCollector(model)
+    with pytest.raises(ValueError, match="LAFTR with inputs='coreset' keeps inputs, not "
+                                         "statistics"):
+        fsd.LAFTR().fit(model, data, statistics=collector)
+    for estimator in (fsd.ExactFSD(), fsd.NTK(), fsd.EWC(), fsd.KFAC()):
+        with pytest.raises(ValueError, match=rf"{type(estimator).__name__} computes its "
+                                             r"summary from data"):
+            estimator.fit(model, data, statistics=collector)
+    with collector.record():
+        for batch in data:
+            model(batch[0] if isinstance(batch, (tuple, list)) else batch)
+    with pytest.raises(ValueError, match="data and statistics= were both given"):
+        fsd.BGLN(deterministic=True).fit(model, data, statistics=collector)
+    fsd.BGLN(deterministic=True).fit(model, statistics=collector)  # one of them: fine
 
 
 def test_bgln_d_on_cnn_runs_algorithm2_and_refuses_exact_moments():

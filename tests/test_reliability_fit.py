@@ -11,6 +11,7 @@ import copy
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -442,3 +443,35 @@ def test_empirical_fisher_with_the_euclidean_metric_takes_targets_not_labels():
     a = fsd.EWC(fisher="empirical").fit(single, (x, t))
     b = fsd.EWC(fisher="empirical").fit(single, (x, t[:, None]))
     torch.testing.assert_close(a._stored, b._stored, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("outputs, message", [
+    (3, r"got 3 \(outputs=\[3\] selects one output\)"),
+    (torch.tensor(2), r"outputs=\[2\] selects one output"),
+    ([0, 0], r"repeats an index \(\[0, 0\]\): that output would count twice"),
+    ([True], "non-negative integer output indices"),
+    ([1.0], "non-negative integer output indices"),
+    ([-1], "non-negative integer output indices"),
+    ([], "non-empty list"),
+    (slice(None, None, -1), "needs a positive step"),
+])
+def test_outputs_that_are_not_distinct_indices_are_refused_in_one_line(outputs, message):
+    with pytest.raises(ValueError, match=message):
+        fsd.LAFTR().fit(mlp([6, 8, 4]), torch.randn(16, 6), outputs=outputs)
+
+
+@pytest.mark.parametrize("outputs", [np.array([1, 3]), range(1, 3), (0, 2), [np.int64(2)],
+                                     torch.tensor([0, 3])])
+def test_outputs_take_any_sequence_of_integers(outputs):
+    model, x = mlp([6, 8, 4]), torch.randn(16, 6)
+    expected = fsd.ExactFSD().fit(model, x, outputs=[int(i) for i in outputs])
+    got = fsd.ExactFSD().fit(model, x, outputs=outputs)
+    moved = perturbed(model, scale=0.1)
+    torch.testing.assert_close(got.distance(moved), expected.distance(moved))
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), -1.0])
+def test_combine_refuses_weights_that_are_not_finite_and_non_negative(weight):
+    estimator = fsd.LAFTR().fit(mlp([6, 8, 4]), torch.randn(16, 6))
+    with pytest.raises(ValueError, match="weights must be finite and non-negative"):
+        fsd.combine([estimator, estimator], [1.0, weight])

@@ -14,6 +14,7 @@ import contextlib
 import glob
 import itertools
 import json
+import numbers
 import os
 import stat
 import tempfile
@@ -293,6 +294,23 @@ def _umask() -> int:
 
 
 
+
+def _output_index(outputs: Any, device: torch.device) -> Tensor:
+    """``fit``'s ``outputs=`` as a tensor of distinct non-negative integer indices."""
+    scalar = isinstance(outputs, Tensor) and outputs.dim() == 0
+    if isinstance(outputs, numbers.Integral) or scalar:
+        raise ValueError(f"outputs must be a list of output indices or a slice, got "
+                         f"{outputs!r} (outputs=[{int(outputs)}] selects one output)")
+    listed = outputs.tolist() if isinstance(outputs, Tensor) else list(outputs)
+    integers = all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in listed)
+    if not listed or not integers or any(i < 0 for i in listed):
+        raise ValueError(f"outputs must be a non-empty list of non-negative integer output "
+                         f"indices or a slice, got {listed}")
+    if len(set(listed)) != len(listed):
+        raise ValueError(f"outputs repeats an index ({listed}): that output would count twice")
+    return torch.tensor([int(i) for i in listed], dtype=torch.long, device=device)
+
+
 class _UnmeasurableOutput(ValueError):
     """The model's outputs at θ0 are none the estimators can measure (fit's one-line error)."""
 
@@ -306,6 +324,8 @@ class Estimator:
     name: ClassVar[str] = "estimator"
     #: whether :meth:`distance` is a sum of one term per layer (:meth:`layer_terms`)
     splits_by_layer: ClassVar[bool] = False
+    #: whether :meth:`fit` takes ``statistics=`` (a :class:`fsd.StatisticsCollector`)
+    reads_statistics: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -381,6 +401,9 @@ class Estimator:
         A float16 or bfloat16 model is fitted in float32 (:mod:`fsd.precision`).
         """
         model = unwrap(model)  # torch.compile / DDP wrappers: the user's model inside
+        if statistics is not None and not self.reads_statistics:
+            raise ValueError(f"{type(self).__name__} computes its summary from data; "
+                             f"statistics= (a fsd.StatisticsCollector) is for LAFTR and BGLN")
         # a fit that fails leaves the summary fitted before it as it was
         previous = (self._stored, self._state, self._meta, self._cache)
         try:
@@ -429,13 +452,11 @@ class Estimator:
         for name, b in model.named_buffers():
             self._state[f"buffer0.{name}"] = b.detach().clone()
         if isinstance(outputs, slice):
+            if outputs.step is not None and outputs.step <= 0:
+                raise ValueError(f"an outputs slice needs a positive step, got {outputs}")
             self._meta["output_slice"] = [outputs.start, outputs.stop, outputs.step]
         elif outputs is not None:
-            index = torch.as_tensor(list(outputs), dtype=torch.long, device=device)
-            if index.numel() == 0 or index.dim() != 1 or bool((index < 0).any()):
-                raise ValueError(f"outputs must be a non-empty list of non-negative output "
-                                 f"indices or a slice, got {list(outputs)}")
-            self._state["outputs"] = index
+            self._state["outputs"] = _output_index(outputs, device)
         try:
             self._meta["signature"] = self._full_signature(self.bind(model))
         except Exception as error:

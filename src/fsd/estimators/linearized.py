@@ -80,6 +80,7 @@ class _LinearizedEstimator(Estimator):
     """Shared fitting and evaluation of LAFTR and BGLN."""
 
     bernoulli: ClassVar[bool] = False
+    reads_statistics: ClassVar[bool] = True
 
     _walked_by: evaluators.Evaluator | None = None  # distance_by's evaluator, while it runs
 
@@ -169,6 +170,12 @@ class _LinearizedEstimator(Estimator):
         gaussian = self.config["inputs"] == "gaussian"
         needs_stats = gaussian or self.bernoulli
         own: StatisticsCollector | None = None  # a collector made here, for this data
+        if statistics is not None and not needs_stats:
+            raise ValueError(f"{type(self).__name__} with inputs={self.config['inputs']!r} "
+                             f"keeps inputs, not statistics: pass data instead of statistics=")
+        if statistics is not None and data is not None and gaussian:
+            raise ValueError("data and statistics= were both given: this summary takes its "
+                             "statistics from one of them; pass data or statistics=")
         runner = model
         if needs_stats and statistics is None:
             if self.bernoulli or self.config.get("reference") == "layerwise":

@@ -11,6 +11,7 @@ are evaluated one by one.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -59,6 +60,9 @@ class SummarySet:
         for e in self.estimators:
             e.require_fitted()
         self.weights = [float(w) for w in weights]
+        bad = [w for w in self.weights if not (math.isfinite(w) and w >= 0)]
+        if bad:
+            raise ValueError(f"weights must be finite and non-negative, got {bad[0]}")
         self._cache: dict[Any, Any] = {}
 
     def __len__(self) -> int:
