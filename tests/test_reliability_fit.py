@@ -475,3 +475,40 @@ def test_combine_refuses_weights_that_are_not_finite_and_non_negative(weight):
     estimator = fsd.LAFTR().fit(mlp([6, 8, 4]), torch.randn(16, 6))
     with pytest.raises(ValueError, match="weights must be finite and non-negative"):
         fsd.combine([estimator, estimator], [1.0, weight])
+
+
+class _Tied(nn.Module):
+    """One weight under two names, as language models tie their embedding and output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("name", ["laftr", "bgln-s", "bgln-d", "bgln-d-exact", "ewc", "kfac"])
+def test_estimators_reading_each_layers_parameters_refuse_tied_weights_at_fit(name):
+    # they failed at distance (or fit) with a raw KeyError
+    with pytest.raises(ValueError, match=r"ties parameters \('b.weight' is 'a.weight'\).*use "
+                                         r"ExactFSD or NTK"):
+        ESTIMATORS[name]().fit(_Tied(), torch.randn(16, 8))
+
+
+@pytest.mark.parametrize("name", ["exact", "ntk"])
+def test_exact_fsd_and_ntk_measure_tied_weights(name, tmp_path):
+    torch.manual_seed(0)
+    model, x = _Tied(), torch.randn(32, 8)
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        moved.a.weight.add_(0.01 * torch.randn(8, 8))  # moves both uses
+    estimator = ESTIMATORS[name]().fit(model, x)
+    value = estimator.distance(moved)
+    with torch.no_grad():
+        truth = 0.5 * (moved(x) - model(x)).pow(2).sum(-1).mean()
+    # ExactFSD is the truth; NTK its linearization, close for a small move
+    torch.testing.assert_close(value, truth, rtol=1e-6 if name == "exact" else 0.05, atol=0)
+    estimator.save(tmp_path / "tied.fsd")
+    torch.testing.assert_close(fsd.load(tmp_path / "tied.fsd").distance(moved), value)

@@ -295,6 +295,17 @@ def _umask() -> int:
 
 
 
+def _refuse_tied_parameters(model: nn.Module, estimator: str) -> None:
+    """One line at fit for a model holding one parameter under two names (tied weights)."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            raise ValueError(f"the model ties parameters ({name!r} is {first[id(p)]!r}); "
+                             f"{estimator} reads each layer's own parameters: use ExactFSD or "
+                             f"NTK, which take tied weights, or untie them")
+        first[id(p)] = name
+
+
 def _output_index(outputs: Any, device: torch.device) -> Tensor:
     """``fit``'s ``outputs=`` as a tensor of distinct non-negative integer indices."""
     scalar = isinstance(outputs, Tensor) and outputs.dim() == 0
@@ -326,6 +337,9 @@ class Estimator:
     splits_by_layer: ClassVar[bool] = False
     #: whether :meth:`fit` takes ``statistics=`` (a :class:`fsd.StatisticsCollector`)
     reads_statistics: ClassVar[bool] = False
+    #: whether the estimator measures a model with tied parameters (one tensor under two
+    #: names); those reading each layer's own parameters by name do not
+    takes_tied_parameters: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -434,6 +448,8 @@ class Estimator:
                  ) -> tuple[Data | None, torch.dtype, torch.device]:
         """``fit``'s checks and θ0's snapshot: the data to read, the dtype and the device."""
         check_parameters(model)
+        if not self.takes_tied_parameters:
+            _refuse_tied_parameters(model, type(self).__name__)
         dtype, device = model_dtype_device(model)
         output, forward_kwargs = check_output(output), check_forward_kwargs(forward_kwargs)
         if (output is not None or forward_kwargs) and "forward" in model.__dict__:

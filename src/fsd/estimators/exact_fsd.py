@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +24,8 @@ class ExactFSD(Estimator):
         metric: ``"euclidean"``, ``"softmax_euclidean"`` or ``"kl"`` (see :mod:`fsd.metrics`).
         batch_size: examples per forward pass inside ``distance`` (memory vs speed only).
     """
+
+    takes_tied_parameters: ClassVar[bool] = True
 
     def __init__(self, metric: str = "euclidean", batch_size: int = 4096) -> None:
         super().__init__(metric=check_metric(metric),

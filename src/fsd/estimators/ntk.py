@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +36,8 @@ class NTK(Estimator):
         metric: ``"euclidean"``, ``"softmax_euclidean"`` or ``"kl"``.
         seed: seed of the coreset selection.
     """
+
+    takes_tied_parameters: ClassVar[bool] = True
 
     def __init__(self, coreset_size: int | None = 40, metric: str = "euclidean",
                  seed: int = 0) -> None:
