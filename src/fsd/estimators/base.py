@@ -322,7 +322,7 @@ def _output_index(outputs: Any, device: torch.device) -> Tensor:
     return torch.tensor([int(i) for i in listed], dtype=torch.long, device=device)
 
 
-class _UnmeasurableOutput(ValueError):
+class UnmeasurableOutputError(ValueError):
     """The model's outputs at θ0 are none the estimators can measure (fit's one-line error)."""
 
 class Estimator:
@@ -483,7 +483,7 @@ class Estimator:
                     self._check_runs_on(model, as_batches(data, batch_to_input), dtype, device)
                 except ValueError as run_error:
                     if "forward_kwargs" in str(run_error) or "output=" in str(run_error) \
-                            or isinstance(run_error, _UnmeasurableOutput):
+                            or isinstance(run_error, UnmeasurableOutputError):
                         raise run_error from None
             raise error
         if data is not None:
@@ -698,17 +698,17 @@ class Estimator:
             fix = ("for one output per example return out.unsqueeze(-1)" if z.dim() == 1 else
                    "flatten the rest into the outputs (out.flatten(1)) or into the batch"
                    if z.dim() > 2 else "return the outputs, not a reduced value")
-            raise _UnmeasurableOutput(f"the model's output for one example has shape "
+            raise UnmeasurableOutputError(f"the model's output for one example has shape "
                                       f"{tuple(z.shape)}; fsd measures (N, K) outputs, K per "
                                       f"example: {fix}")
         selected = self._select(z)  # raises for an outputs index beyond the model's outputs
         if not bool(torch.isfinite(z).all()):
-            raise _UnmeasurableOutput("the model's output on the first example is NaN or "
+            raise UnmeasurableOutputError("the model's output on the first example is NaN or "
                                       "infinite at the reference parameters: a distance from "
                                       "it would be NaN")
         metric = self.config.get("metric")
         if metric in ("kl", "softmax_euclidean") and selected.shape[-1] == 1:
-            raise _UnmeasurableOutput(f"metric={metric!r} compares softmax probabilities, and "
+            raise UnmeasurableOutputError(f"metric={metric!r} compares softmax probabilities, and "
                                       f"a softmax over one output is always 1: use "
                                       f"metric='euclidean' for a single output (a binary "
                                       f"classifier's logit)")
