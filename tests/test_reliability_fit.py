@@ -512,3 +512,27 @@ def test_exact_fsd_and_ntk_measure_tied_weights(name, tmp_path):
     torch.testing.assert_close(value, truth, rtol=1e-6 if name == "exact" else 0.05, atol=0)
     estimator.save(tmp_path / "tied.fsd")
     torch.testing.assert_close(fsd.load(tmp_path / "tied.fsd").distance(moved), value)
+
+
+class _NoGradBackbone(nn.Module):
+    """A frozen backbone run under torch.no_grad() inside forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = torch.relu(self.a(x))
+        return self.b(h)
+
+
+@pytest.mark.parametrize("make", [fsd.EWC, fsd.KFAC])
+def test_gradient_based_summaries_name_a_forward_that_blocks_its_gradients(make):
+    with pytest.raises(ValueError, match=rf"^{make.__name__} differentiates the model's outputs"
+                                         r".*torch.no_grad\(\) in forward\?.*requires_grad_"):
+        make().fit(_NoGradBackbone(), torch.randn(16, 6))
+    # the advice works: the same backbone frozen by requires_grad_(False)
+    frozen = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    frozen[0].requires_grad_(False)
+    assert float(make().fit(frozen, torch.randn(16, 6)).distance(frozen)) == 0.0

@@ -109,6 +109,11 @@ class EWC(Estimator):
 
     def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
              dtype: torch.dtype, device: torch.device, progress: bool) -> None:
+        with autodiff.gradients_of_the_forward("EWC"):
+            self._fit_from_gradients(model, data, dtype=dtype, device=device, progress=progress)
+
+    def _fit_from_gradients(self, model: nn.Module, data: Data | None, *, dtype: torch.dtype,
+                            device: torch.device, progress: bool) -> None:
         params = {k: v for k, v in self.reference_parameters().items()}
         buffers = {k[len("buffer0."):]: v for k, v in self._state.items()
                    if k.startswith("buffer0.")}

@@ -98,6 +98,11 @@ class KFAC(Estimator):
 
     def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
              dtype: torch.dtype, device: torch.device, progress: bool) -> None:
+        with autodiff.gradients_of_the_forward("KFAC"):
+            self._fit_from_gradients(model, data, dtype=dtype, device=device, progress=progress)
+
+    def _fit_from_gradients(self, model: nn.Module, data: Data | None, *, dtype: torch.dtype,
+                            device: torch.device, progress: bool) -> None:
         candidates = _kronecker_candidates(model)
         layers: dict[str, _LinearLayer] | None = None  # the Kronecker layers, from batch 1
         params = {k: v.detach().requires_grad_(True)

@@ -112,6 +112,24 @@ def one_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+@contextlib.contextmanager
+def gradients_of_the_forward(estimator: str) -> Iterator[None]:
+    """Turn torch's error for a forward that blocks its own gradients into one line.
+
+    EWC and KFAC differentiate the model's outputs with respect to its parameters; a forward
+    that runs part of itself under ``torch.no_grad()`` (a frozen backbone) cuts that path.
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        if "does not require grad" not in str(error):
+            raise
+        raise ValueError(f"{estimator} differentiates the model's outputs with respect to its "
+                         f"parameters, and part of the forward runs without gradients "
+                         f"(torch.no_grad() in forward?); freeze parameters with "
+                         f"requires_grad_(False) instead, or use ExactFSD or NTK") from None
+
+
 def squared_gradients(forward: Callable[[dict[str, Tensor], Tensor], Tensor],
                       params: dict[str, Tensor], x: Tensor, hs: Tensor, chunk_size: int,
                       *, loop: bool = False) -> tuple[dict[str, Tensor], bool]:
