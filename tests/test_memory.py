@@ -80,11 +80,12 @@ def test_cifar_cnn_reproduces_paper_table():
 
 def test_measured_nbytes_match_formulas_on_small_mlp():
     rows = {r.estimator: r for r in measured_counts(small_mlp(), (3,), N=5, C=2)}
-    P, A, d, N, C = 26, 4, 3, 5, 2
+    P, A, d, N, C, K = 26, 4, 3, 5, 2, 2
     assert rows["LAFTR (coreset)"].measured_count == P + N * d
     assert rows["EWC"].measured_count == 2 * P
-    # NTK recomputes J(θ−θ0): it stores P fewer numbers than the paper's 2P + Nd
-    assert rows["NTK (coreset)"].measured_count == P + N * d
+    # NTK recomputes J(θ−θ0): it stores P fewer numbers than the paper's 2P + Nd, and keeps
+    # f(x, θ0) on its coreset (N·K) to check that the model it measures is the one fitted
+    assert rows["NTK (coreset)"].measured_count == P + N * d + N * K
     # moment summaries also keep the mixture weight(s)
     assert rows["BGLN-S"].measured_count == P + A + d + d * d + 1
     assert rows["BGLN-D"].measured_count == P + A + d + d * d + 1

@@ -205,7 +205,8 @@ def measured_counts(model: nn.Module, input_shape: Sequence[int], N: int, C: int
     # (method, formula key of memory_costs, formula, note)
     rows_wanted: list[tuple[str, str, str, str]] = [
         ("ntk", "NTK (coreset)", "2P + Nd",
-         "θ0 + coreset; J(θ−θ0) is recomputed by forward-mode AD, not stored"),
+         "θ0 + coreset + f(x, θ0) on it (N·K); J(θ−θ0) is recomputed by forward-mode "
+         "AD, not stored"),
         ("laftr-coreset", "LAFTR (coreset)", "P + Nd", "θ0 + coreset"),
         ("bgln-s-coreset", "BGLN-S (coreset)", "P + A + Nd", "+1 mixture weight"),
         ("laftr", "LAFTR", "P + d + d²",
