@@ -4,7 +4,7 @@ Runs each case — a library call with a bad argument, a damaged file, a bad ``f
 line — and prints a markdown table: the case, the exception type (or the command's exit code)
 and the first line of the message. ``docs/reliability.md`` is this script's output::
 
-    python benchmarks/reliability.py > table.md
+    python benchmarks/reliability.py --out OUT/reliability   # also OUT/reliability.{md,json}
 
 The command-line cases need the ``fsd`` command of ``pip install -e ".[experiments]"``; they
 read no real data (each fails on its arguments before any is loaded, or builds the files it
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 import fsd
+from fsd_experiments.printed_report import printed_report
 
 CASES: list[tuple[str, Callable[[], object]]] = []
 
@@ -63,6 +64,53 @@ def _():
 @case("`fit` with `outputs=[0, 7]` on a 3-output model")
 def _():
     fsd.LAFTR().fit(_mlp(), X, outputs=[0, 7])
+
+
+@case("`fit` with `outputs=[0, 0]` (an output counted twice)")
+def _():
+    fsd.LAFTR().fit(_mlp(), X, outputs=[0, 0])
+
+
+class _Squeezed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.fc(x).squeeze(-1)
+
+
+@case("`fit` on a regression net returning `(N,)`")
+def _():
+    fsd.NTK().fit(_Squeezed(), X)
+
+
+@case("`fit` of `metric=\"kl\"` on one output")
+def _():
+    fsd.LAFTR(metric="kl").fit(_mlp(), X, outputs=[2])
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+@case("KFAC on tied weights")
+def _():
+    fsd.KFAC().fit(_Tied(), X)
+
+
+@case("NTK measuring another function at θ0 (ReLU swapped for GELU)")
+def _():
+    relu = _mlp()
+    gelu = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 3))
+    gelu.load_state_dict(relu.state_dict())
+    fsd.NTK().fit(relu, X).distance(gelu)
 
 
 @case("`fit` on dict batches without `batch_to_input`")
@@ -452,7 +500,14 @@ def _command(args: list[str]) -> tuple[str, str]:
 
 
 def main() -> None:
-    """Print the table."""
+    """Print the table (``--out PREFIX``: also to PREFIX.md and PREFIX.json)."""
+    out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None
+    with printed_report(out):
+        table()
+
+
+def table() -> None:
+    """Run every case and print the markdown table."""
     rows = [(d, *_outcome(fn)) for d, fn in CASES]
     rows += [(d, *_command(args)) for d, args in COMMANDS]
     rows += [(d, *_file_command(setup)) for d, setup in FILE_COMMANDS]
