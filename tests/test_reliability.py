@@ -351,7 +351,7 @@ ALL_ESTIMATORS = [fsd.ExactFSD, fsd.LAFTR, lambda: fsd.BGLN(deterministic=True),
 @pytest.mark.parametrize("make", ALL_ESTIMATORS)
 @pytest.mark.parametrize("call,message", [
     (lambda e, m: e.fit(m, [{"x": torch.randn(8, 4)}]), "is a dict"),
-    (lambda e, m: e.fit(m, torch.randn(8, 4), outputs=[-1]), "non-negative output indices"),
+    (lambda e, m: e.fit(m, torch.randn(8, 4), outputs=[-1]), "non-negative integer output indices"),
     (lambda e, m: e.fit(m, torch.randn(8, 4), outputs=[0, 3]), "out of range"),
     (lambda e, m: e.fit(m, torch.randn(8, 5)), "cannot run on the data.*shape \\(8, 5\\)"),
     (lambda e, m: e.fit(m, (x for x in [])), "empty"),
