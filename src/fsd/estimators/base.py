@@ -698,20 +698,20 @@ class Estimator:
             fix = ("for one output per example return out.unsqueeze(-1)" if z.dim() == 1 else
                    "flatten the rest into the outputs (out.flatten(1)) or into the batch"
                    if z.dim() > 2 else "return the outputs, not a reduced value")
-            raise UnmeasurableOutputError(f"the model's output for one example has shape "
-                                      f"{tuple(z.shape)}; fsd measures (N, K) outputs, K per "
-                                      f"example: {fix}")
+            raise UnmeasurableOutputError(
+                f"the model's output for one example has shape {tuple(z.shape)}; fsd measures "
+                f"(N, K) outputs, K per example: {fix}")
         selected = self._select(z)  # raises for an outputs index beyond the model's outputs
         if not bool(torch.isfinite(z).all()):
-            raise UnmeasurableOutputError("the model's output on the first example is NaN or "
-                                      "infinite at the reference parameters: a distance from "
-                                      "it would be NaN")
+            raise UnmeasurableOutputError(
+                "the model's output on the first example is NaN or infinite at the reference "
+                "parameters: a distance from it would be NaN")
         metric = self.config.get("metric")
         if metric in ("kl", "softmax_euclidean") and selected.shape[-1] == 1:
-            raise UnmeasurableOutputError(f"metric={metric!r} compares softmax probabilities, and "
-                                      f"a softmax over one output is always 1: use "
-                                      f"metric='euclidean' for a single output (a binary "
-                                      f"classifier's logit)")
+            raise UnmeasurableOutputError(
+                f"metric={metric!r} compares softmax probabilities, and a softmax over one output "
+                f"is always 1: use metric='euclidean' for a single output (a binary classifier's "
+                f"logit)")
 
     @staticmethod
     def _run_once(model: nn.Module, x: Tensor, kwargs: dict[str, Any]) -> Any:
