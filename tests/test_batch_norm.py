@@ -11,6 +11,7 @@ including when only the running statistics moved, which is a real change of func
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -164,3 +165,36 @@ def test_summaries_of_batch_norm_models_combine():
     separately = sum(s.distance(moved) for s in summaries)
     torch.testing.assert_close(fsd.combine(summaries).distance(moved), separately,
                                rtol=1e-10, atol=0)
+
+
+def test_recording_a_batch_norm_model_in_training_mode_warns_once():
+    # batch statistics normalise each recorded pass: the gate frequencies recorded are then
+    # those of another function than the eval-mode one the estimators measure
+    model = _mlp()
+    x = torch.randn(64, 5, dtype=DTYPE)
+    recorded = {}
+    for mode in ("eval", "train"):
+        getattr(model, mode)()
+        collector = fsd.StatisticsCollector(model, moments="full")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                with torch.no_grad(), collector.record():
+                    model(x)
+        messages = [str(w.message) for w in caught if "BatchNorm" in str(w.message)]
+        assert len(messages) == (1 if mode == "train" else 0), messages
+        recorded[mode] = collector.finalize()
+        collector.remove()
+    assert "'1'" in messages[0] and "model.eval()" in messages[0]
+    # what the warning is about: the two recordings' gate frequencies differ
+    train_gates, eval_gates = (recorded[m].gate_means for m in ("train", "eval"))
+    assert not all(torch.allclose(train_gates[p], eval_gates[p]) for p in eval_gates)
+
+
+def test_fit_on_data_records_in_evaluation_mode_without_the_warning():
+    model = _mlp().train()
+    x = torch.randn(64, 5, dtype=DTYPE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fsd.BGLN(deterministic=True).fit(model, x, progress=False)
+    assert model.training  # fit restores the mode it found

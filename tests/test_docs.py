@@ -36,6 +36,13 @@ def test_the_user_guides_rule_example_runs(capsys):
     assert max(values) / min(values) < 10
 
 
+def test_the_user_guides_several_inputs_example_runs(capsys):
+    exec(compile(_python_block_after("user-guide.md", "### Models with several inputs"),
+                 "user-guide", "exec"), {"__name__": "user_guide_example"})
+    words = capsys.readouterr().out.split()
+    assert words[0] == "distance" and float(words[1]) > 0
+
+
 @pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))
 def test_docs_pages_have_no_unclosed_code_fences(page):
     assert (DOCS / page).read_text().count("```") % 2 == 0

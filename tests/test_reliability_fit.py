@@ -536,3 +536,81 @@ def test_gradient_based_summaries_name_a_forward_that_blocks_its_gradients(make)
     frozen = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
     frozen[0].requires_grad_(False)
     assert float(make().fit(frozen, torch.randn(16, 6)).distance(frozen)) == 0.0
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(4, 8), nn.Linear(3, 8), nn.Linear(8, 2)
+
+    def forward(self, x, z):
+        return self.out(torch.relu(self.a(x) + self.b(z)))
+
+
+class _Joined(nn.Module):
+    """user-guide.md's recipe: the two inputs side by side in one tensor, sliced apart."""
+
+    def __init__(self, model: nn.Module, x_features: int) -> None:
+        super().__init__()
+        self.model, self.x_features = model, x_features
+
+    def forward(self, xz):
+        return self.model(xz[:, :self.x_features], xz[:, self.x_features:])
+
+
+def _one_input_twin(joined: _Joined) -> nn.Sequential:
+    """The same function with one input layer: [W_a W_b] and b_a + b_b."""
+    two = joined.model
+    first = nn.Linear(7, 8).to(two.a.weight.dtype)
+    out = copy.deepcopy(two.out)
+    with torch.no_grad():
+        first.weight.copy_(torch.cat([two.a.weight, two.b.weight], dim=1))
+        first.bias.copy_(two.a.bias + two.b.bias)
+    return nn.Sequential(first, nn.ReLU(), out)
+
+
+@pytest.mark.parametrize("name", ["exact", "laftr", "bgln-s", "bgln-d", "bgln-d-exact", "ntk",
+                                  "ewc", "kfac"])
+def test_a_tuple_input_is_refused_with_the_joining_recipe(name):
+    # Algorithm 2 reads the forward's signature before the data: either message says it
+    x, z = torch.randn(16, 4), torch.randn(16, 3)
+    with pytest.raises((ValueError, TypeError),
+                       match=r"^(batch 0's input is a tuple of 2: |_TwoInputs.forward takes 2 "
+                             r"inputs).*join the inputs"):
+        ESTIMATORS[name]().fit(_TwoInputs(), [((x, z), torch.zeros(16, dtype=torch.long))])
+
+
+def test_a_forward_missing_its_second_input_is_refused_with_the_joining_recipe():
+    with pytest.raises(ValueError, match=r"missing 1 required positional argument.*"
+                                         r"forward_kwargs=.*same for every example.*join"):
+        fsd.ExactFSD().fit(_TwoInputs(), torch.randn(16, 4))
+
+
+@pytest.mark.parametrize("name", ["exact", "laftr", "bgln-s", "bgln-d-exact", "ntk"])
+def test_a_joined_two_input_model_measures_as_its_one_input_twin(name):
+    # the function-space estimators see one function of xz, whichever way it is written
+    torch.manual_seed(0)
+    joined = _Joined(_TwoInputs(), 4).double()
+    moved = perturbed(joined, 0.1, seed=1)
+    twin, moved_twin = _one_input_twin(joined), _one_input_twin(moved)
+    xz = torch.randn(256, 7, dtype=torch.float64)
+    values = []
+    for model, other in ((joined, moved), (twin, moved_twin)):
+        est = ESTIMATORS[name]().fit(model, xz)
+        torch.manual_seed(3)  # BGLN-S samples gates and inputs: the same draws for both
+        values.append(float(est.distance(other)))
+    assert values[0] > 1e-4
+    assert values[0] == pytest.approx(values[1], rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["ewc", "kfac"])
+def test_parameter_space_estimators_take_a_joined_two_input_model(name):
+    joined = _Joined(_TwoInputs(), 4)
+    xz = torch.randn(256, 7)
+    est = ESTIMATORS[name]().fit(joined, (xz, torch.randint(0, 2, (256,))))
+    assert float(est.distance(perturbed(joined, 0.1, seed=1))) > 0
+
+
+def test_algorithm_2_refuses_a_joined_two_input_model_at_fit():
+    with pytest.raises(fsd.UnsupportedModuleError):
+        fsd.BGLN(deterministic=True).fit(_Joined(_TwoInputs(), 4), torch.randn(64, 7))

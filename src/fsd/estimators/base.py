@@ -106,7 +106,7 @@ class _FloatInputs:
         self.dtype = dtype
 
     def __call__(self, batch: Any) -> Any:
-        if isinstance(batch, (tuple, list)) and batch:
+        if isinstance(batch, (tuple, list)) and batch and not isinstance(batch[0], (tuple, list)):
             return (torch.as_tensor(batch[0]).to(self.dtype), *batch[1:])
         if isinstance(batch, Tensor):
             return batch.to(self.dtype)
@@ -155,6 +155,10 @@ def iter_batches(
             x, y = batch[0], (batch[1] if len(batch) > 1 else None)
         else:
             x, y = batch, None
+        if isinstance(x, (tuple, list)):
+            raise ValueError(f"batch {index}'s input is a {type(x).__name__} of {len(x)}: the "
+                             f"estimators measure models of one input tensor; "
+                             f"{support.SEVERAL_INPUTS}")
         x = torch.as_tensor(x)
         if x.dim() < 2:
             raise ValueError(f"batch {index} has shape {tuple(x.shape)}: expected "
@@ -725,7 +729,9 @@ class Estimator:
         if kwargs:
             hint = f"; called with forward_kwargs={kwargs!r}"
         elif isinstance(error, TypeError) and "argument" in reason:
-            hint = "; pass forward_kwargs= to fit for the forward's arguments besides x"
+            hint = (f"; pass forward_kwargs= to fit for arguments that are the same for every "
+                    f"example (a task id); for a second input per example, "
+                    f"{support.SEVERAL_INPUTS}")
         else:
             hint = ""
         return ValueError(f"the model cannot run on the data: its first batch has shape "

@@ -271,7 +271,8 @@ def _trace_chain(model: nn.Module, graph: fx.Graph, sites: dict[fx.Node, str]
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
         raise UnsupportedModuleError(f"{name}.forward takes {len(placeholders)} inputs; "
-                                     f"LAFTR and BGLN need exactly one")
+                                     f"LAFTR and BGLN need exactly one: "
+                                     f"{support.SEVERAL_INPUTS}")
     current = placeholders[0]
     steps: list[ChainStep] = []
     for node in graph.nodes:

@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterable, Mapping
 
+#: what to do with a model of several per-example inputs (user-guide.md's recipe)
+SEVERAL_INPUTS = ("join the inputs into one tensor (torch.cat along dim 1) and slice them "
+                  "apart in a wrapper's forward (user guide: 'Models with several inputs')")
+
 
 class Feature(Enum):
     """What a model has that some walker cannot take (the value says it in words)."""

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -204,12 +205,12 @@ class StatisticsCollector:
     forward passes (evaluation, penalties) are not counted. Typical use, during the last
     training epoch::
 
-        stats = fsd.StatisticsCollector(model, classwise=True)
+        stats = fsd.StatisticsCollector(model)
         for x, y in loader:
             with stats.record(labels=y):
                 loss = loss_fn(model(x), y)
             ...
-        est = fsd.BGLN().fit(model, statistics=stats)
+        est = fsd.BGLN(classwise=True).fit(model, statistics=stats)
 
     Args:
         model: the network: a chain of supported layers (``nn.Sequential`` or a class), or,
@@ -241,6 +242,8 @@ class StatisticsCollector:
         self._labels: Tensor | None = None
         self._active = False
         self._handles = []
+        self._model = model
+        self._warned_batch_norm = False
         # moments alone need no layers (any model: LAFTR with Gaussian inputs)
         layers: list[TracedLayer] = []
         if gates or layer_moments:
@@ -309,12 +312,34 @@ class StatisticsCollector:
 
         Args:
             labels: class labels of the batch (needed for class-conditional summaries).
+
+        Warns (once per collector) when a BatchNorm layer of the model is in training mode:
+        it then normalises with each batch's own statistics, so what is recorded describes
+        another function than the one the estimators evaluate (:meth:`fsd.Estimator.fit`
+        and ``distance`` read the model in eval mode, with the running statistics).
         """
+        if not self._warned_batch_norm:
+            self._warn_training_batch_norm()
         self._active, self._labels = True, labels
         try:
             yield
         finally:
             self._active, self._labels = False, None
+
+    def _warn_training_batch_norm(self) -> None:
+        training = [name or type(m).__name__ for name, m in unwrap(self._model).named_modules()
+                    if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+                    and m.track_running_stats]
+        if training:
+            self._warned_batch_norm = True
+            # a warning, not an error: recording in the last training epoch is the paper's
+            # protocol and the batch statistics approach the running ones as training settles
+            warnings.warn(f"StatisticsCollector.record: the BatchNorm layer(s) {training[:3]} "
+                          f"are in training mode, so the statistics recorded are of "
+                          f"batch-normalised passes, not of the model in eval mode that the "
+                          f"estimators measure; "
+                          f"record under model.eval() (a pass over the data after training) or "
+                          f"fit(model, data)", stacklevel=4)
 
     def remove(self) -> None:
         """Remove the hooks from the model (statistics are kept)."""
