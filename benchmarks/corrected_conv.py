@@ -29,6 +29,9 @@ each estimate divided by two Monte-Carlo means, each of ``--mc-calls`` calls of
 The first ratio compares with BGLN-S; the second isolates the recursion's approximation from
 the difference in how the two models route. The last column is each estimate over the true FSD,
 ½ E‖z_θ(x) − z_θ0(x)‖² on the head over the 2,000 inputs the summaries were fitted on.
+The table, printed once both CNNs are measured, is the docs'
+(:func:`fsd_experiments.result_tables.corrected_conv_table`, from the rows ``--json`` writes);
+each CNN's Monte-Carlo means and standard errors are printed as it finishes.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from torch import nn
 import fsd
 from fsd.estimators.variants import BGLNVariant
 from fsd_experiments.models import cifar_cnn, conv_net
+from fsd_experiments.result_tables import corrected_conv_table
 from penalty import median_ms, perturbed
 
 
@@ -143,9 +147,6 @@ def main() -> None:
     rank = args.injection_rank
     names = ["Algorithm 2", "corrected", f"corrected, injection rank {rank}", "mean-gate network",
              "corrected, fired pools"]
-    print("| CNN | estimator | ms | / Algorithm 2 | estimate / BGLN-S mean | BGLN-S mean ± s.e. "
-          "| estimate / sampled BGLN | sampled BGLN mean ± s.e. | estimate / true FSD |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     rows: list[dict] = []
     for which in args.models.split(","):
         torch.manual_seed(0)
@@ -200,19 +201,15 @@ def main() -> None:
                    "estimate_over_sampled_routing": value / routed_mean,
                    "true_fsd": true_fsd, "estimate_over_true": value / true_fsd}
             rows.append(row)
-            print(f"| {which} | {name} | {ms:.1f} | {ms / base:.2f}x | "
-                  f"{value / mc_mean:.3f} | {mc_mean:.4g} ± {mc_error:.2g} | "
-                  f"{value / routed_mean:.3f} | {routed_mean:.4g} ± {routed_error:.2g} | "
-                  f"{value / true_fsd:.3f} |",
-                  flush=True)
         for name, mean, error in (("BGLN-S", mc_mean, mc_error),
                                   ("sampled BGLN, random routing", routed_mean, routed_error)):
             rows.append({"cnn": which, "estimator": name, "estimate": mean,
                          "standard_error": error, "estimate_over_bgln_s": mean / mc_mean,
                          "estimate_over_sampled_routing": mean / routed_mean,
                          "true_fsd": true_fsd, "estimate_over_true": mean / true_fsd})
-            print(f"| {which} | {name} (Monte Carlo) | – | – | {mean / mc_mean:.3f} | | "
-                  f"{mean / routed_mean:.3f} | | {mean / true_fsd:.3f} |", flush=True)
+        print(f"# {which}: BGLN-S mean {mc_mean:.4g} ± {mc_error:.2g}, sampled BGLN "
+              f"{routed_mean:.4g} ± {routed_error:.2g}, true FSD {true_fsd:.4g}", flush=True)
+    print(corrected_conv_table({"rows": rows}))
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"machine": machine, "note": args.note, "repeats": args.repeats,

@@ -14,7 +14,8 @@ time the same summaries with autograd recording the forward pass instead
 distances (what fsd.combine did before it stacked them), for the gains. All eight are timed
 interleaved, three rounds, in one process, so drifting load from other jobs hits them alike.
 The last columns are the corrected estimates' |est/exact − 1| over the K summaries at the
-timed θ.
+timed θ. The table is the docs' (:func:`fsd_experiments.result_tables.penalty_timing_table`),
+printed a line at a time from the rows ``--json`` writes.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from fsd.estimators.variants import BGLNVariant
 from fsd.moments import corrected
 from fsd_experiments.compare import mlp
 from fsd_experiments.data import TensorBatches
+from fsd_experiments.result_tables import penalty_timing_header, penalty_timing_row
 from penalty import load_inputs, median_ms, perturbed
 
 
@@ -54,13 +56,8 @@ def main() -> None:
     fit_data = TensorBatches(x[:args.examples], y[:args.examples], 2000)
     print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s); inputs: {source}")
-    r = args.injection_rank
-    print(f"| width | K | Algorithm 2: ms | exact: ms | corrected: ms | corrected, injections "
-          f"rank {r}: ms | exact / Alg. 2 | corrected / Alg. 2 | injections rank {r} / Alg. 2 | "
-          f"corrected, autograd / Alg. 2 | injections rank {r}, autograd / Alg. 2 | "
-          f"corrected, one by one / Alg. 2 | injections rank {r}, one by one / Alg. 2 | "
-          f"corrected: max |est/exact − 1| | injections rank {r}: max |est/exact − 1| |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    # the docs' table, a line per (width, K) as it is measured
+    print(penalty_timing_header(args.injection_rank), flush=True)
     rows: list[dict] = []
     rounds = 3
     for width in (int(w) for w in args.widths.split(",")):
@@ -116,15 +113,7 @@ def main() -> None:
             row = {"width": width, "K": k, **{f"{m}_ms": round(t[m], 3) for m in t},
                    **{f"{m}_max_error": float(f"{error[m]:.3g}") for m in error}}
             rows.append(row)
-            print(f"| {width} | {k} | {t['paper']:.2f} | {t['exact']:.2f} | "
-                  f"{t['corrected']:.2f} | {t['injections']:.2f} | "
-                  f"{t['exact'] / t['paper']:.1f}x | {t['corrected'] / t['paper']:.1f}x | "
-                  f"{t['injections'] / t['paper']:.1f}x | "
-                  f"{t['corrected_autograd'] / t['paper']:.1f}x | "
-                  f"{t['injections_autograd'] / t['paper']:.1f}x | "
-                  f"{t['corrected_one_by_one'] / t['paper']:.1f}x | "
-                  f"{t['injections_one_by_one'] / t['paper']:.1f}x | {error['corrected']:.1e} | "
-                  f"{error['injections']:.1e} |", flush=True)
+            print(penalty_timing_row(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "python benchmarks/corrected_moments.py --data-dir DATA_DIR "

@@ -4,31 +4,18 @@ Run:  .venv/bin/python benchmarks/moment_ratios.py OUT/fidelity_split-mnist.json
           [--json ratios.json]
 
 Per estimator over the pairs: median and max |estimate / exact moments − 1|, median
-estimate / exact, median and min estimate / true FSD (markdown; the numbers also as JSON).
+estimate / exact, median and min estimate / true FSD, beside the study's rank correlations
+and gradient cosine: the docs' variants table (markdown,
+:func:`fsd_experiments.result_tables.moment_variants_table`; the ratios also as JSON).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
-
-def ratios(path: str) -> tuple[str, int, dict[str, dict[str, float]]]:
-    """(benchmark, number of pairs, per-estimator ratios) of one pairs result file."""
-    with open(path) as f:
-        result = json.load(f)
-    pairs = result["pairs"]["pairs"]
-    rows = {}
-    for name in result["config"]["estimators"]:
-        to_exact = [p["estimates"][name] / p["estimates"]["BGLN-D (exact)"] for p in pairs]
-        to_true = [p["estimates"][name] / p["true"] for p in pairs]
-        rows[name] = {"median_abs_rel_to_exact": statistics.median(abs(r - 1) for r in to_exact),
-                      "max_abs_rel_to_exact": max(abs(r - 1) for r in to_exact),
-                      "median_est_over_exact": statistics.median(to_exact),
-                      "median_est_over_true": statistics.median(to_true),
-                      "min_est_over_true": min(to_true)}
-    return result["benchmark"], len(pairs), rows
+from fsd_experiments.io import read_json
+from fsd_experiments.result_tables import moment_ratios, moment_variants_table
 
 
 def main() -> None:
@@ -36,19 +23,11 @@ def main() -> None:
     parser.add_argument("results", nargs="+")
     parser.add_argument("--json", default=None, help="also write the numbers here")
     args = parser.parse_args()
-    out = {}
-    for path in args.results:
-        benchmark, n, rows = ratios(path)
-        out[benchmark] = {"pairs": n, "rows": rows}
-        print(f"\n{benchmark} ({n} pairs)\n")
-        print("| estimator | median \\|est/exact − 1\\| | max \\|est/exact − 1\\| | "
-              "median est/exact | median est/true | min est/true |")
-        print("|---|---:|---:|---:|---:|---:|")
-        for name, v in rows.items():
-            print(f"| {name} | {v['median_abs_rel_to_exact']:.3g} | "
-                  f"{v['max_abs_rel_to_exact']:.3g} | {v['median_est_over_exact']:.3g} | "
-                  f"{v['median_est_over_true']:.3g} | {v['min_est_over_true']:.3g} |")
+    results = [read_json(path) for path in args.results]
+    print(moment_variants_table(results))
     if args.json:
+        out = {r["benchmark"]: {"pairs": len(r["pairs"]["pairs"]), "rows": moment_ratios(r)}
+               for r in results}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
 

@@ -3,10 +3,12 @@
 Every table between ``<!-- fsd cl report ... --rows: begin -->`` markers in docs/ is
 regenerated from ``results/cl``, and every table between ``<!-- copied from FILE, table N:
 begin -->`` markers is read again from that committed markdown, and compared character for
-character; every row folder under ``results/cl`` is shown by some table, and every committed
-``fsd fidelity``, ``fsd toy`` and ``fsd memory`` markdown is what its JSON renders to; every
-influence run under ``results/influence`` is shown by a ``fsd influence report`` block. The
-generator itself is checked on handmade results files.
+character, as is every table between ``<!-- rendered from FILES by NAME: begin -->`` markers
+(rendered again from those files by :mod:`fsd_experiments.result_tables`); every row folder
+under ``results/cl`` is shown by some table, every ``results/moments`` file by a rendered
+one, and every committed ``fsd fidelity``, ``fsd toy`` and ``fsd memory`` markdown is what its
+JSON renders to; every influence run under ``results/influence`` is shown by a ``fsd
+influence report`` block. The generator itself is checked on handmade results files.
 """
 
 import json
@@ -14,14 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from fsd_experiments import continual
+from fsd_experiments import continual, result_tables
 from fsd_experiments.cli import main
 from fsd_experiments.continual import reporting
 from fsd_experiments.doc_tables import (
     BLOCK,
     COPY,
     INFLUENCE,
+    RENDERED,
     block_folders,
+    block_paths,
     markdown_tables,
     refreshed,
     stale_tables,
@@ -228,6 +232,125 @@ def test_a_block_glob_takes_row_folders_not_the_files_beside_them(tmp_path):
     assert "| T1 | bgln-s |" in table and "notes" not in table
     with pytest.raises(ValueError, match="matches no folder"):
         refreshed(page.replace("results/T*", "results/*.md"), tmp_path)
+
+
+def _chain_row(seed: int, task: int, true: float, ratio: float) -> dict:
+    return {"run": f"R-s{seed}", "method": "bgln-s", "fsd_scale": 0.1, "seed": seed,
+            "task": task, "true": true, "laftr_data": ratio * true, "bgln_s_data": ratio * true,
+            "bgln_s_gaussian": ratio * true, "bgln_random_routing": ratio * true,
+            "corrected_fired": None, "bgln_fired_routing": None, "stored": ratio * true}
+
+
+def test_a_rendered_block_is_regenerated_from_its_files(tmp_path):
+    result = tmp_path / "results" / "chain.json"
+    result.parent.mkdir()
+    result.write_text(json.dumps({"rows": [_chain_row(20, 1, 544.0, 0.0117),
+                                           _chain_row(21, 1, 3.6018, 1.0)]}))
+    page = ("prose\n\n<!-- rendered from results/chain.json by gap-chain: begin -->\n\n"
+            "| an old table |\n\n<!-- rendered: end -->\n\nmore prose\n")
+    doc = tmp_path / "page.md"
+    doc.write_text(page)
+    assert stale_tables(doc, tmp_path) == ["results/chain.json by gap-chain"]
+    new = refreshed(page, tmp_path)
+    table = new.split("begin -->\n\n")[1].split("\n\n<!-- rendered: end")[0]
+    assert table == (
+        "| seed | task | true FSD | LAFTR, data | BGLN-S, data | BGLN-S, Gaussian | "
+        "exact BGLN moments | stored summary |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| 20 | 1 | 544 | 0.012 | 0.012 | 0.012 | 0.012 | 0.012 |\n"
+        "| 21 | 1 | 3.6 | 1.000 | 1.000 | 1.000 | 1.000 | 1.000 |")
+    assert new.startswith("prose\n\n") and new.endswith("|\n\n<!-- rendered: end -->\n\n"
+                                                         "more prose\n")
+    assert refreshed(new, tmp_path) == new
+    doc.write_text(new)
+    assert stale_tables(doc, tmp_path) == []
+    # a number changed by hand is caught, and so is one changed in the file
+    doc.write_text(new.replace("| 544 |", "| 545 |"))
+    assert stale_tables(doc, tmp_path) == ["results/chain.json by gap-chain"]
+    doc.write_text(new)
+    result.write_text(json.dumps({"rows": [_chain_row(20, 1, 545.0, 0.0117)]}))
+    assert stale_tables(doc, tmp_path) == ["results/chain.json by gap-chain"]
+    # globs name several files, in the block's order; three significant digits on request
+    (tmp_path / "results" / "chain_2.json").write_text(
+        json.dumps({"rows": [_chain_row(22, 3, 2.0, 0.00176)]}))
+    both = refreshed(page.replace("results/chain.json by gap-chain",
+                                  "results/chain*.json by gap-chain-significant"), tmp_path)
+    assert "| 20 | 1 | 545 | 0.0117 |" in both and "| 22 | 3 | 2 | 0.00176 |" in both
+
+
+def test_a_bad_rendered_block_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    (tmp_path / "chain.json").write_text(json.dumps({"rows": [_chain_row(20, 1, 5.0, 0.5)]}))
+    page = "<!-- rendered from chain.json by gap-chain: begin -->\n| x |\n<!-- rendered: end -->\n"
+    with pytest.raises(ValueError, match="no renderer named 'chains'"):
+        refreshed(page.replace("by gap-chain", "by chains"), tmp_path)
+    with pytest.raises(ValueError, match=r"other\.json matches nothing under"):
+        refreshed(page.replace("chain.json", "other.json"), tmp_path)
+    # a file the renderer cannot read is named, not a KeyError
+    (tmp_path / "other.json").write_text(json.dumps({"rows": [{"seed": 1}]}))
+    with pytest.raises(ValueError, match=r"renderer gap-chain cannot read .*other\.json"):
+        refreshed(page.replace("chain.json", "other.json"), tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for bad, message in ((page.replace("by gap-chain", "by chains"), "no renderer named"),
+                         (page.replace("chain.json", "missing.json"),
+                          "missing.json matches nothing under .")):
+        (tmp_path / "page.md").write_text(bad)
+        assert doc_tables_main(["page.md"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("page.md: ") and message in err and err.count("\n") == 1
+        assert (tmp_path / "page.md").read_text() == bad  # nothing written
+
+
+def test_every_committed_moments_result_is_rendered_in_the_docs():
+    shown = {path.resolve() for doc in DOCS
+             for block in RENDERED.finditer(doc.read_text(encoding="utf-8"))
+             for path in block_paths(block["paths"], ROOT)}
+    committed = {p.resolve() for p in (ROOT / "results" / "moments").glob("*.json")}
+    # quoted in prose only; the ratios are checked against the pairs they came from below
+    elsewhere = {ROOT / "results" / "moments" / name
+                 for name in ("gate_clusters_cnn.json", "variants_ratios.json")}
+    assert committed - elsewhere <= shown, f"results/moments files no docs table renders: " \
+        f"{sorted(str(p.relative_to(ROOT)) for p in committed - elsewhere - shown)}"
+
+
+def test_the_committed_variant_ratios_are_those_of_their_fidelity_pairs():
+    saved = json.loads((ROOT / "results" / "moments" / "variants_ratios.json").read_text())
+    for benchmark, ratios in saved.items():
+        pairs = json.loads((ROOT / "results" / "moments" /
+                            f"variants_fidelity_{benchmark}.json").read_text())
+        assert ratios == {"pairs": len(pairs["pairs"]["pairs"]),
+                          "rows": result_tables.moment_ratios(pairs)}
+
+
+def test_the_injections_table_compares_each_pair_with_exact_moments(tmp_path):
+    def row(name: str, method: str, per_seed: list[float], truths: list[float], **settings):
+        folder = tmp_path / name
+        _write(folder, _results(method, per_seed, **settings))
+        rows = [{"seed": 1, "task": t, "true_fsd": true, "estimate": 0.5 * true, "ratio": 0.5}
+                for t, true in enumerate(truths, 1)]
+        (folder / "gap.md").write_text(continual.gap_markdown(rows))
+        return folder
+
+    exact = row("Q2-exact", "bgln-d-exact", [95.0, 95.2], [8.0, 4.0, 2.0, 1.0])
+    whole = row("Q9-whole", "bgln-d-corrected", [95.0, 95.2], [8.0, 4.0, 2.0, 1.0])
+    cut = row("Q17-cut", "bgln-d-corrected-cut", [94.0], [8.0, 8.0, 4.0, 2.0])
+    ranked = row("Q18-r16", "bgln-d-corrected", [94.5, 94.7], [16.0, 4.0, 2.0, 1.0],
+                 injection_rank=16)
+    table = result_tables.injections_against_exact_table([exact, whole, cut, ranked])
+    lines = table.splitlines()
+    assert "exact moments' (4 pairs) | pairs above 1.5× |" in lines[0]
+    assert lines[2] == ("| Q9 | whole covariance | 95.10 ± 0.10 (95.00, 95.20) | 0.00 | "
+                        "1.00–1.00× | 0 | 0.50–0.50 |")
+    assert lines[3] == "| Q17 | rank 8 (seed 1) | 94.00 | 0.00 | 1.00–2.00× | 3 (tasks 2–4) | " \
+                       "0.50–0.50 |"
+    assert lines[4].startswith("| Q18 | rank 16 | ") and "| 1 (task 1) |" in lines[4]
+    (tmp_path / "Q3-unmeasured").mkdir()
+    with pytest.raises(ValueError, match=r"no gap\.md"):
+        result_tables.injections_against_exact_table([exact, tmp_path / "Q3-unmeasured"])
+
+
+def test_spans_join_consecutive_numbers():
+    assert result_tables._spans([9, 4, 5, 6]) == "4–6, 9"
+    assert result_tables._spans([3]) == "3"
 
 
 def test_the_protocol_column_and_the_row_tables_compare_the_same_settings(tmp_path):

@@ -25,6 +25,14 @@ A table copied from the markdown a study wrote beside its JSON (``fsd fidelity``
     | estimator | Spearman | ...
     <!-- copied: end -->
 
+A table rendered from JSON result files names them (paths or globs under the repository
+root, files or row folders as the renderer takes them, in the table's order) and the
+renderer, one of :data:`~.result_tables.RENDERERS`, that formats them::
+
+    <!-- rendered from results/moments/mlp_gap_chain_permuted_w100.json by gap-chain: begin -->
+    | seed | task | true FSD | ...
+    <!-- rendered: end -->
+
 ``python -m fsd_experiments.doc_tables docs/*.md`` rewrites every such block from the files
 (run from the repository root); ``stale_tables`` lists the blocks that differ, which the test
 suite checks, so no number in those tables can drift from the committed results.
@@ -42,6 +50,7 @@ from .continual.reporting import gap_tables, row_tables, wall_tables
 from .continual.tune import tune_tables
 from .influence.report import report_tables
 from .io import atomic_write_text
+from .result_tables import render_table
 
 #: a generated block: the report's arguments in the opening marker, the table, the end marker
 BLOCK = re.compile(r"(<!-- fsd cl report (?P<args>[^>]*?) "
@@ -53,6 +62,9 @@ INFLUENCE = re.compile(r"(<!-- fsd influence report (?P<args>[^>]*?): begin -->\
 #: a copied block: the markdown file and the table's number in it, the table, the end marker
 COPY = re.compile(r"(<!-- copied from (?P<path>\S+), table (?P<number>\d+): begin -->\n)"
                   r"(?P<table>.*?)(<!-- copied: end -->)", re.S)
+#: a rendered block: the result files, the renderer's name, the table, the end marker
+RENDERED = re.compile(r"(<!-- rendered from (?P<paths>[^>]*?) by (?P<name>[\w-]+): begin -->\n)"
+                      r"(?P<table>.*?)(<!-- rendered: end -->)", re.S)
 
 
 def markdown_tables(text: str) -> list[str]:
@@ -92,6 +104,25 @@ def block_folders(args: str, root: Path) -> list[str]:
     return paths
 
 
+def block_paths(args: str, root: Path) -> list[Path]:
+    """The files and folders under ``root`` that the words of ``args`` (paths or globs) name.
+
+    In the words' order, each glob's matches sorted.
+    """
+    paths: list[Path] = []
+    for word in shlex.split(args):
+        found = sorted(glob.glob(word, root_dir=root))
+        if not found:
+            raise ValueError(f"{word} matches nothing under {root}")
+        paths += [root / f for f in found]
+    return paths
+
+
+def rendered_table(args: str, name: str, root: Path) -> str:
+    """The table renderer ``name`` makes of the files ``args`` names under ``root``."""
+    return render_table(name, block_paths(args, root)).strip("\n")
+
+
 def render(args: str, root: Path, kind: str = "rows") -> str:
     """The table ``fsd cl report ARGS --KIND`` prints (KIND: rows, tune, gap, wall).
 
@@ -103,27 +134,32 @@ def render(args: str, root: Path, kind: str = "rows") -> str:
 
 
 def refreshed(text: str, root: Path) -> str:
-    """``text`` with every generated and every copied block's table regenerated."""
+    """``text`` with every generated, copied and rendered block's table regenerated."""
     text = BLOCK.sub(lambda m: m[1] + "\n" + render(m["args"], root, m["kind"]) + "\n" + m[5],
                      text)
     text = INFLUENCE.sub(lambda m: m[1] + "\n" + report_tables(block_folders(m["args"], root))
                          + "\n\n" + m[4], text)
-    return COPY.sub(lambda m: m[1] + "\n" + copied_table(m["path"], int(m["number"]), root)
+    text = COPY.sub(lambda m: m[1] + "\n" + copied_table(m["path"], int(m["number"]), root)
                     + "\n\n" + m[5], text)
+    return RENDERED.sub(lambda m: m[1] + "\n" + rendered_table(m["paths"], m["name"], root)
+                        + "\n\n" + m[5], text)
 
 
 def stale_tables(doc: Path, root: Path) -> list[str]:
     """The sources of every block of ``doc`` whose table differs from the result files.
 
-    A report's arguments for a generated block, ``PATH, table N`` for a copied one.
+    A report's arguments for a generated block, ``PATH, table N`` for a copied one,
+    ``PATHS by NAME`` for a rendered one.
     """
     text = doc.read_text(encoding="utf-8")
     stale = [m["args"] for m in BLOCK.finditer(text)
              if m["table"] != "\n" + render(m["args"], root, m["kind"]) + "\n"]
     stale += [m["args"] for m in INFLUENCE.finditer(text)
               if m["table"] != "\n" + report_tables(block_folders(m["args"], root)) + "\n\n"]
-    return stale + [f"{m['path']}, table {m['number']}" for m in COPY.finditer(text)
-                    if m["table"] != "\n" + copied_table(m["path"], int(m["number"]), root)
+    stale += [f"{m['path']}, table {m['number']}" for m in COPY.finditer(text)
+              if m["table"] != "\n" + copied_table(m["path"], int(m["number"]), root) + "\n\n"]
+    return stale + [f"{m['paths']} by {m['name']}" for m in RENDERED.finditer(text)
+                    if m["table"] != "\n" + rendered_table(m["paths"], m["name"], root)
                     + "\n\n"]
 
 
