@@ -12,6 +12,7 @@ influence report`` block. The generator itself is checked on handmade results fi
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,25 @@ def test_every_committed_influence_run_is_in_a_docs_table():
                  for p in (ROOT / "results" / "influence" / kind).glob("*") if p.is_dir()}
     assert committed <= shown, f"influence runs in results/influence that no docs table shows: " \
                                f"{sorted(str(c.relative_to(ROOT)) for c in committed - shown)}"
+
+
+#: summary tables that quote continual-learning accuracies outside a generated block
+QUOTING = [("user-guide.md", "## Choosing an estimator", "Rules of thumb"),
+           ("moments.md", "**Where the corrected recursion stands**", "Shared 2-core")]
+
+
+@pytest.mark.parametrize("page, start, end", QUOTING, ids=[q[0] for q in QUOTING])
+def test_accuracies_quoted_in_summary_tables_are_committed_rows(page, start, end):
+    # "mean ± sd" of three seeds: each must be some committed row's, as fsd cl report gives it
+    text = (ROOT / "docs" / page).read_text(encoding="utf-8")
+    section = text[text.index(start):text.index(end, text.index(start))]
+    quoted = set(re.findall(r"\b(\d{2}\.\d\d ± \d\.\d\d)\b", section))
+    assert quoted, f"no accuracies quoted in {page} {start!r}"
+    rows = reporting.row_tables(sorted(str(p.parent) for p in
+                                       (ROOT / "results" / "cl").glob("*/*/results.json")))
+    reported = set(re.findall(r"\| (\d{2}\.\d\d ± \d\.\d\d)", rows))
+    assert quoted <= reported, f"{page}: accuracies no committed row gives: " \
+                               f"{sorted(quoted - reported)}"
 
 
 def test_every_committed_row_is_in_a_docs_table():

@@ -91,6 +91,19 @@ def as_batches(data: Any, batch_to_input: Callable[[Any], Any] | None = None) ->
           and all(isinstance(t, Tensor) and t.dim() >= 1 for t in data)
           and len({t.shape[0] for t in data}) == 1):
         data = [data]  # one (x, y) or (x, y, task) batch, not a sequence of batches
+    elif (isinstance(data, list) and 2 <= len(data) <= 3
+          and all(isinstance(t, Tensor) and t.dim() >= 1 for t in data)
+          and len({t.shape[0] for t in data}) == 1):
+        # a DataLoader's batch is a list: [x, y] of a 1-D regression would read as two
+        # batches of inputs, the targets among them
+        shapes = [tuple(t.shape[1:]) for t in data]
+        if len(set(shapes)) > 1:  # not batches of one model's inputs: an (x, y) batch
+            raise ValueError(f"data is a list of tensors with examples of shapes {shapes}: "
+                             f"one (x, y) batch (a DataLoader's batch is a list) is passed as a "
+                             f"tuple (tuple(batch)) or [(x, y)]")
+        warnings.warn(f"data is a list of {len(data)} tensors of the same batch size, read as "
+                      f"{len(data)} batches of inputs; for one (x, y) batch pass a tuple "
+                      f"(tuple(batch)) or [(x, y)]", stacklevel=3)
     elif isinstance(data, torch.utils.data.Dataset) and not isinstance(
             data, torch.utils.data.IterableDataset):
         data = torch.utils.data.DataLoader(data, batch_size=1024)
@@ -166,11 +179,18 @@ def iter_batches(
                              f"labelled batch is passed as [(x, y)]")
         # discrete inputs stay discrete: a cast would turn token ids into floats no Embedding
         # takes (fit casts them for a model that needs floats, _check_runs_on)
-        x = x.to(device=device, dtype=None if is_integer_input(x) else dtype)
+        # detached: inputs computed by a network (a frozen encoder's features) would tie the
+        # stored summary, and every penalty's backward, to that network's graph
+        x = x.detach().to(device=device, dtype=None if is_integer_input(x) else dtype)
         if not torch.isfinite(x).all():
             raise ValueError(f"batch {index} contains NaN or infinite inputs")
+
         if y is not None:
-            y = torch.as_tensor(y).to(device)
+            y = torch.as_tensor(y).detach().to(device)
+            if y.dim() == 0:
+                raise ValueError(f"batch {index}'s label is a scalar: data is an iterable of "
+                                 f"batches, not of (x, y) examples; batch them (a DataLoader, "
+                                 f"or one (x, y) tuple of tensors)")
             if y.shape[0] != x.shape[0]:
                 raise ValueError(f"batch {index}: {y.shape[0]} labels for {x.shape[0]} inputs")
         seen += x.shape[0]
@@ -210,11 +230,21 @@ def model_dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
 
 @contextlib.contextmanager
 def evaluation_mode(model: nn.Module) -> Iterator[None]:
-    """Temporarily put every submodule in eval mode (Dropout off), restoring flags after."""
+    """Temporarily put every submodule in eval mode (Dropout off), restoring flags after.
+
+    Autocast is off inside too: a penalty computed in a mixed-precision training step runs
+    in the model's own dtype, as it was fitted (under a bfloat16 autocast an unmoved model
+    read 1e-6 instead of 0, and NTK's θ0 outputs no longer matched the fitted ones).
+    """
     flags = [(m, m.training) for m in model.modules()]
     model.eval()
+    autocast = contextlib.ExitStack()
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            autocast.enter_context(torch.autocast(device_type, enabled=False))
     try:
-        yield
+        with autocast:
+            yield
     finally:
         for m, training in flags:
             m.training = training
@@ -716,6 +746,14 @@ class Estimator:
                 f"metric={metric!r} compares softmax probabilities, and a softmax over one output "
                 f"is always 1: use metric='euclidean' for a single output (a binary classifier's "
                 f"logit)")
+        if metric in ("kl", "softmax_euclidean") and any(
+                rows.shape[-1] > 1 and bool((rows >= 0).all())
+                and bool(((rows.sum(-1) - 1).abs() < 1e-4).all()) for rows in (z, selected)):
+            # a softmax of probabilities flattens every change ~K-fold: silently too small
+            raise UnmeasurableOutputError(
+                f"metric={metric!r} applies a softmax to the outputs, and these are already "
+                f"probabilities (non-negative, summing to 1: a final nn.Softmax?): measure the "
+                f"logits or log-probabilities (nn.LogSoftmax), or use metric='euclidean'")
 
     @staticmethod
     def _run_once(model: nn.Module, x: Tensor, kwargs: dict[str, Any]) -> Any:

@@ -173,6 +173,10 @@ class _LinearizedEstimator(Estimator):
         if statistics is not None and not needs_stats:
             raise ValueError(f"{type(self).__name__} with inputs={self.config['inputs']!r} "
                              f"keeps inputs, not statistics: pass data instead of statistics=")
+        if statistics is not None and data is None and not gaussian:
+            raise ValueError(f"{type(self).__name__} with inputs={self.config['inputs']!r} "
+                             f"keeps a coreset of the training inputs: pass the task's data "
+                             f"as well as statistics= (the statistics give the gates)")
         if statistics is not None and data is not None and gaussian:
             raise ValueError("data and statistics= were both given: this summary takes its "
                              "statistics from one of them; pass data or statistics=")
@@ -225,6 +229,12 @@ class _LinearizedEstimator(Estimator):
                 self._state["coreset.group"] = torch.tensor(
                     [lookup[c] for c in ys.tolist()], dtype=torch.long, device=device)
             self._meta["input_shape"] = list(xs.shape[1:])
+        if statistics is not None:  # recorded elsewhere: their widths must be this model's
+            try:
+                self._check_units(model, layers)
+            except SummaryFormatError as error:
+                raise ValueError(f"statistics= do not fit this model (recorded on another "
+                                 f"one?): {error}") from None
         if self._deterministic:  # BGLN-D: the evaluator is chosen once, here
             evaluator = evaluators.choose(layers, self.config, tuple(self._meta["input_shape"]))
             self._meta["evaluator"] = evaluator.name

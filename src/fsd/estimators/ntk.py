@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 from typing import Any, ClassVar, Iterator
 
 import torch
@@ -88,11 +89,14 @@ class NTK(Estimator):
         current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         tangents = {n: current[n] - v for n, v in reference.items() if v.is_floating_point()}
         f0, jv = self._products(model, self._state["coreset.x"], tangents)
-        # once per model object: the comparison reads a number back (a GPU sync every step)
-        checked = f"same-function:{id(model)}"
-        if checked not in self._cache:
+        # once per model object and layout: the comparison reads a number back (a GPU sync
+        # every step). The object is held weakly (a freed model's id can be reused) and its
+        # submodules by identity and type (a layer swapped in place changes the function)
+        layout = tuple((name, id(m), type(m)) for name, m in model.named_modules())
+        seen = self._cache.get(f"same-function:{id(model)}")
+        if seen is None or seen[0]() is not model or seen[1] != layout:
             self._check_same_function(f0.detach())
-            self._cache[checked] = True
+            self._cache[f"same-function:{id(model)}"] = (weakref.ref(model), layout)
         reference = self._select(f0).detach()
         return pointwise_distance(self.config["metric"], reference, self._select(jv)).mean()
 

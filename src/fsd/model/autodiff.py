@@ -22,6 +22,7 @@ the model. The values are the same either way (to round-off); only the cost diff
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -97,7 +98,13 @@ def jvp(f: Callable[..., Any], primals: tuple[Tensor, ...], tangents: tuple[Tens
     with no_fast_paths():  # inside torch.func.jvp nothing requires a gradient
         if not reverse:
             try:
-                out, jv = forward_jvp(f, primals, tangents)  # pyright: ignore[reportAssignmentType]
+                # torch's first forward-mode product loads decompositions that warn about
+                # torch.jit.script's deprecation: under -W error that would read as the model's
+                # failure, so torch's own warning is silenced here
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=".*torch.jit.script",
+                                            category=DeprecationWarning)
+                    out, jv = forward_jvp(f, primals, tangents)  # pyright: ignore[reportAssignmentType]
                 return out, jv, False
             except NotImplementedError as error:
                 if not forward_ad_missing(error):

@@ -47,15 +47,30 @@ def check_signature(expected: list, actual: list, what: str = "architecture") ->
     if expected == actual:
         return
     if len(expected) != len(actual):
+        added = [n for n in map(_entry_name, actual) if n not in set(map(_entry_name, expected))]
+        removed = [n for n in map(_entry_name, expected) if n not in set(map(_entry_name, actual))]
+        detail = "".join([f"; added: {added[:4]}" if added else "",
+                          f"; missing: {removed[:4]}" if removed else ""])
+        hint = (" (a layer or head added after fit? create every head before the first fit: "
+                "a summary measures the parameters it was fitted on)" if added else "")
         raise ArchitectureMismatchError(
             f"{what} mismatch: the summary was fitted on a model with {len(expected)} "
-            f"entries, this model has {len(actual)}"
+            f"entries, this model has {len(actual)}{detail}{hint}"
         )
     for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
         if e != a:
             raise ArchitectureMismatchError(
                 f"{what} mismatch at entry {i}: fitted on {e}, got {a}"
             )
+
+
+def _entry_name(entry: Any) -> str:
+    """A signature entry's name: a parameter's (``[name, shape]``) or a layer's path."""
+    if isinstance(entry, dict):
+        return str(entry.get("path", entry))
+    if isinstance(entry, (list, tuple)) and entry:
+        return str(entry[0])
+    return str(entry)
 
 
 def model_state(model: nn.Module) -> dict[str, Tensor]:

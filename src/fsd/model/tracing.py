@@ -83,9 +83,10 @@ _SMOOTH_METHODS: dict[str, Callable[[], nn.Module]] = {"tanh": nn.Tanh, "sigmoid
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside ``torch.compile`` and (Distributed)DataParallel wrappers."""
+    """The user's model inside its wrappers: compile, (Distributed)DataParallel, AveragedModel."""
     while True:
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel,
+                              torch.optim.swa_utils.AveragedModel)):
             inner = model.module
         elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
             inner = model._orig_mod  # torch.compile's wrapper

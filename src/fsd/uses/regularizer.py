@@ -78,6 +78,7 @@ class ContinualRegularizer:
         self.reduction = reduction
         self.summaries: list[Estimator] = []
         self._penalty: SummarySet | None = None
+        self._penalty_key: tuple = ()
 
     def __len__(self) -> int:
         return len(self.summaries)
@@ -95,6 +96,11 @@ class ContinualRegularizer:
         if not isinstance(made, Estimator):
             raise TypeError(f"the estimator factory returned {type(made).__name__}, "
                             f"not an fsd Estimator")
+        # one object for every task would refit the earlier tasks' summaries in place
+        if any(made is s for s in self.summaries):
+            raise ValueError("the estimator factory returned an estimator this regularizer "
+                             "already holds: it must build a new one on every call, e.g. "
+                             "ContinualRegularizer(lambda: fsd.BGLN()), not lambda: est")
         return made
 
     def statistics_collector(self, model: nn.Module, *, momentum: float | None = None
@@ -179,8 +185,11 @@ class ContinualRegularizer:
         if not self.summaries or self.strength == 0:
             dtype, device = model_dtype_device(model)
             return torch.zeros((), dtype=compute_dtype(dtype), device=device)
-        if self._penalty is None:  # one set per task count: its batched reference is cached
-            self._penalty = SummarySet(self.summaries, self.weights())
+        # the batched set is cached for the summaries and weights it was built from; a
+        # summary added, removed or swapped, or another reduction, builds it again
+        key = (tuple(id(s) for s in self.summaries), tuple(self.weights()))
+        if self._penalty is None or self._penalty_key != key:
+            self._penalty, self._penalty_key = SummarySet(self.summaries, self.weights()), key
         return self.strength * self._penalty.distance(model)
 
     def save(self, path: str | os.PathLike) -> None:
