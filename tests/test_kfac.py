@@ -579,3 +579,220 @@ def test_diagonal_blocks_save_load_and_refuse_tampering(tmp_path):
         torch.save(bad, tmp_path / "bad.fsd")
         with pytest.raises(fsd.SummaryFormatError, match=message):
             fsd.load(tmp_path / "bad.fsd")
+
+
+# ----- hook-based reparametrizations: weight_norm, spectral_norm, prune --------------------
+# These delete a layer's registered ``weight`` (or ``bias``) and recompute a plain tensor
+# attribute of that name in a forward pre-hook from the parameters that move. Before, KFAC
+# factored such a layer all the same: fit and save succeeded, distance raised
+# KeyError: '0.weight' and fsd.load refused the file ("cover the parameters ...").
+
+def _hooked(kind: str) -> nn.Sequential:
+    """A tiny float64 network whose first layers a hook or a parametrization reparametrizes."""
+    from torch.nn.utils import prune, spectral_norm, weight_norm
+
+    torch.manual_seed(11)
+    if kind == "conv1d_weight_norm":
+        model = nn.Sequential(nn.Conv1d(2, 3, 2), nn.Tanh(), nn.Flatten(),
+                              nn.Linear(3 * 3, 3)).to(DTYPE)
+        weight_norm(model[0])
+        return model.eval()
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(),
+                          nn.Linear(4, 3)).to(DTYPE)
+    if kind == "weight_norm":
+        weight_norm(model[0])
+        # dim=None: one g for the whole matrix
+        weight_norm(model[2], dim=None)  # pyright: ignore[reportArgumentType]
+    elif kind == "spectral_norm":
+        spectral_norm(model[0])
+        model.train()
+        with torch.no_grad():  # converge the power iteration's u and v, as training would
+            for _ in range(30):
+                model(torch.randn(4, 3, dtype=DTYPE))
+    elif kind == "parametrizations":  # torch.nn.utils.parametrize: worked before, kept
+        torch.nn.utils.parametrizations.weight_norm(model[0])
+        torch.nn.utils.parametrizations.spectral_norm(model[2])
+    elif kind == "prune":
+        prune.l1_unstructured(model[0], "weight", amount=0.5)
+        prune.random_unstructured(model[2], "bias", amount=0.5)  # a hook computes the bias
+    return model.eval()
+
+
+def _hooked_inputs(kind: str, n: int) -> torch.Tensor:
+    torch.manual_seed(12)
+    shape = (2, 4) if kind == "conv1d_weight_norm" else (3,)
+    return torch.randn(n, *shape, dtype=DTYPE)
+
+
+def _moved_in_place_copy(kind: str, model: nn.Module, scale: float = 0.1) -> nn.Sequential:
+    """A copy of ``model`` with every registered parameter moved (a hooked layer's plain
+    ``weight`` attribute holds a graph after a forward, so ``copy.deepcopy`` is avoided)."""
+    moved = _hooked(kind)
+    moved.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return moved
+
+
+_HOOKED = {
+    # kind: (the Kronecker layers, the diagonal parameters)
+    "weight_norm": (["4"], ["0.bias", "0.weight_g", "0.weight_v",
+                            "2.bias", "2.weight_g", "2.weight_v"]),
+    "spectral_norm": (["2", "4"], ["0.bias", "0.weight_orig"]),
+    "prune": (["4"], ["0.bias", "0.weight_orig", "2.weight", "2.bias_orig"]),
+    "conv1d_weight_norm": (["3"], ["0.bias", "0.weight_g", "0.weight_v"]),
+    "parametrizations": (["4"], ["0.bias", "0.parametrizations.weight.original0",
+                                 "0.parametrizations.weight.original1", "2.bias",
+                                 "2.parametrizations.weight.original"]),
+}
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "kl"])
+@pytest.mark.parametrize("kind", list(_HOOKED))
+def test_hook_reparametrized_layers_get_diagonal_blocks_of_their_parameters(kind, metric,
+                                                                           tmp_path):
+    model = _hooked(kind)
+    x = _hooked_inputs(kind, 9)
+    est = fsd.KFAC(metric=metric)
+    est.fit(model, [x[:4], x[4:]])
+    kronecker, diagonal = _HOOKED[kind]
+    assert [path for path, _ in est._meta["layers"]] == kronecker
+    assert est.diagonal_parameters == diagonal
+    # the diagonal blocks: the dense Gauss-Newton diagonal from per-example Jacobians with
+    # respect to the registered parameters, through the hook (float64)
+    dense = dense_gauss_newton(model, x, metric)
+    offsets = _parameter_offsets(model)
+    for name in diagonal:
+        torch.testing.assert_close(est._stored[f"kfac_diag.{name}"].reshape(-1),
+                                   dense.diagonal()[offsets[name]], rtol=1e-10, atol=1e-14)
+    # the ordinary layers' Kronecker factors: as on any model (one example and factor at a
+    # time, through the hooked layers before them)
+    if kind != "conv1d_weight_norm":
+        factors = brute_force_factors(model, x, metric)
+        for path in kronecker:
+            a, g = factors[path]
+            torch.testing.assert_close(est._stored[f"kfac.{path}.A"], a, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(est._stored[f"kfac.{path}.G"], g, rtol=1e-10, atol=1e-12)
+    # distance: 0 at θ0, > 0 once the registered parameters moved, and each diagonal
+    # module's term is ½ Σ D Δp² with the dense diagonal
+    assert float(est.distance(model).detach()) == 0.0
+    moved = _moved_in_place_copy(kind, model)
+    d = est.distance(moved)
+    assert torch.isfinite(d) and float(d) > 0
+    current, reference = dict(moved.named_parameters()), dict(model.named_parameters())
+    terms = est.layer_terms(moved)
+    for path in {name.rpartition(".")[0] for name in diagonal} - set(kronecker):
+        expected = sum(0.5 * (dense.diagonal()[offsets[n]]
+                              * (current[n] - reference[n]).detach().reshape(-1) ** 2).sum()
+                       for n in diagonal if n.rpartition(".")[0] == path)
+        torch.testing.assert_close(terms[path], expected, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(d, sum(terms.values()))
+    # save -> fsd.load: the same distance
+    est.save(tmp_path / "k.fsd")
+    loaded = fsd.load(tmp_path / "k.fsd")
+    assert isinstance(loaded, fsd.KFAC) and loaded.diagonal_parameters == diagonal
+    torch.testing.assert_close(loaded.distance(moved), d, rtol=1e-12, atol=0)
+    assert float(loaded.distance(model).detach()) == 0.0
+
+
+def test_an_ordinary_linear_keeps_its_kronecker_block_beside_a_weight_normed_one():
+    # the weight-normed layer's parameters get diagonal blocks; the ordinary Linear after it
+    # keeps the very factors it has in the same network without the hook (the same function)
+    from torch.nn.utils import weight_norm
+
+    torch.manual_seed(14)
+    plain = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 3)).to(DTYPE)
+    normed = copy.deepcopy(plain)
+    weight_norm(normed[0])
+    x = torch.randn(10, 3, dtype=DTYPE)
+    torch.testing.assert_close(normed(x), plain(x), rtol=1e-12, atol=1e-14)
+    one, two = fsd.KFAC(metric="kl"), fsd.KFAC(metric="kl")
+    one.fit(plain, x)
+    two.fit(normed, x)
+    assert one._meta["layers"] == [["0", True], ["2", True]] and one.diagonal_parameters == []
+    assert two._meta["layers"] == [["2", True]]
+    assert two.diagonal_parameters == ["0.bias", "0.weight_g", "0.weight_v"]
+    for factor in "AG":
+        torch.testing.assert_close(two._stored[f"kfac.2.{factor}"], one._stored[f"kfac.2.{factor}"],
+                                   rtol=1e-12, atol=1e-15)
+    # the bias's diagonal block is the diagonal of G, the bias column of A ⊗ G (A's corner 1)
+    torch.testing.assert_close(two._stored["kfac_diag.0.bias"], one._stored["kfac.0.G"].diagonal(),
+                               rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(one._stored["kfac.0.A"][-1, -1], torch.tensor(1.0, dtype=DTYPE))
+    # moving only the ordinary layer: the same term, and only it
+    with torch.no_grad():
+        for p in (dict(plain.named_parameters())["2.weight"],
+                  dict(normed.named_parameters())["2.weight"]):
+            p.add_(0.1)
+    terms = two.layer_terms(normed)
+    torch.testing.assert_close(terms["2"], one.layer_terms(plain)["2"], rtol=1e-12, atol=0)
+    assert float(terms["0"].detach()) == 0.0
+    torch.testing.assert_close(two.distance(normed), one.distance(plain), rtol=1e-12, atol=0)
+
+
+def test_a_regularizer_of_weight_normed_kfac_summaries_saves_and_loads(tmp_path):
+    # before: ContinualRegularizer.load refused the file, losing every task's summary
+    from torch.nn.utils import weight_norm
+
+    torch.manual_seed(15)
+    model = nn.Sequential(weight_norm(nn.Linear(3, 5)), nn.ReLU(), nn.Linear(5, 3)).to(DTYPE)
+    reg = fsd.ContinualRegularizer(fsd.KFAC)
+    reg.end_task(model, torch.randn(8, 3, dtype=DTYPE))
+    with torch.no_grad():
+        dict(model.named_parameters())["0.weight_v"].add_(0.05)
+    reg.end_task(model, torch.randn(8, 3, dtype=DTYPE))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05)
+    penalty = reg.penalty(model)
+    assert float(penalty) > 0
+    reg.save(tmp_path / "reg.fsd")
+    loaded = fsd.ContinualRegularizer.load(tmp_path / "reg.fsd")
+    torch.testing.assert_close(loaded.penalty(model), penalty, rtol=1e-12, atol=0)
+
+
+def test_a_summary_factoring_a_hook_computed_weight_is_refused_in_one_line(tmp_path):
+    # the file the old KFAC wrote for a weight_norm model: a Kronecker block for '0' whose
+    # weight is no parameter. It is refused, saying to refit
+    from torch.nn.utils import weight_norm
+
+    torch.manual_seed(16)
+    model = nn.Sequential(weight_norm(nn.Linear(3, 5)), nn.ReLU(), nn.Linear(5, 3)).to(DTYPE)
+    fsd.KFAC().fit(model, torch.randn(8, 3, dtype=DTYPE)).save(tmp_path / "k.fsd")
+    payload = torch.load(tmp_path / "k.fsd", weights_only=True)
+    payload.pop("checksums")
+    meta = json.loads(payload["meta"])
+    meta["layers"] = [["0", True], *meta["layers"]]
+    meta["diagonal"] = ["0.weight_g", "0.weight_v"]
+    payload["meta"] = json.dumps(meta)
+    payload["tensors"].pop("kfac_diag.0.bias")
+    payload["tensors"]["kfac.0.A"] = torch.eye(4, dtype=DTYPE)
+    payload["tensors"]["kfac.0.G"] = torch.eye(5, dtype=DTYPE)
+    torch.save(payload, tmp_path / "old.fsd")
+    with pytest.raises(fsd.SummaryFormatError,
+                       match=r"Kronecker block of '0' covers '0\.weight'.*refit"):
+        fsd.load(tmp_path / "old.fsd")
+
+
+@pytest.mark.parametrize("kind", list(_HOOKED))
+def test_ewc_on_hook_reparametrized_layers_is_the_dense_gauss_newton_diagonal(kind, tmp_path):
+    # EWC already measured the registered parameters (its Linear fast path steps aside for
+    # any forward pre-hook); kept here beside KFAC's blocks, which must equal it
+    model = _hooked(kind)
+    x = _hooked_inputs(kind, 7)
+    ewc, kfac = fsd.EWC(metric="kl"), fsd.KFAC(metric="kl")
+    ewc.fit(model, x)
+    kfac.fit(model, x)
+    dense = dense_gauss_newton(model, x, "kl").diagonal()
+    for name, offset in _parameter_offsets(model).items():
+        torch.testing.assert_close(ewc._stored[f"fisher.{name}"].reshape(-1), dense[offset],
+                                   rtol=1e-10, atol=1e-14)
+    for name in kfac.diagonal_parameters:
+        torch.testing.assert_close(kfac._stored[f"kfac_diag.{name}"],
+                                   ewc._stored[f"fisher.{name}"], rtol=1e-10, atol=1e-14)
+    moved = _moved_in_place_copy(kind, model)
+    ewc.save(tmp_path / "e.fsd")
+    torch.testing.assert_close(fsd.load(tmp_path / "e.fsd").distance(moved), ewc.distance(moved),
+                               rtol=1e-12, atol=0)

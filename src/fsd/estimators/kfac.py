@@ -29,15 +29,24 @@ An ``nn.Conv1d`` is the one-dimensional case: T output positions, patches of (C,
 
 Every other parameter tensor p — of a ``LayerNorm``, an ``Embedding``, attention, a recurrent
 layer, a parameter read directly in ``forward`` (a positional embedding), a parametrized
-(``weight_norm``) layer, or a Linear or convolution that K-FAC cannot factor (called other
-than once, on inputs of another rank, grouped or non-zero-padded convolutions) — gets a
-diagonal Gauss–Newton block: the diagonal of F restricted to p,
+layer, or a Linear or convolution that K-FAC cannot factor (called other than once, on
+inputs of another rank, grouped or non-zero-padded convolutions) — gets a diagonal
+Gauss–Newton block: the diagonal of F restricted to p,
 
     D_p = E_x[Σ_k (J_pᵀ h_k)²],
 
 taken with the same exact Hessian factors h_k as G, from per-example gradients
 (:func:`fsd.model.autodiff.squared_gradients`). Its penalty is ½ Σ D_p ⊙ Δp², EWC's form; the
 blocks between parameters are dropped as between layers.
+
+A block measures what moves: the model's registered parameters (``named_parameters``), which
+θ0 and Δθ are. A layer is factored only when its ``weight`` and ``bias`` are its own
+registered parameters. ``torch.nn.utils.parametrize`` (``parametrizations.weight_norm``)
+registers ``parametrizations.weight.original*``; the hook-based ``torch.nn.utils.weight_norm``,
+``spectral_norm`` and ``prune`` delete ``weight`` and recompute it as a plain attribute in a
+forward pre-hook from ``weight_g`` and ``weight_v``, ``weight_orig``, or ``weight_orig`` and a
+``weight_mask`` buffer. Either way the layer's registered parameters (its ``bias`` with them)
+get diagonal blocks, taken through the reparametrization.
 """
 
 from __future__ import annotations
@@ -71,7 +80,9 @@ class KFAC(Estimator):
     ``nn.Conv2d`` called once on (batch, channels, *spatial) inputs with zero padding and
     one group gets a Kronecker block A ⊗ G (convolutions: KFC's factors, module docstring).
     Every other parameter tensor — LayerNorm, Embedding, attention, recurrent layers,
-    positional parameters, those Linear and convolution layers — gets the diagonal of its
+    positional parameters, those Linear and convolution layers, and layers whose weight is
+    not their own registered parameter (``weight_norm``, ``spectral_norm``, ``prune``: their
+    ``weight_g``, ``weight_v``, ``weight_orig`` and ``bias``) — gets the diagonal of its
     Gauss–Newton block (:attr:`diagonal_parameters`). The forward itself may be any graph.
     The factors are the exact expectations over the data and over the metric's Hessian
     factors (EWC's ``fisher="true"``), one backward pass per factor and batch, plus one
@@ -103,10 +114,13 @@ class KFAC(Estimator):
 
     def _fit_from_gradients(self, model: nn.Module, data: Data | None, *, dtype: torch.dtype,
                             device: torch.device, progress: bool) -> None:
-        candidates = _kronecker_candidates(model)
-        layers: dict[str, _LinearLayer] | None = None  # the Kronecker layers, from batch 1
         params = {k: v.detach().requires_grad_(True)
                   for k, v in self.reference_parameters().items()}
+        # a block covers parameters of θ0 by name: a layer whose weight or bias is not one
+        # (a hook computes it) leaves the parameters it does hold to diagonal blocks
+        candidates = {p: layer for p, layer in _kronecker_candidates(model).items()
+                      if all(name in params for name in layer.names())}
+        layers: dict[str, _LinearLayer] | None = None  # the Kronecker layers, from batch 1
         buffers = {k[len("buffer0."):]: v for k, v in self._state.items()
                    if k.startswith("buffer0.")}
         inputs_sq: dict[str, Tensor] = {}
@@ -212,10 +226,21 @@ class KFAC(Estimator):
         # every parameter belongs to exactly one recorded block: a parameter missing from the
         # lists would have its term dropped from the distance
         covered: list[str] = list(diagonal)
+        theta0 = sorted(k[len("theta0."):] for k in self._stored if k.startswith("theta0."))
         for path, has_bias in layers:
             key = f"{path}." if path else ""
-            covered += [f"{key}weight"] + ([f"{key}bias"] if has_bias else [])
-        theta0 = sorted(k[len("theta0."):] for k in self._stored if k.startswith("theta0."))
+            names = [f"{key}weight"] + ([f"{key}bias"] if has_bias else [])
+            missing = [name for name in names if name not in theta0]
+            if missing:
+                # what KFAC wrote before it left layers whose weight a forward pre-hook
+                # computes (torch.nn.utils.weight_norm, spectral_norm, prune) to diagonal
+                # blocks: their distance raised KeyError, so no penalty was ever taken
+                raise SummaryFormatError(
+                    f"meta 'layers': the Kronecker block of '{path or '<root>'}' covers "
+                    f"{missing[0]!r}, which is not a parameter of the summary's model (a "
+                    f"weight that a hook computes, as weight_norm, spectral_norm and prune "
+                    f"do?); refit it with this version of KFAC")
+            covered += names
         if sorted(covered) != theta0:
             raise SummaryFormatError(f"meta 'layers' and 'diagonal': cover the parameters "
                                      f"{sorted(covered)}, the summary holds {theta0}")
@@ -343,6 +368,8 @@ def _kronecker_candidates(model: nn.Module) -> dict[str, _LinearLayer]:
     """
     layers: dict[str, _LinearLayer] = {}
     for path, module in model.named_modules():
+        if not _holds_its_parameters(module):
+            continue  # a hook computes its weight or bias: diagonal blocks for what it holds
         if type(module) is nn.Linear:
             layers[path] = _LinearLayer(module, path)
         elif type(module) in (nn.Conv1d, nn.Conv2d):
@@ -350,6 +377,21 @@ def _kronecker_candidates(model: nn.Module) -> dict[str, _LinearLayer]:
             if padding is not None:
                 layers[path] = _ConvLayer(module, path, padding)  # type: ignore[arg-type]
     return layers
+
+
+def _holds_its_parameters(module: nn.Module) -> bool:
+    """Whether ``module.weight`` and ``module.bias`` are its own registered parameters.
+
+    A Kronecker block covers ``<path>.weight`` and ``<path>.bias``, the names θ0 and Δθ are
+    read under. The hook-based ``torch.nn.utils.weight_norm``, ``spectral_norm`` and ``prune``
+    delete the registered ``weight`` (or ``bias``) and recompute a plain tensor attribute of
+    that name in a forward pre-hook from ``weight_g`` / ``weight_v``, ``weight_orig`` (and a
+    ``weight_mask`` buffer): what moves is those parameters, which get diagonal blocks.
+    (``torch.nn.utils.parametrize`` changes the module's class, so it is never a candidate.)
+    """
+    registered = module._parameters
+    # "bias" is registered as None for bias=False, and absent when a hook computes it
+    return registered.get("weight") is not None and "bias" in registered
 
 
 def _unfold_padding(module: nn.Conv1d | nn.Conv2d) -> tuple[int, ...] | None:
