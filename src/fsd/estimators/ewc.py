@@ -182,8 +182,12 @@ def _linear_layers(model: nn.Module) -> dict[str, nn.Linear] | None:
     """The model's ``nn.Linear`` modules by path if they hold every parameter, else ``None``."""
     layers = {}
     for path, module in model.named_modules():
-        if any(True for _ in module.parameters(recurse=False)):
-            if type(module) is not nn.Linear:
+        own = dict(module.named_parameters(recurse=False))
+        if own:
+            # weight and bias must be the layer's own parameters: a hook-based weight_norm or
+            # prune holds weight_g/weight_orig and rebuilds weight, which the fast path misses
+            if type(module) is not nn.Linear or "weight" not in own or (
+                    module.bias is not None and "bias" not in own):
                 return None
             layers[path] = module
     return layers or None
