@@ -331,3 +331,217 @@ def test_a_functional_activation_is_linearized_too():
     torch.testing.assert_close(
         fsd.LAFTR().fit(model, x).distance(moved),
         0.5 * brute_force_laftr(twin, moved_twin, x).pow(2).sum(-1).mean(), rtol=1e-9, atol=0)
+
+
+# ----------------------------------------------------------------------------------------
+# weights read in forward (F.linear, x @ W, a learnable gain): exact, as nn.Linear's are
+# ----------------------------------------------------------------------------------------
+class ModuleForm(nn.Module):
+    """6-8-8-3, nn.Linear layers; the subclasses read the same parameters in forward."""
+
+    def __init__(self, act: bool = False) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.act = act
+        self.a1, self.a2 = nn.ReLU(), nn.ReLU()
+
+    def gate(self, h, a):
+        return a(h) if self.act else h
+
+    def forward(self, x):
+        return self.l3(self.gate(self.l2(self.gate(self.l1(x), self.a1)), self.a2))
+
+
+class FLinearForm(ModuleForm):
+    def layer(self, h, m):
+        return F.linear(h, m.weight, m.bias)
+
+    def gate(self, h, a):
+        return F.relu(h) if self.act else h
+
+    def forward(self, x):
+        h = self.gate(self.layer(x, self.l1), None)
+        h = self.gate(self.layer(h, self.l2), None)
+        return self.layer(h, self.l3)
+
+
+class MatmulForm(FLinearForm):
+    def layer(self, h, m):
+        return h @ m.weight.T + m.bias
+
+
+class MethodForm(FLinearForm):
+    def layer(self, h, m):
+        return h.matmul(m.weight.t()).add(m.bias)
+
+
+class MmForm(FLinearForm):
+    def layer(self, h, m):
+        return torch.add(torch.mm(h, m.weight.t()), m.bias)
+
+
+class AddmmForm(FLinearForm):
+    def layer(self, h, m):
+        return torch.addmm(m.bias, h, m.weight.T)
+
+
+class BmmForm(FLinearForm):  # the weight expanded to the batch: parameters alone, x.size(0)
+    def layer(self, h, m):
+        w = m.weight.T.unsqueeze(0).expand(h.size(0), -1, -1)
+        return torch.bmm(h.unsqueeze(1), w).squeeze(1) + m.bias
+
+
+FORMS = {"F.linear": FLinearForm, "matmul": MatmulForm, "method": MethodForm, "mm": MmForm,
+         "addmm": AddmmForm, "bmm": BmmForm}
+
+
+def _twins(form, act: bool, seed: int = 0):
+    """The module form and ``form`` with the same parameters, x, and both moved alike."""
+    torch.manual_seed(seed)
+    model = ModuleForm(act).to(DTYPE)
+    other = form(act).to(DTYPE)
+    other.load_state_dict(model.state_dict())
+    x = torch.randn(40, 6, dtype=DTYPE, generator=torch.Generator().manual_seed(seed + 1))
+    moved = _moved(model, 0.3)
+    moved_other = form(act).to(DTYPE)
+    moved_other.load_state_dict(moved.state_dict())
+    return model, other, moved, moved_other, x
+
+
+def _value_and_grad(est, moved: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    value = est.distance(moved)
+    return value.detach(), list(torch.autograd.grad(value, list(moved.parameters())))
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_laftr_on_a_linear_network_written_with_weights_in_forward_is_the_exact_fsd(form):
+    # LAFTR's Δa·ΔW term: dropped here it gave NTK's value (0.41× ExactFSD)
+    model, other, moved, moved_other, x = _twins(FORMS[form], act=False)
+    exact = fsd.ExactFSD().fit(model, x).distance(moved)
+    twin, twin_grad = _value_and_grad(fsd.LAFTR(coreset_size=None).fit(model, x), moved)
+    value, grad = _value_and_grad(fsd.LAFTR(coreset_size=None).fit(other, x), moved_other)
+    ntk = fsd.NTK(coreset_size=None).fit(model, x).distance(moved)
+    assert abs(float(ntk.detach() / exact.detach()) - 1) > 0.1  # far from first order
+    torch.testing.assert_close(twin, exact, rtol=1e-9, atol=0)
+    torch.testing.assert_close(value, exact, rtol=1e-9, atol=0)
+    for g, h in zip(grad, twin_grad, strict=True):
+        torch.testing.assert_close(g, h, rtol=1e-9, atol=1e-12)
+
+
+class Gains(nn.Module):
+    """Linear in x, but not in the parameters: gains, a softplus scale, a quotient, a sign mask,
+    a product of two weight matrices, a convolution and a bias, all read in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_w = nn.Parameter(0.3 * torch.randn(3, 2, 3, 3))
+        self.conv_b = nn.Parameter(0.1 * torch.randn(3))
+        self.l1 = nn.Linear(48, 8)
+        self.g = nn.Parameter(1 + 0.2 * torch.randn(8))
+        self.s = nn.Parameter(torch.tensor(1.5))
+        self.raw = nn.Parameter(0.5 * torch.randn(8))
+        self.a, self.b = nn.Parameter(torch.randn(8, 5) / 3), nn.Parameter(torch.randn(5, 3) / 2)
+        self.bias = nn.Parameter(0.1 * torch.randn(3))
+
+    def forward(self, x):
+        h = F.conv2d(x, self.conv_w, self.conv_b, padding=1).flatten(1)
+        h = self.l1(h) * self.g * self.s  # elementwise gain, then a scalar one
+        h = h * F.softplus(self.raw) / self.s  # a function of parameters alone; a quotient
+        h = torch.where(self.raw > 0, h, -0.5 * h)  # a mask of parameters: it moves too
+        return torch.einsum("ni,ij,jk->nk", h, self.a, self.b) + self.bias
+
+
+def test_laftr_is_the_exact_fsd_on_a_linear_network_with_gains_convolutions_and_products():
+    torch.manual_seed(2)
+    model = Gains().to(DTYPE)
+    x = torch.randn(30, 2, 4, 4, dtype=DTYPE)
+    moved = _moved(model, 0.3)
+    assert ((moved.raw > 0) != (model.raw > 0)).any()
+    exact = fsd.ExactFSD().fit(model, x).distance(moved)
+    value = fsd.LAFTR(coreset_size=None).fit(model, x).distance(moved)
+    torch.testing.assert_close(value, exact, rtol=1e-9, atol=0)
+    # and for the graph walk itself, a moved copy with a grad: ½ mean ‖z1 − z0‖²
+    reference = {k: v.detach() for k, v in model.named_parameters()}
+    z0, dz = linearized_outputs(moved, reference, x)
+    with torch.no_grad():
+        torch.testing.assert_close(z0, model(x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dz, moved(x) - model(x), rtol=1e-9, atol=1e-12)
+
+
+class ConvForm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.head = nn.Linear(48, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).flatten(1))
+
+
+class FConvForm(ConvForm):
+    def forward(self, x):
+        h = F.conv2d(x, self.conv.weight, self.conv.bias, padding=1)
+        return F.linear(torch.relu(h).flatten(1), self.head.weight, self.head.bias)
+
+
+@pytest.mark.parametrize("form", ["F.linear", "matmul", "conv"])
+def test_a_relu_network_with_weights_read_in_forward_is_its_module_twin(form):
+    # LAFTR, and BGLN-S with the same seed (the same gates, in the same order, get the same
+    # draws): value and gradient
+    if form == "conv":
+        torch.manual_seed(0)
+        model, other = ConvForm().to(DTYPE), FConvForm().to(DTYPE)
+        other.load_state_dict(model.state_dict())
+        x = torch.randn(40, 2, 4, 4, dtype=DTYPE)
+        moved, moved_other = _moved(model, 0.3), FConvForm().to(DTYPE)
+        moved_other.load_state_dict(moved.state_dict())
+    else:
+        model, other, moved, moved_other, x = _twins(FORMS[form], act=True)
+    makes = [lambda: fsd.LAFTR(coreset_size=None),
+             lambda: fsd.BGLN(inputs="coreset", coreset_size=None, num_samples=8, seed=3),
+             lambda: fsd.BGLN(num_samples=16, seed=4)]
+    for make in makes:
+        twin, twin_grad = _value_and_grad(make().fit(model, x), moved)
+        value, grad = _value_and_grad(make().fit(other, x), moved_other)
+        torch.testing.assert_close(value, twin, rtol=1e-9, atol=0)
+        for g, h in zip(grad, twin_grad, strict=True):
+            torch.testing.assert_close(g, h, rtol=1e-9, atol=1e-12)
+
+
+def test_weights_read_in_forward_lose_no_more_digits_than_nn_linear_near_the_reference():
+    # float32, a move of 1e-4: Δz is formed as f(Δa, W1) + f(a0, ΔW), to float32's 1e-7 as
+    # the module's; as the difference of two nearly equal outputs it is off by 2e-4
+    model, _, _, _, x = _twins(FLinearForm, act=True)
+    model, x = model.float(), x.float()
+    moved, moved_other = _moved(model, 1e-4), FLinearForm(True)
+    moved_other.load_state_dict(moved.state_dict())
+    reference = {k: v.detach() for k, v in model.named_parameters()}
+    with torch.no_grad():
+        twin = linearized_outputs(moved, reference, x)[1]
+        dz = linearized_outputs(moved_other, reference, x)[1]
+    assert float((dz - twin).abs().max()) < 1e-5 * float(twin.abs().max())
+
+
+def test_layer_norm_read_in_forward_is_the_module():
+    class Module(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.norm, self.out = nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.out(F.gelu(self.norm(self.inp(x))))
+
+    class Functional(Module):
+        def forward(self, x):
+            h = F.layer_norm(self.inp(x), (8,), self.norm.weight, self.norm.bias)
+            return self.out(F.gelu(h))
+
+    torch.manual_seed(6)
+    model, other = Module().to(DTYPE), Functional().to(DTYPE)
+    other.load_state_dict(model.state_dict())
+    x = torch.randn(20, 6, dtype=DTYPE)
+    moved, moved_other = _moved(model, 0.3), Functional().to(DTYPE)
+    moved_other.load_state_dict(moved.state_dict())
+    torch.testing.assert_close(fsd.LAFTR(coreset_size=None).fit(other, x).distance(moved_other),
+                               fsd.LAFTR(coreset_size=None).fit(model, x).distance(moved),
+                               rtol=1e-9, atol=0)

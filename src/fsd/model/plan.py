@@ -137,7 +137,8 @@ class Plan:
         (``F.relu``, ``torch.relu``, ``x.relu()``, ``F.leaky_relu``, ``F.gelu``, ``F.silu``,
         ``torch.tanh``, ``torch.sigmoid``, ``F.elu``, ``F.softplus``, …; path: the node's name) — in
         both cases only where its input depends on the model's input: an activation of parameters
-        alone (``F.softplus(self.scale)``) is not a unit's response to the data and is linearized.
+        alone (``F.softplus(self.scale)``) is not a unit's response to the data: it is evaluated
+        exactly on both networks (:mod:`fsd.model.linearize`).
         """
         return self._traced[2]
 
