@@ -199,3 +199,20 @@ def test_statistics_recorded_on_a_model_of_another_width_are_refused_at_fit(make
         warnings.simplefilter("ignore")
         with pytest.raises(ValueError, match="statistics= do not fit this model"):
             make().fit(mlp([4, 8, 3]), statistics=collector)
+
+
+class _PlainTensorAttribute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.scale = nn.Linear(4, 3).double(), torch.ones(3, dtype=DTYPE)
+
+    def forward(self, x):
+        return torch.relu(self.layer(x)) * self.scale
+
+
+@pytest.mark.parametrize("make", [fsd.LAFTR, fsd.BGLN])
+def test_a_tensor_attribute_that_is_not_a_buffer_is_named_at_fit(make):
+    # θ0 holds parameters and buffers: a plain tensor attribute has no reference value
+    with pytest.raises(ValueError, match=r"reads 'scale', a tensor that is neither a parameter "
+                                         r"nor a buffer .*self\.register_buffer"):
+        make().fit(_PlainTensorAttribute(), _x())

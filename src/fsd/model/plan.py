@@ -147,6 +147,8 @@ class Plan:
         """Every node of :attr:`graph` in order, with its kind, key and liveness."""
         model = self._live()
         modules = dict(model.named_modules())
+        held = {name for name, _ in model.named_parameters()} | {
+            name for name, _ in model.named_buffers()}
         order = list(self.graph.nodes)
         position = {n: i for i, n in enumerate(order)}
         planned = []
@@ -158,6 +160,13 @@ class Plan:
             elif node.op == "call_module":
                 kind, path, module = "module", self.sites[node], modules[str(node.target)]
             else:
+                if node.op == "get_attr" and str(node.target) not in held:
+                    # θ0 is the parameters and buffers: another tensor has no reference value
+                    raise UnsupportedModuleError(
+                        f"{type(model).__name__}.forward reads '{node.target}', a tensor that "
+                        f"is neither a parameter nor a buffer (a plain attribute, or a tensor "
+                        f"made in forward): register it with self.register_buffer so the "
+                        f"summary holds it")
                 kind = {"placeholder": "input", "get_attr": "parameter",
                         "output": "output"}.get(node.op, "operation")
             planned.append(PlanNode(node, kind, path, module,
