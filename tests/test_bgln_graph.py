@@ -14,6 +14,7 @@ expectation of ½‖Δz‖² depends on the first and second moments of the pair
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -366,6 +367,58 @@ def test_an_activation_of_parameters_alone_is_linearized_not_gated():
     est = fsd.BGLN().fit(model, _data(200))
     assert sorted(k for k in est._state if k.startswith("gate")) == ["gate.relu"]
     assert float(est.distance(perturbed(model, 0.3))) > 0
+
+
+class _ResidualWith(nn.Module):
+    def __init__(self, act) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(3, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+        self.act = act
+
+    def forward(self, x):
+        h = self.act(self.fc1(x))
+        return self.out(h + self.act(self.fc2(h)))
+
+
+@pytest.mark.parametrize("spelling", [lambda h: h.clamp(min=0), lambda h: torch.clamp(h, 0),
+                                      lambda h: h.clamp_min(0), lambda h: torch.clamp_min(h, 0)])
+def test_a_relu_spelled_as_a_clamp_is_gated_like_f_relu(spelling):
+    # it was linearized at the sampled reference instead (−35 % on a CNN), without a word
+    def pair(act):
+        torch.manual_seed(0)
+        model = _ResidualWith(act).to(DTYPE)
+        return model, perturbed(model, 0.3)
+    model, moved = pair(spelling)
+    twin, twin_moved = pair(F.relu)
+    assert len(graph_gates(model)) == 2
+    data = _data(200)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a gated clamp is not an ungated activation
+        value = fsd.BGLN(seed=3).fit(model, data).distance(moved)
+    assert value.item() == fsd.BGLN(seed=3).fit(twin, data).distance(twin_moved).item()
+
+    class Chain(nn.Module):  # and a chain reads it as a ReLU layer (Algorithm 2 walks it)
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(3, 6), nn.Linear(6, 2)
+
+        def forward(self, x):
+            return self.fc2(spelling(self.fc1(x)))
+    assert [type(layer.module) for layer in trace(Chain())] == [nn.Linear, nn.ReLU, nn.Linear]
+
+
+@pytest.mark.parametrize("act, named", [(nn.ReLU6(), "ReLU6 at 'act'"),
+                                        (lambda h: h.clamp(0, 1), "clamp at 'clamp'"),
+                                        (F.hardswish, "hardswish at 'hardswish'")])
+def test_bgln_s_says_which_activations_it_does_not_gate(act, named):
+    torch.manual_seed(0)
+    model = _ResidualWith(act).to(DTYPE)
+    with pytest.warns(UserWarning, match=f"linearized at the reference.*{named}"):
+        est = fsd.BGLN().fit(model, _data(200))
+    assert math.isfinite(float(est.distance(perturbed(model, 0.3))))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # LAFTR linearizes every activation: nothing to say
+        fsd.LAFTR().fit(model, _data(200))
 
 
 # ----------------------------------------------------------------------------------------

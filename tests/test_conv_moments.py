@@ -31,6 +31,10 @@ def _cnn(variant: str = "pool", seed: int = 0) -> nn.Sequential:
         layers = [nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.LeakyReLU(0.1),
                   nn.MaxPool2d(3, stride=2, padding=1), nn.AvgPool2d(1), nn.Flatten(),
                   nn.Dropout(0.3), nn.Linear(12, 4), nn.Sigmoid(), nn.Linear(4, 3)]
+    elif variant == "padding-modes":  # borders reflected and wrapped: still linear maps
+        layers = [nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect"), nn.ReLU(),
+                  nn.MaxPool2d(2), nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular"),
+                  nn.ReLU(), nn.Flatten(), nn.Linear(64, 5), nn.ReLU(), nn.Linear(5, 3)]
     else:  # the paper's CNN shape in miniature: conv-conv-pool-conv-conv-pool-fc-fc
         layers = [nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.Conv2d(2, 2, 3), nn.ReLU(),
                   nn.MaxPool2d(2), nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(),
@@ -46,7 +50,8 @@ def _cnn(variant: str = "pool", seed: int = 0) -> nn.Sequential:
     return model
 
 
-SHAPES = {"pool": (2, 8, 8), "overlap": (2, 8, 8), "paper": (1, 8, 8)}
+SHAPES = {"pool": (2, 8, 8), "overlap": (2, 8, 8), "paper": (1, 8, 8),
+          "padding-modes": (2, 8, 8)}
 
 
 def _moved(model: nn.Module, scale: float = 0.1, seed: int = 1) -> nn.Module:

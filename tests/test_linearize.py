@@ -85,6 +85,9 @@ ZOO = {
     "residual-mlp": (ResidualMLP, (6,)),
     "tiny-resnet": (TinyResNet, (2, 6, 6)),
     "transformer": (TransformerBlock, (5, 8)),
+    "padded-chain": (lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(),
+                                           nn.Conv2d(3, 3, 3, padding=2, dilation=2),
+                                           nn.Flatten(), nn.Linear(108, 3)), (2, 6, 6)),
     "gelu-mlp": (lambda: _mlp(nn.GELU()), (6,)),
     "leaky-mlp": (lambda: _mlp(nn.LeakyReLU(0.1)), (6,)),
     "tanh-mlp": (lambda: _mlp(nn.Tanh()), (6,)),
@@ -176,6 +179,27 @@ def test_laftr_on_any_graph_equals_the_brute_force_expansion(name):
     # and the estimator: ½ mean ‖Δz‖² over the coreset
     value = fsd.LAFTR(inputs="coreset").fit(model, x).distance(moved)
     torch.testing.assert_close(value, 0.5 * expected.pow(2).sum(-1).mean(), rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+@pytest.mark.parametrize("name", ["tiny-resnet", "padded-chain"])
+def test_laftr_pads_as_the_convolution_does(name, mode):
+    # the pass once padded every Conv2d with zeros, whatever its padding_mode (−18 to −31 %
+    # on a linear CNN); the brute force runs each module's own forward
+    model, x = _build(name)
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            m.padding_mode = mode
+    moved = _moved(model)
+    expected = brute_force_laftr(model, moved, x)
+    for estimator in (fsd.LAFTR(inputs="coreset"), fsd.BGLN(inputs="coreset")):
+        value = estimator.fit(model, x).distance(moved)
+        if isinstance(estimator, fsd.LAFTR):
+            torch.testing.assert_close(value, 0.5 * expected.pow(2).sum(-1).mean(),
+                                       rtol=1e-9, atol=0)
+    reference = {k: v.detach() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    _, dz = linearized_outputs(moved, reference, x, true_gates)  # BGLN-S's pass, LAFTR's gates
+    torch.testing.assert_close(dz, expected, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["residual-mlp", "tiny-resnet", "transformer"])
@@ -290,7 +314,7 @@ def test_bgln_d_refuses_a_graph_it_cannot_walk_and_says_what_works():
 
 GATES = {"residual-mlp": ["act1", "act2"], "tiny-resnet": ["stem.2", "act1", "act2"],
          "transformer": ["mlp.1"], "gelu-mlp": ["1", "3"], "leaky-mlp": ["1", "3"],
-         "tanh-mlp": ["1", "3"], "softplus-mlp": ["1", "3"]}
+         "tanh-mlp": ["1", "3"], "softplus-mlp": ["1", "3"], "padded-chain": ["1"]}
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))

@@ -123,10 +123,14 @@ def test_conv2d_rule_against_explicit_loops(stride, padding, dilation, groups):
     torch.testing.assert_close(rule.apply(m, x, w, None), expected, rtol=1e-12, atol=1e-12)
 
 
-def test_conv2d_with_another_padding_mode_is_refused():
-    m = nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect")
-    with pytest.raises(fsd.UnsupportedModuleError, match="padding_mode='reflect'"):
-        rules.rule_for(m, "").hyper(m)
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+def test_conv2d_pads_as_the_module_does(mode):
+    m = nn.Conv2d(2, 3, 3, padding=(1, 2), padding_mode=mode).double()
+    x = _randn(2, 2, 5, 6, seed=8)
+    rule = rules.rule_for(m, "conv")
+    torch.testing.assert_close(rule.apply(m, x, m.weight, m.bias), m(x), rtol=0, atol=0)
+    assert rule.hyper(m)["padding_mode"] == mode  # a summary records it
+    assert "padding_mode" not in rule.hyper(nn.Conv2d(1, 1, 3))  # older summaries still load
 
 
 @pytest.mark.parametrize("module, slope", [(nn.ReLU(), 0.0), (nn.LeakyReLU(0.2), 0.2),

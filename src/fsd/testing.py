@@ -136,8 +136,7 @@ def _dense_layer(module: nn.Module, shape: tuple[int, ...]
         return weight, bias, (weight.shape[0],)
     if isinstance(module, nn.Conv2d):
         weight = _float64(module.weight)
-        out = torch.nn.functional.conv2d(basis, weight, None, module.stride, module.padding,
-                                         module.dilation, module.groups)
+        out = module._conv_forward(basis, weight, None)  # its own padding_mode too
         bias = torch.zeros(out.shape[1], dtype=torch.float64) if module.bias is None \
             else _float64(module.bias)
         return (out.reshape(d, -1).T, bias.repeat_interleave(out[0, 0].numel()),

@@ -21,6 +21,7 @@ propagates moments along a chain and refuses other graphs at ``fit``.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, ClassVar
 
 import torch
@@ -32,6 +33,7 @@ from ..model import support
 from ..model.autodiff import one_line
 from ..model.hooks import forward_hooks
 from ..model.linearize import graph_gates, linearized_outputs, linearized_pass, true_gates
+from ..model.plan import read as read_plan
 from ..model.plan import trace
 from ..model.rules import (
     SMOOTH_MOMENTS,
@@ -42,7 +44,7 @@ from ..model.rules import (
     is_gate,
 )
 from ..model.signature import layer_signature, model_state, parameter_signature
-from ..model.tracing import runnable
+from ..model.tracing import runnable, unwrap
 from ..moments import evaluators
 from ..statistics.collector import StatisticsCollector
 from ..statistics.coreset import Reservoir
@@ -211,6 +213,14 @@ class _LinearizedEstimator(Estimator):
             # a chain's gate layers, or the activations of a graph (BGLN-S)
             gates = graph_gates(model) if layers is None else \
                 [layer for layer in layers if layer.rule.collects == "gates"]
+            ungated = [] if layers is not None else read_plan(unwrap(model)).ungated
+            if ungated:
+                warnings.warn(
+                    f"{self._name} samples Bernoulli gates at ReLU-like and smooth activations "
+                    f"only; these have no gate rule and are linearized at the reference "
+                    f"instead, as LAFTR does: {', '.join(ungated)}; write a ReLU as nn.ReLU, "
+                    f"F.relu or x.clamp(min=0), or register a rule with fsd.register_rule",
+                    stacklevel=3)
             stored = self._gate_means()
             missing = [layer.path for layer in gates if layer.path not in stored]
             if missing:

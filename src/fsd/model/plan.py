@@ -23,6 +23,8 @@ from . import rules, support
 from .hooks import forward_hooks
 from .rules import TracedLayer, UnsupportedModuleError, rule_for
 from .tracing import (
+    UNGATED_FUNCTIONS,
+    UNGATED_METHODS,
     _gate_call,
     _is_batch_size,
     _replacement,
@@ -86,6 +88,11 @@ class PlanNode:
     last_use: int
 
 
+# in torch.nn.modules.activation, but not elementwise activations a gate could replace
+_NOT_ACTIVATIONS = (nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d, nn.MultiheadAttention,
+                    nn.GLU)
+
+
 class Plan:
     """A model's ``forward`` read once (:func:`read`); each part is read on first use.
 
@@ -141,6 +148,35 @@ class Plan:
         exactly on both networks (:mod:`fsd.model.linearize`).
         """
         return self._traced[2]
+
+    @cached_property
+    def ungated(self) -> list[str]:
+        """Activations on the data that BGLN does not gate, as ``"<what> at '<path>'"``.
+
+        ``nn.ReLU6``, ``nn.Hardtanh``, ``F.hardswish``, ``torch.clamp`` other than at zero from
+        below, ``torch.maximum``, …: no gate rule says what a Bernoulli gate of theirs is, so
+        the graph walk linearizes them at the reference, as LAFTR does everywhere.
+        """
+        model = self._live()
+        modules = dict(model.named_modules())
+        data: set[fx.Node] = set()
+        found = []
+        for node in self.graph.nodes:
+            if node.op == "placeholder" or any(n in data for n in node.all_input_nodes):
+                data.add(node)
+            if node not in data or node in self.gates:
+                continue
+            if node.op == "call_module":
+                module = modules[str(node.target)]
+                kind = type(module)
+                if (kind.__module__ == "torch.nn.modules.activation" and kind not in rules.RULES
+                        and kind not in _NOT_ACTIVATIONS):
+                    found.append(f"{kind.__name__} at '{self.sites[node]}'")
+            elif (node.op == "call_function" and node.target in UNGATED_FUNCTIONS) or (
+                    node.op == "call_method" and node.target in UNGATED_METHODS):
+                name = getattr(node.target, "__name__", str(node.target))
+                found.append(f"{name} at '{node.name}'")
+        return found
 
     @cached_property
     def nodes(self) -> tuple[PlanNode, ...]:

@@ -734,19 +734,23 @@ def weight_bias(params: Mapping[str, Tensor], path: str) -> tuple[Tensor, Tensor
 
 
 def _conv2d_hyper(m: nn.Conv2d) -> dict:
-    if m.padding_mode != "zeros":
-        raise UnsupportedModuleError(
-            f"Conv2d with padding_mode={m.padding_mode!r} is not supported (only 'zeros')"
-        )
-    return {
+    hyper = {
         "stride": list(m.stride),
         "padding": m.padding if isinstance(m.padding, str) else list(m.padding),
         "dilation": list(m.dilation),
         "groups": m.groups,
     }
+    if m.padding_mode != "zeros":  # absent for zeros: summaries written before keep loading
+        hyper["padding_mode"] = m.padding_mode
+    return hyper
 
 
 def _conv2d(m: nn.Conv2d, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    if m.padding_mode != "zeros":
+        # as nn.Conv2d pads: reflect/replicate/circular are linear maps of x, so the
+        # linearized passes and Algorithm 2 stay exact; the corrected recursion refuses them
+        x = F.pad(x, m._reversed_padding_repeated_twice, mode=m.padding_mode)
+        return F.conv2d(x, weight, bias, m.stride, 0, m.dilation, m.groups)
     return F.conv2d(x, weight, bias, m.stride, m.padding, m.dilation, m.groups)
 
 

@@ -394,6 +394,8 @@ def _gate_call(node: fx.Node) -> nn.Module | None:
         return nn.ReLU()
     if node.op == "call_method" and node.target == "relu":
         return nn.ReLU()
+    if _clamps_at_zero(node):
+        return nn.ReLU()
     if node.op == "call_function" and node.target is F.leaky_relu and not _inplace(node):
         slope = node.kwargs.get("negative_slope", node.args[1] if len(node.args) > 1 else 0.01)
         if isinstance(slope, (int, float)):  # a constant, not a traced value
@@ -403,6 +405,27 @@ def _gate_call(node: fx.Node) -> nn.Module | None:
     if node.op == "call_method" and node.target in _SMOOTH_METHODS:
         return _SMOOTH_METHODS[str(node.target)]()
     return None
+
+
+def _clamps_at_zero(node: fx.Node) -> bool:
+    """``torch.clamp(x, min=0)``, ``x.clamp(min=0)``, ``x.clamp_min(0)``: a ReLU spelled so."""
+    if node.op == "call_function" and node.target in (torch.clamp, torch.clamp_min):
+        pass
+    elif not (node.op == "call_method" and node.target in ("clamp", "clamp_min")):
+        return False
+    low = node.kwargs.get("min", node.args[1] if len(node.args) > 1 else None)
+    high = node.kwargs.get("max", node.args[2] if len(node.args) > 2 else None)
+    return (isinstance(low, (int, float)) and not isinstance(low, bool) and low == 0
+            and high is None)
+
+
+# activations BGLN has no gate for: the graph walk linearizes them at the reference instead
+# (fsd.model.plan.Plan.ungated names them)
+UNGATED_FUNCTIONS = (F.relu6, F.hardtanh, F.threshold, F.hardswish, F.hardsigmoid, F.selu,
+                     F.celu, F.mish, F.prelu, F.rrelu, F.logsigmoid, F.hardshrink,
+                     F.softshrink, F.softsign, F.tanhshrink, torch.clamp, torch.clamp_min,
+                     torch.clamp_max, torch.maximum, torch.minimum)
+UNGATED_METHODS = ("clamp", "clamp_min", "clamp_max", "maximum", "minimum")
 
 
 def _replacement(node: fx.Node) -> nn.Module | None:

@@ -87,8 +87,20 @@ def _fixed_squared(layer: TracedLayer, x: Tensor) -> Tensor:
 
 
 def check_squared(layers: list[TracedLayer]) -> None:
-    """Refuse a parameter-free layer whose rule does not say how it carries variances."""
+    """Refuse a layer whose variances the squared coefficients do not carry.
+
+    A parameter-free layer needs its rule's squared map; a Conv2d must pad with zeros (a
+    reflected or wrapped border puts one input twice in a window, so Σ_i J_ji² v_i is not
+    the convolution with W²).
+    """
     for layer in layers:
+        mode = getattr(layer.module, "padding_mode", "zeros")
+        if is_affine(layer.rule) and mode != "zeros":
+            raise UnsupportedModuleError(
+                f"the corrected recursion carries variances by squared weights, which a "
+                f"{type(layer.module).__name__} with padding_mode={mode!r} at '{layer.path}' "
+                f"does not allow (an input can fall twice in one window): use "
+                f"BGLN(deterministic=True) (Algorithm 2) or padding_mode='zeros'")
         if is_fixed(layer.rule) and getattr(layer.rule, "squared", None) is None:
             raise UnsupportedModuleError(
                 f"the corrected recursion carries variances through every layer, and the rule "
@@ -321,7 +333,7 @@ def conv_second_moment(steps: list[Step], params0: Mapping[str, Tensor],
     mean_d: Tensor | None = None
     factor_d: Tensor | None = None  # the difference side of the factor columns
     t0d = tdd = None
-    injections: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+    injections: dict[int, tuple[Tensor, Tensor | None, Tensor | None]] = {}
     for position, step in enumerate(steps):
         state = states[position]
         columns, carried = state["columns"], state["carried"]
@@ -336,7 +348,9 @@ def conv_second_moment(steps: list[Step], params0: Mapping[str, Tensor],
             continue
         (layer,) = step
         rule = layer.rule
-        if mean_d is None:  # before the first affine layer Δa = 0
+        if mean_d is None:  # before the first affine layer Δa = 0: only a0 gets variance
+            if _injects(step) and (needed or position == last_injection):
+                injections[position] = (state["n00"], None, None)
             continue
         delta_columns = mean_d if factor_d is None else torch.cat([mean_d, factor_d], 1)
         routed_d = rule.expected_delta(layer, delta_columns, statistics)
@@ -403,10 +417,14 @@ def conv_second_moment(steps: list[Step], params0: Mapping[str, Tensor],
         injection = injections.get(position)
         if injection is not None:
             n00, n0d, ndd = injection
-            value = (s_d.pow(2).sum(1) * ndd.squeeze(1))
-            if s_0 is not None:
-                value = value + s_0.pow(2).sum(1) * n00.squeeze(1) \
-                    + 2 * (s_0 * s_d).sum(1) * n0d.squeeze(1)
+            if n0d is None or ndd is None:  # before the first run: a0's rows alone
+                assert s_0 is not None
+                value = s_0.pow(2).sum(1) * n00.squeeze(1)
+            else:
+                value = (s_d.pow(2).sum(1) * ndd.squeeze(1))
+                if s_0 is not None:
+                    value = value + s_0.pow(2).sum(1) * n00.squeeze(1) \
+                        + 2 * (s_0 * s_d).sum(1) * n0d.squeeze(1)
             correction = correction + value.flatten(1).sum(-1)
         if position < first_run:  # before the first affine layer only a0 moves
             assert s_0 is not None
