@@ -614,3 +614,41 @@ def test_parameter_space_estimators_take_a_joined_two_input_model(name):
 def test_algorithm_2_refuses_a_joined_two_input_model_at_fit():
     with pytest.raises(fsd.UnsupportedModuleError):
         fsd.BGLN(deterministic=True).fit(_Joined(_TwoInputs(), 4), torch.randn(64, 7))
+
+
+# ----- CNN walks that failed at distance with torch's own messages ---------------------------
+@pytest.mark.parametrize("first", [nn.ReLU(), nn.MaxPool2d(2)])
+def test_algorithm2_refuses_a_chain_that_starts_with_a_gate_at_fit(first):
+    # it raised a shape mismatch inside a vector-Jacobian product at every distance
+    size = 32 if isinstance(first, nn.ReLU) else 2
+    model = nn.Sequential(first, nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(size, 3))
+    x = torch.randn(40, 1, 6, 6)
+    with pytest.raises(NotImplementedError, match=f"{type(first).__name__} at '0' comes first"):
+        fsd.BGLN(deterministic=True).fit(model, x)
+    assert math.isfinite(float(fsd.BGLN().fit(model, x).distance(perturbed(model, 0.1))))
+
+
+def test_distance_by_a_graph_walk_on_a_cnn_is_refused_in_one_line():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3))
+    est = fsd.BGLN(deterministic=True).fit(model, torch.randn(40, 1, 6, 6))
+    with pytest.raises(NotImplementedError, match=r"needs flat inputs \(got examples of shape"):
+        est.distance_by(perturbed(model, 0.1), "exact-graph")
+
+
+class _BatchStatisticsGraph(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+        self.bn = nn.BatchNorm2d(2, track_running_stats=False)
+        self.fc = nn.Linear(72, 3)
+
+    def forward(self, x):
+        h = self.conv(x)
+        return self.fc((torch.relu(self.bn(h)) + h).flatten(1))
+
+
+@pytest.mark.parametrize("make", [fsd.LAFTR, fsd.BGLN])
+def test_batch_norm_without_running_statistics_in_a_graph_is_named(make):
+    # was: "cannot linearize this model's graph ('running_mean')"
+    with pytest.raises(fsd.UnsupportedModuleError, match="BatchNorm2d at 'bn' without running"):
+        make().fit(_BatchStatisticsGraph().eval(), torch.randn(20, 1, 6, 6))

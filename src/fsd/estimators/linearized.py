@@ -40,6 +40,7 @@ from ..model.rules import (
     GateFn,
     TracedLayer,
     UnsupportedModuleError,
+    check_running_statistics,
     fired_pairs,
     is_gate,
 )
@@ -168,6 +169,7 @@ class _LinearizedEstimator(Estimator):
     # ----- fit --------------------------------------------------------------------------
     def _fit(self, model: nn.Module, data: Data | None, *, statistics: Any,
              dtype: torch.dtype, device: torch.device, progress: bool) -> None:
+        check_running_statistics(model)  # a graph's walk would fail on it, cryptically
         layers = self._chain(model)
         gaussian = self.config["inputs"] == "gaussian"
         needs_stats = gaussian or self.bernoulli

@@ -796,12 +796,21 @@ def _always(m: nn.Module) -> bool:
     return True
 
 
+def check_running_statistics(model: nn.Module) -> None:
+    """Refuse a BatchNorm without running statistics: it is no function of one input."""
+    for path, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (
+                m.running_mean is None or m.running_var is None):
+            where = f" at '{path}'" if path else ""
+            raise UnsupportedModuleError(
+                f"{type(m).__name__}{where} without running statistics "
+                f"(track_running_stats=False) normalises by each batch's own statistics, "
+                f"which is not a fixed affine map; LAFTR and BGLN need "
+                f"track_running_stats=True (ExactFSD, EWC and KFAC take it)")
+
+
 def _batch_norm_hyper(m: nn.modules.batchnorm._BatchNorm) -> dict:
-    if m.running_mean is None or m.running_var is None:
-        raise UnsupportedModuleError(
-            f"{type(m).__name__} without running statistics (track_running_stats=False) "
-            f"normalises by each batch's own statistics, which is not a fixed affine map; "
-            f"LAFTR and BGLN need track_running_stats=True")
+    check_running_statistics(m)
     return {"eps": m.eps, "affine": m.affine}
 
 

@@ -177,15 +177,12 @@ def choose(layers: list[TracedLayer] | None, config: Mapping[str, Any],
     """
     moments: str = config["moments"]
     if layers is None:
-        if len(input_shape) != 1:
-            use = support.advice(support.BGLN_D_EXACT, support.Feature.BRANCH,
-                                 support.Feature.UNFLAT)
-            raise NotImplementedError(
-                f"BGLN-D on a graph that is not a chain needs flat inputs (got examples of "
-                f"shape {input_shape}); {use}")
+        _check_flat_inputs(input_shape)
         return get("exact-graph")
     flat = check_moment_support(layers, input_shape, exact=moments == "exact",
                                 layerwise=config.get("reference") == "layerwise")
+    if moments == "paper":
+        _check_affine_first(layers)
     if not flat:
         if moments in _CONV_NAMES:
             return get(_CONV_NAMES[moments])
@@ -193,6 +190,28 @@ def choose(layers: list[TracedLayer] | None, config: Mapping[str, Any],
         raise NotImplementedError(f"BGLN-D with moments={moments!r} walks MLP chains "
                                   f"only; {use}")
     return get(_CHAIN_NAMES.get(moments, moments))
+
+
+def _check_flat_inputs(input_shape: tuple[int, ...]) -> None:
+    if len(input_shape) != 1:
+        use = support.advice(support.BGLN_D_EXACT, support.Feature.BRANCH,
+                             support.Feature.UNFLAT)
+        raise NotImplementedError(
+            f"BGLN-D on a graph that is not a chain needs flat inputs (got examples of "
+            f"shape {input_shape}); {use}")
+
+
+def _check_affine_first(layers: list[TracedLayer]) -> None:
+    """Algorithm 2 starts from the input's moments at an affine layer: refuse a gate before."""
+    for layer in layers:
+        if is_affine(layer.rule):
+            return
+        if layer.rule.collects is not None:  # a gate or max-pool, whose statistics it reads
+            raise NotImplementedError(
+                f"BGLN-D with moments='paper' (Algorithm 2) needs an affine layer (Linear, "
+                f"Conv2d, BatchNorm) before the first activation or max-pool; "
+                f"{type(layer.module).__name__} at '{layer.path}' comes first; use BGLN-S or "
+                f"LAFTR, or ExactFSD, NTK, EWC or KFAC")
 
 
 def check_graph(config: Mapping[str, Any], error: UnsupportedModuleError) -> None:
@@ -444,8 +463,9 @@ class GraphExactMoments(Evaluator):
     walks = "graph"
 
     def check(self, walk: Walk, summary: MomentSummary) -> None:
-        """Build the plan once: it refuses what it cannot propagate."""
-        self.prepare(walk, summary)  # the plan refuses what it cannot propagate
+        """Refuse inputs that are not flat, then build the plan, which refuses the rest."""
+        _check_flat_inputs(tuple(summary.input_shape))
+        self.prepare(walk, summary)
 
     def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
         """The graph's plan (:func:`fsd.moments.exact_graph.graph_plan`) and the input moments."""
