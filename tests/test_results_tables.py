@@ -537,7 +537,7 @@ def test_gap_plot_draws_every_ratio_of_every_row(tmp_path, capsys):
         continual.gap_markdown(_gap_rows(1, [1e-5, 1e-3]) + _gap_rows(2, [1e-4, 0.0])))
     (bench / "Q2-stopped").mkdir()  # no results.json: labelled without a method
     (bench / "Q2-stopped" / "gap.md").write_text(continual.gap_markdown(_gap_rows(20, [0.5])))
-    fig = reporting._gap_figure(reporting._gap_rows([str(tmp_path)]))
+    fig = reporting._gap_figure(reporting.read_gap_folders([str(tmp_path)]))
     (ax,) = fig.axes
     assert [t.get_text() for t in ax.get_yticklabels()] == ["Q1 bgln-d, 85.00 %", "Q2 –"]
     dots = [c.get_offsets() for c in ax.collections]

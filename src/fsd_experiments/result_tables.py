@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from .continual.reporting import _gap_rows, _per_seed
+from .continual.reporting import per_seed_cell, read_gap_folders
 from .io import read_json
 from .presets import PRESETS
 
@@ -291,7 +291,7 @@ def injections_against_exact_table(folders: Sequence[Path]) -> str:
     """
     if len(folders) < 2:
         raise ValueError("give exact moments' row folder, then the rows to compare with it")
-    found = [_gap_rows([str(folder)])[0] for folder in folders]
+    found = [read_gap_folders([str(folder)])[0] for folder in folders]
     for folder, (_, _, results, _) in zip(folders, found, strict=True):
         if not results:
             raise ValueError(f"{folder} has no results.json")
@@ -315,7 +315,7 @@ def injections_against_exact_table(folders: Sequence[Path]) -> str:
             injections += f" (seed {results['seeds'][0]})"
         bwt = f"{results['backward_transfer']['mean']:.2f}".replace("-", "−")
         ratios = [r["ratio"] for r in rows]
-        lines.append(f"| {row} | {injections} | {_per_seed(results['avg_accuracy'])} | {bwt} | "
+        lines.append(f"| {row} | {injections} | {per_seed_cell(results['avg_accuracy'])} | {bwt} | "
                      f"{min(factors):.2f}–{max(factors):.2f}× | {count} | "
                      f"{min(ratios):.2f}–{max(ratios):.2f} |")
     return "\n".join(lines) + "\n"

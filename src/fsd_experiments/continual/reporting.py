@@ -336,7 +336,8 @@ def _row_changes(hp: Hyperparameters, benchmark: str, method: str) -> str:
     return ", ".join(changed) or "–"
 
 
-def _per_seed(summary: dict[str, Any]) -> str:
+def per_seed_cell(summary: dict[str, Any]) -> str:
+    """A table cell: mean ± sd of a per-seed summary, then each seed's value."""
     values = summary["per_seed"]
     if len(values) < 2:
         return _pm(summary)
@@ -386,7 +387,7 @@ def row_tables(paths: Sequence[str]) -> str:
             lines.append(
                 f"| {row} | {method} | {res.hyperparameters.fsd_scale:g} | "
                 f"{_row_changes(res.hyperparameters, bench, method)} | {seeds} | "
-                f"{_per_seed(res.avg_accuracy)} | {_paper('avg', bench, method, res)} | "
+                f"{per_seed_cell(res.avg_accuracy)} | {_paper('avg', bench, method, res)} | "
                 f"{_pm(res.backward_transfer)} | {_paper('bwt', bench, method, res)} | "
                 f"{res.summary_bytes_per_task:,.0f} | {minutes} | {_machine(res)} |")
         tables.append((bench, "\n".join(lines) + "\n"))
@@ -783,7 +784,8 @@ def _significant_digits(number: str) -> int:
     return len(mantissa.lstrip("0"))
 
 
-def _gap_rows(paths: Sequence[str]) -> list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]]:
+def read_gap_folders(paths: Sequence[str]
+                     ) -> list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]]:
     """(benchmark folder, row id, the ``results.json`` beside or {}, rows) per ``gap.md``.
 
     Row folders are found as ``--rows`` finds them (``ROW-NAME``), sorted by benchmark folder,
@@ -824,7 +826,7 @@ def gap_tables(paths: Sequence[str]) -> str:
         ValueError: no ``gap.md`` under ``paths``, one that does not parse, or a folder
             whose name carries no row id.
     """
-    found = _gap_rows(paths)
+    found = read_gap_folders(paths)
     tables: list[tuple[str, str]] = []
     for bench in dict.fromkeys(b for b, *_ in found):
         lines = ["| row | method | seeds | old tasks | estimate / true: least, median, "
@@ -864,7 +866,7 @@ def gap_plot(paths: Sequence[str], out: str | os.PathLike) -> Path:
     :data:`GAP_AXIS_FLOOR` are drawn at it. Written
     atomically to ``out`` (its suffix picks the format).
     """
-    return _write_figure(_gap_figure(_gap_rows(paths)), out, dpi=110)
+    return _write_figure(_gap_figure(read_gap_folders(paths)), out, dpi=110)
 
 
 def _gap_figure(found: list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]]) -> Any:

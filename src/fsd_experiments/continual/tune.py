@@ -29,7 +29,15 @@ import torch
 
 from ..io import DirectoryInUseError, atomic_write_text, read_json, versioned, write_json
 from ..presets import default_hyperparameters
-from .reporting import _ROW_FOLDER, PAPER, _per_seed, _read_runs, _row_changes, _row_key, merge_runs
+from .reporting import (
+    _ROW_FOLDER,
+    PAPER,
+    _read_runs,
+    _row_changes,
+    _row_key,
+    merge_runs,
+    per_seed_cell,
+)
 from .results import RunResults, _pm
 from .runner import CheckpointMismatchError, UnreadableCheckpointError, run
 from .settings import RunSettings
@@ -296,7 +304,7 @@ def tune_tables(paths: Sequence[str]) -> str:
             f"| {row} | {res.benchmark} | {res.method} | "
             f"{_row_changes(others, res.benchmark, res.method)} | "
             f"{tuning['tuning_seed']}, {split} | {_grid_cell(tuning)} | "
-            f"{' '.join(map(str, res.seeds))} | {_per_seed(res.avg_accuracy)} | "
+            f"{' '.join(map(str, res.seeds))} | {per_seed_cell(res.avg_accuracy)} | "
             f"{PAPER['avg'].get(res.benchmark, {}).get(res.method, '–')} | "
             f"{_pm(res.backward_transfer)} |")
     return "\n".join(lines) + "\n"
