@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -770,6 +771,12 @@ def test_tune_runs_the_papers_protocol_and_resumes(tmp_path, capsys):
     assert "**(chosen)**" in (tmp_path / "tune" / "tune.md").read_text()
     # started again, it trains nothing and writes the same choice
     capsys.readouterr()
+    assert main(args) == 0
+    assert "] task" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "tune" / "tune.json").read_text()) == tuned
+    # nor without the checkpoints (a grid kept as result files, or run on another machine)
+    for folder in sorted((tmp_path / "tune").rglob("checkpoints")):
+        shutil.rmtree(folder)
     assert main(args) == 0
     assert "] task" not in capsys.readouterr().err
     assert json.loads((tmp_path / "tune" / "tune.json").read_text()) == tuned

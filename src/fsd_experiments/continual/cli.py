@@ -306,7 +306,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                     "held-out examples, then run the reported --seeds at that λ on the full "
                     "training sets, reporting the test sets. Each grid point "
                     "(OUT/grid/lambda-<λ>) and the final run (OUT/final) is an ordinary fsd "
-                    "cl run, so a stopped tuning resumes; OUT/tune.json and tune.md hold "
+                    "cl run, so a stopped tuning resumes (a finished one is read from its "
+                    "results.json, checkpoints or not); OUT/tune.json and tune.md hold "
                     "the grid and the choice.")
     _add_run_options(tune_parser, enforce_required=True)
     tune_parser.add_argument(

@@ -7,9 +7,12 @@ accuracy, then report seeds 20, 21 and 22 with it. The grid is scored on a valid
 measured on; the final run trains on the full training sets and reports the test sets.
 Each grid point and the final run are ordinary ``fsd cl`` runs in sub-directories of the
 output (``grid/lambda-<λ>`` and ``final``), so a stopped tuning resumes where it stopped,
-point by point and task by task. ``tune.json`` and ``tune.md`` hold the grid's table, the
-split it was scored on and the chosen λ. With ``jobs`` > 1 the grid points, and then the
-final seeds, run as that many processes at a time; each final seed in
+point by point and task by task; a point (or final run) whose ``results.json`` is complete
+is read, not run, so a grid kept as result files without checkpoints (``fsd cl merge
+--no-checkpoints``, or copied from another machine) is not trained again. ``tune.json``
+and ``tune.md`` hold the grid's table, the split it was scored on and the chosen λ. With
+``jobs`` > 1 the grid points, and then the final seeds, run as that many processes at a
+time; each final seed in
 ``final-seeds/seed<S>``, merged into ``final`` (checkpoints with it) when all are done.
 """
 
@@ -127,8 +130,14 @@ def tune(settings: RunSettings, grid: Sequence[float], tuning_seed: int = 42,
         settings, seeds=(tuning_seed,), out=root / "grid" / f"lambda-{scale:g}", plots=False,
         hyperparameters=dataclasses.replace(settings.hyperparameters, fsd_scale=scale))
         for scale in grid]
+    # a finished point is read from its results.json: its checkpoints may be gone (a grid
+    # committed with `fsd cl merge --no-checkpoints`, or run on another machine)
+    results: list[RunResults | None] = [_finished(point) for point in points]
+    to_run = [point for point, result in zip(points, results, strict=True) if result is None]
+    ran = iter(_run_all(to_run, jobs, root) if to_run else [])
     rows = []
-    for scale, result in zip(grid, _run_all(points, jobs, root), strict=True):
+    for scale, result in zip(grid, [r if r is not None else next(ran) for r in results],
+                             strict=True):
         rows.append({"fsd_scale": scale,
                      "avg_accuracy": float(result.avg_accuracy["mean"]),
                      "backward_transfer": float(result.backward_transfer["mean"])})
@@ -142,7 +151,10 @@ def tune(settings: RunSettings, grid: Sequence[float], tuning_seed: int = 42,
         p.name != ".lock" for p in final_settings.out.iterdir())
     apart = root / "final-seeds"
     # seeds already started apart (by a tuning with jobs > 1) resume apart, whatever jobs is
-    if started or (not apart.is_dir() and (jobs == 1 or len(settings.seeds) == 1)):
+    finished = _finished(final_settings) if started else None
+    if finished is not None:
+        final = finished
+    elif started or (not apart.is_dir() and (jobs == 1 or len(settings.seeds) == 1)):
         final = run(final_settings)
     else:
         seeds = [dataclasses.replace(final_settings, seeds=(seed,), plots=False,
@@ -156,6 +168,19 @@ def tune(settings: RunSettings, grid: Sequence[float], tuning_seed: int = 42,
     write_json(root / "tune.json", result.to_json())
     atomic_write_text(root / "tune.md", result.markdown(settings))
     return result
+
+
+def _finished(settings: RunSettings) -> RunResults | None:
+    """The results of ``settings`` if its folder holds them complete, for these seeds."""
+    file = Path(settings.out) / "results.json"
+    if not file.is_file():
+        return None
+    previous = RunResults.read(file)
+    same = all(getattr(previous, key) == getattr(settings, key)
+               for key in ("benchmark", "method", "hyperparameters"))
+    if same and previous.complete and list(previous.seeds) == list(settings.seeds):
+        return previous
+    return None  # run() resumes it, or refuses other settings in one line
 
 
 # the errors fsd cl reports in one line, rebuilt by name in the parent: a worker's own
