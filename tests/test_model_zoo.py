@@ -63,9 +63,10 @@ _TOKENS = ("refused: BGLN with inputs='gaussian' fits a Gaussian to the inputs, 
            "discrete (torch.int64, e.g. token ids): use BGLN-S with inputs='coreset' or LAFTR "
            "with inputs='coreset' on any graph torch.fx traces, or ExactFSD, NTK, EWC or KFAC "
            "on any model")
-_EXACT_CNN = ("refused: BGLN-D with moments='exact' is implemented for MLPs only: on "
-              "convolutional layers it would carry (C·H·W)² second moments; use BGLN-D with "
-              "moments='paper' (Algorithm 2) on chains of layers with rules (CNNs too), " + _GRAPH)
+_EXACT_CNN = ("refused: BGLN-D with moments='exact' is implemented for MLPs only: on layers "
+              "over images or sequences (inputs that are not flat vectors) it would carry "
+              "(C·H·W)² second moments; use BGLN-D with moments='paper' (Algorithm 2) on chains "
+              "of layers with rules (CNNs too), " + _GRAPH)
 
 
 def _flat(shape: str) -> str:

@@ -652,3 +652,36 @@ def test_batch_norm_without_running_statistics_in_a_graph_is_named(make):
     # was: "cannot linearize this model's graph ('running_mean')"
     with pytest.raises(fsd.UnsupportedModuleError, match="BatchNorm2d at 'bn' without running"):
         make().fit(_BatchStatisticsGraph().eval(), torch.randn(20, 1, 6, 6))
+
+
+class _ShapeUnpacking(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(1, 2, 3, padding=1), nn.Linear(2, 3)
+
+    def forward(self, x):
+        h = self.conv(x)
+        b, c, height, width = h.shape
+        return self.fc(torch.relu(h.reshape(b, c, height * width).transpose(1, 2))).mean(1)
+
+
+def test_a_chain_broken_by_a_shape_read_says_so():
+    # was: "it reads no instead of the previous step 'conv'"
+    with pytest.raises(fsd.UnsupportedModuleError, match="does not read the previous step 'conv'"):
+        fsd.BGLN(deterministic=True).fit(_ShapeUnpacking(), torch.randn(10, 1, 4, 4))
+
+
+def test_an_untraceable_forward_gives_its_advice_once():
+    class Setitem(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.fc(x)
+            h[:, 0] = 0
+            return h
+
+    with pytest.raises(ValueError, match="cannot trace") as caught:
+        fsd.LAFTR().fit(Setitem(), torch.randn(10, 4))
+    assert str(caught.value).count("on any model") == 1

@@ -276,6 +276,9 @@ class _LinearizedEstimator(Estimator):
                 linearized_outputs(model, self.reference_state(), x[:1],
                                    true_gates if self.bernoulli else None)
         except Exception as error:  # of any kind: distance() would raise it on every call
+            if isinstance(error, UnsupportedModuleError):  # its message says what takes it
+                raise ValueError(f"{self._name} cannot linearize this model's graph: "
+                                 f"{one_line(error)}") from None
             raise ValueError(f"{self._name} cannot linearize this model's graph "
                              f"({one_line(error)}); "
                              f"{support.advice(self._walker, support.Feature.NOT_DIFFERENTIABLE)}"

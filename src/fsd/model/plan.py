@@ -332,8 +332,11 @@ def _trace_chain(model: nn.Module, graph: fx.Graph, sites: dict[fx.Node, str]
             continue  # x.size(0) / len(x), read by a flattening view
         inputs = [a for a in node.all_input_nodes if not _is_batch_size(a)]
         if inputs != [current]:
-            raise _branch_error(name, node, f"it reads {', '.join(map(str, inputs)) or 'no'} "
-                                            f"instead of the previous step '{current}'")
+            read = (f"it reads {', '.join(map(str, inputs))} instead of the previous step "
+                    f"'{current}'" if inputs else
+                    f"it does not read the previous step '{current}' (a size other than the "
+                    f"batch's, x.size(0), read from a shape?)")
+            raise _branch_error(name, node, read)
         steps.append(_step(name, node, modules, sites))
         current = node
     if not steps:

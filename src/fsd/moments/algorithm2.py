@@ -53,8 +53,9 @@ def check_moment_support(layers: list[TracedLayer], input_shape: tuple[int, ...]
         if what is not None:
             failing = support.BGLN_D_EXACT if exact else support.BGLN_D_LAYERWISE
             raise NotImplementedError(
-                f"BGLN-D with {what} is implemented for MLPs only: on convolutional layers it "
-                f"would carry (C·H·W)² second moments; "
+                f"BGLN-D with {what} is implemented for MLPs only: on layers over images or "
+                f"sequences (inputs that are not flat vectors) it would carry (C·H·W)² second "
+                f"moments; "
                 f"{support.advice(failing, support.Feature.UNFLAT)}")
         for layer in layers:
             if isinstance(layer.module, nn.MaxPool2d) and layer.module.ceil_mode:
