@@ -40,8 +40,8 @@ def _cnn(seed: int = 0) -> nn.Sequential:
 def _randomise_statistics(model: nn.Module, seed: int) -> nn.Module:
     g = torch.Generator().manual_seed(100 + seed)
     with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        for m in model.modules():  # BatchNorm, and InstanceNorm with running statistics
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
                 m.running_mean.copy_(torch.rand(m.num_features, generator=g, dtype=DTYPE) - 0.5)
                 m.running_var.copy_(0.5 + torch.rand(m.num_features, generator=g, dtype=DTYPE))
                 if m.affine:
@@ -79,7 +79,7 @@ def _moved(model: nn.Module, parameters: bool = True, statistics: bool = True) -
                 p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=DTYPE))
         if statistics:
             for m in moved.modules():
-                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
                     m.running_mean.add_(0.3 * torch.randn(m.num_features, generator=g,
                                                           dtype=DTYPE))
                     m.running_var.mul_(1 + 0.5 * torch.rand(m.num_features, generator=g,
@@ -198,3 +198,24 @@ def test_fit_on_data_records_in_evaluation_mode_without_the_warning():
         warnings.simplefilter("error")
         fsd.BGLN(deterministic=True).fit(model, x, progress=False)
     assert model.training  # fit restores the mode it found
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_ntk_takes_an_instance_norm_with_running_statistics_as_its_batch_norm_twin(affine):
+    # in evaluation an InstanceNorm with running statistics is the BatchNorm map; NTK refused
+    # it ("batch_norm is not differentiable wrt running_mean")
+    def make(norm: type[nn.Module]) -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(2, 3, 3), norm(3, affine=affine, track_running_stats=True),
+                              nn.ReLU(), nn.Flatten(), nn.Linear(27, 2)).to(DTYPE)
+        return _randomise_statistics(model, 1).eval()
+    instance, batch = make(nn.InstanceNorm2d), make(nn.BatchNorm2d)
+    batch.load_state_dict(instance.state_dict(), strict=False)
+    x = torch.randn(30, 2, 5, 5, dtype=DTYPE)
+    torch.testing.assert_close(instance(x), batch(x), rtol=1e-12, atol=1e-12)
+    moved_instance = _moved(instance)
+    moved_batch = copy.deepcopy(batch)
+    moved_batch.load_state_dict(moved_instance.state_dict(), strict=False)
+    value = fsd.NTK().fit(instance, x).distance(moved_instance)
+    torch.testing.assert_close(value, fsd.NTK().fit(batch, x).distance(moved_batch),
+                               rtol=1e-10, atol=0)

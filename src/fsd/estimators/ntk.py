@@ -144,10 +144,12 @@ def explicit_batch_norm(model: nn.Module) -> Iterator[None]:
 
     (x − running_mean) / √(running_var + eps) · weight + bias, written with elementary
     operations, is differentiable in the running statistics — forward-mode included —
-    where ``torch.batch_norm`` is not.
+    where ``torch.batch_norm`` is not. An InstanceNorm with running statistics computes the
+    same map in evaluation mode, and gets the same formula.
     """
     patched = [m for m in model.modules()
-               if isinstance(m, nn.modules.batchnorm._BatchNorm) and not m.training
+               if isinstance(m, (nn.modules.batchnorm._BatchNorm,
+                                 nn.modules.instancenorm._InstanceNorm)) and not m.training
                and m.running_mean is not None and m.running_var is not None]
     for m in patched:
         m.forward = types.MethodType(_batch_norm_formula, m)  # type: ignore[method-assign]
@@ -158,7 +160,7 @@ def explicit_batch_norm(model: nn.Module) -> Iterator[None]:
             del m.forward
 
 
-def _batch_norm_formula(self: nn.modules.batchnorm._BatchNorm, x: Tensor) -> Tensor:
+def _batch_norm_formula(self: nn.modules.batchnorm._NormBase, x: Tensor) -> Tensor:
     shape = (1, -1) + (1,) * (x.dim() - 2)
     assert self.running_mean is not None and self.running_var is not None
     y = (x - self.running_mean.view(shape)) * (self.running_var + self.eps).rsqrt().view(shape)
