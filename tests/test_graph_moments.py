@@ -300,7 +300,7 @@ def test_on_every_zoo_model_exact_moments_are_bgln_s_mean_or_a_one_line_refusal(
     if len(shape) > 1:  # images and token sequences: not flat feature vectors
         # graphs and chains word the refusal differently; both name the non-flat input
         with pytest.raises(NotImplementedError,
-                           match="needs flat inputs|on layers over images or sequences") as info:
+                           match=r"needs flat inputs|on layers over images or sequences") as info:
             exact.fit(model, x)
         assert "\n" not in str(info.value)
         return
