@@ -21,6 +21,7 @@ from fsd_experiments.cli import main
 from fsd_experiments.compat import CL_RESULTS_SCHEMA, cl_hyperparameters
 from fsd_experiments.continual import reporting
 from fsd_experiments.continual.reporting import _protocol
+from fsd_experiments.continual.tune import grid_edge
 from fsd_experiments.devices import cpu_name
 from fsd_experiments.models import mlp
 
@@ -749,6 +750,13 @@ def test_merge_combines_seeds_run_separately(tmp_path, capsys):
 
 
 @needs_mnist
+def test_grid_edge_names_a_choice_at_either_end_only():
+    assert "smallest value, so the best may lie below" in grid_edge([1, 0.01, 0.1], 0.01)
+    assert "largest value, so the best may lie above" in grid_edge([0.1, 10, 1], 10)
+    assert grid_edge([0.01, 0.1, 10, 0.001], 0.01) is None
+    assert grid_edge([5.0], 5.0) is None
+
+
 def test_tune_runs_the_papers_protocol_and_resumes(tmp_path, capsys):
     args = ["cl", "tune", "--benchmark", "split-mnist", "--method", "ewc", "--grid", "0", "30",
             "--tuning-seed", "7", "--seeds", "3", "4", "--out", str(tmp_path / "tune"),
@@ -769,8 +777,11 @@ def test_tune_runs_the_papers_protocol_and_resumes(tmp_path, capsys):
     final = json.loads((tmp_path / "tune" / "final" / "results.json").read_text())
     assert final["seeds"] == [3, 4] and final["hyperparameters"]["fsd_scale"] == tuned["chosen"]
     assert "**(chosen)**" in (tmp_path / "tune" / "tune.md").read_text()
+    # a two-point grid's choice is one of its edges: said on stderr and in tune.md
+    side = "smallest" if tuned["chosen"] == 0 else "largest"
+    assert f"the grid's {side} value" in capsys.readouterr().err
+    assert f"the grid's {side} value" in (tmp_path / "tune" / "tune.md").read_text()
     # started again, it trains nothing and writes the same choice
-    capsys.readouterr()
     assert main(args) == 0
     assert "] task" not in capsys.readouterr().err
     assert json.loads((tmp_path / "tune" / "tune.json").read_text()) == tuned

@@ -87,11 +87,12 @@ class TuneResult:
             split = (f"on a validation split: {100 * self.validation:g} % of each task's training "
                      f"examples held out, the runs trained on the rest")
             scored = "avg validation accuracy (%)"
+        edge = grid_edge([row["fsd_scale"] for row in self.grid], self.chosen)
         lines = [f"# Tuning λ for {settings.method} on {settings.benchmark}", "",
                  f"Grid on seed {self.tuning_seed}, {split}; the best final average accuracy "
-                 f"chose λ = {self.chosen:g}.", "",
+                 f"chose λ = {self.chosen:g}.{' ' + edge if edge else ''}", "",
                  f"| λ | {scored} | BWT (%) |", "|---:|---:|---:|"]
-        for row in self.grid:
+        for row in sorted(self.grid, key=lambda r: r["fsd_scale"]):
             mark = " **(chosen)**" if row["fsd_scale"] == self.chosen else ""
             lines.append(f"| {row['fsd_scale']:g}{mark} | {row['avg_accuracy']:.2f} | "
                          f"{row['backward_transfer']:.2f} |")
@@ -101,6 +102,18 @@ class TuneResult:
                       f"accuracy, BWT "
                       f"{bwt['mean']:.2f} ± {bwt['std']:.2f}."]
         return "\n".join(lines) + "\n"
+
+
+def grid_edge(grid: Sequence[float], chosen: float) -> str | None:
+    """A sentence when ``chosen`` is the grid's smallest or largest λ, else ``None``.
+
+    The best λ may then lie outside the grid; a grid of one value has no inside.
+    """
+    if len(grid) < 2 or min(grid) < chosen < max(grid):
+        return None
+    side, beyond = ("smallest", "below") if chosen == min(grid) else ("largest", "above")
+    return (f"λ = {chosen:g} is the grid's {side} value, so the best may lie {beyond} it: "
+            f"add values {beyond} it to --grid (finished points are read, not run again).")
 
 
 def tune(settings: RunSettings, grid: Sequence[float], tuning_seed: int = 42,
@@ -143,6 +156,9 @@ def tune(settings: RunSettings, grid: Sequence[float], tuning_seed: int = 42,
                      "backward_transfer": float(result.backward_transfer["mean"])})
     # the first of equal accuracies: the grid's order decides a tie
     chosen = max(rows, key=lambda r: r["avg_accuracy"])["fsd_scale"]
+    edge = grid_edge(grid, chosen)
+    if edge:  # said before the final seeds, the costly part, start
+        print(f"note: {edge}", file=sys.stderr, flush=True)
     final_settings = dataclasses.replace(
         settings, out=root / "final",
         hyperparameters=dataclasses.replace(settings.hyperparameters, fsd_scale=chosen,
@@ -266,7 +282,7 @@ def _read_tuning(path: Path) -> dict[str, Any]:
 
 def _grid_cell(tuning: dict[str, Any]) -> str:
     cells = []
-    for point in tuning["grid"]:
+    for point in sorted(tuning["grid"], key=lambda p: p["fsd_scale"]):
         text = f"{point['fsd_scale']:g}: {point['avg_accuracy']:.2f}"
         cells.append(f"**{text}**" if point["fsd_scale"] == tuning["chosen"] else text)
     return ", ".join(cells)
