@@ -791,6 +791,17 @@ def test_tune_runs_the_papers_protocol_and_resumes(tmp_path, capsys):
     assert main(args) == 0
     assert "] task" not in capsys.readouterr().err
     assert json.loads((tmp_path / "tune" / "tune.json").read_text()) == tuned
+    # a grid that now chooses another λ keeps the earlier final run beside the new one
+    other = "30" if tuned["chosen"] == 0 else "0"
+    capsys.readouterr()
+    assert args[6:9] == ["--grid", "0", "30"]
+    assert main([*args[:7], other, *args[9:]]) == 0
+    assert f"kept in {tmp_path / 'tune' / 'final-lambda-'}" in capsys.readouterr().err
+    kept = json.loads((tmp_path / "tune" / f"final-lambda-{tuned['chosen']:g}" /
+                       "results.json").read_text())
+    assert kept["hyperparameters"]["fsd_scale"] == tuned["chosen"]
+    final = json.loads((tmp_path / "tune" / "final" / "results.json").read_text())
+    assert final["hyperparameters"]["fsd_scale"] == float(other)
     with pytest.raises(SystemExit):  # a repeated λ is refused while parsing
         main(["cl", "tune", "--benchmark", "split-mnist", "--method", "ewc", "--grid", "1",
               "1", "--out", str(tmp_path / "again")])

@@ -14,6 +14,8 @@ and ``tune.md`` hold the grid's table, the split it was scored on and the chosen
 ``jobs`` > 1 the grid points, and then the final seeds, run as that many processes at a
 time; each final seed in
 ``final-seeds/seed<S>``, merged into ``final`` (checkpoints with it) when all are done.
+A λ chosen at the grid's edge is named (stderr, ``tune.md``); rerun with a wider grid, a
+final run made at an earlier choice moves to ``final-lambda-<λ>``.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ def tune(settings: RunSettings, grid: Sequence[float], tuning_seed: int = 42,
     edge = grid_edge(grid, chosen)
     if edge:  # said before the final seeds, the costly part, start
         print(f"note: {edge}", file=sys.stderr, flush=True)
+    _set_aside(root / "final", chosen)
     final_settings = dataclasses.replace(
         settings, out=root / "final",
         hyperparameters=dataclasses.replace(settings.hyperparameters, fsd_scale=chosen,
@@ -184,6 +187,27 @@ def tune(settings: RunSettings, grid: Sequence[float], tuning_seed: int = 42,
     write_json(root / "tune.json", result.to_json())
     atomic_write_text(root / "tune.md", result.markdown(settings))
     return result
+
+
+def _set_aside(final: Path, chosen: float) -> None:
+    """Move a final run at another λ (an earlier grid's choice) to ``final-lambda-<λ>``.
+
+    A grid widened past its edge may choose a new λ; the earlier final run stays readable
+    beside the new one instead of blocking it with a settings mismatch.
+    """
+    file = final / "results.json"
+    if not file.is_file():
+        return
+    earlier = RunResults.read(file).hyperparameters.fsd_scale
+    if earlier == chosen:
+        return
+    aside = final.with_name(f"final-lambda-{earlier:g}")
+    if aside.exists():
+        raise ValueError(f"{final} holds a run at λ {earlier:g}, and {aside} exists too: move "
+                         f"one of them")
+    final.rename(aside)
+    print(f"note: the final run at λ {earlier:g}, an earlier grid's choice, is kept in {aside}",
+          file=sys.stderr, flush=True)
 
 
 def _finished(settings: RunSettings) -> RunResults | None:
