@@ -248,13 +248,14 @@ def test_runs_without_validation_record_none_and_old_files_read_as_none(tmp_path
 def test_compat_and_reporting_of_the_setting():
     paper = continual.default_hyperparameters("split-mnist", "bgln-d")
     # settings added later come last, and files from before them read as what those runs did
-    assert list(paper)[-2:] == ["validation", "injection_rank"]
-    assert paper["validation"] is None and paper["injection_rank"] is None
-    for added in ("validation", "injection_rank"):
+    assert list(paper)[-3:] == ["validation", "injection_rank", "statistics"]
+    legacy = {"validation": None, "injection_rank": None, "statistics": "last-epoch"}
+    assert {k: paper[k] for k in legacy} == legacy
+    for added, before in legacy.items():
         old = {k: v for k, v in paper.items() if k != added}
-        assert cl_hyperparameters(old, "split-mnist", "bgln-d")[added] is None
+        assert cl_hyperparameters(old, "split-mnist", "bgln-d")[added] == before
         saved = json.dumps({"benchmark": "split-mnist", "method": "bgln-d", **old})
-        assert cl_checkpoint_settings(saved, "split-mnist", "bgln-d")[added] is None
+        assert cl_checkpoint_settings(saved, "split-mnist", "bgln-d")[added] == before
     old = {k: v for k, v in paper.items() if k != "validation"}
     saved = json.dumps({**old, "validation": 0.1})
     assert cl_checkpoint_settings(saved, "split-mnist", "bgln-d")["validation"] == 0.1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -915,3 +916,61 @@ def test_tune_with_jobs_equals_one_process_and_resumes(tmp_path, capfd, monkeypa
     assert lines[-1].startswith("error: ") and "lambda-30" in lines[-1]
     assert (bad / "grid" / "lambda-0" / "results.json").is_file()
     assert not (bad / "tune.json").exists()
+
+
+def test_statistics_after_records_the_final_network_in_evaluation_mode():
+    # ground truth: the library's own fit from the data (a traced pass, not the collector's
+    # hooks) at the same parameters, which reads the network in evaluation mode
+    from fsd import StatisticsCollector
+    from fsd.estimators.variants import BGLNVariant
+    from fsd_experiments.benchmarks import Task
+    from fsd_experiments.continual.runner import _record_after
+    from fsd_experiments.data import TensorBatches
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+        torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(2500, 12), torch.randint(0, 4, (2500,))  # three passes of 1024
+    task = Task(x, y, x[:10], y[:10])
+    moved = copy.deepcopy(model)
+    with torch.no_grad():  # another network near the reference
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    options = {"moments": "corrected", "covariance": "lowrank", "rank": 6, "classwise": True}
+
+    def fitted(record) -> float:
+        collector = StatisticsCollector(model)
+        record(collector)
+        collector.remove()
+        estimate = BGLNVariant(**options).fit(model, statistics=collector)
+        return float(estimate.distance(moved).detach())
+
+    fitted_on_data = BGLNVariant(**options).fit(model, TensorBatches(x, y, 500))
+    truth = float(fitted_on_data.distance(moved).detach())
+    model.train()
+    after = fitted(lambda c: _record_after(model, c, task, True, torch.device("cpu")))
+    assert model.training  # left as training found it
+    assert after == pytest.approx(truth, rel=1e-5)
+
+    def in_training(collector):  # what the last epoch records: dropout masks on
+        for i in range(0, 2500, 500):
+            with collector.record(labels=y[i:i + 500]):
+                model(x[i:i + 500])
+
+    assert abs(fitted(in_training) / truth - 1) > 0.01
+
+
+@needs_mnist
+def test_statistics_option_reaches_the_run_and_its_report(tmp_path):
+    hp = continual.default_hyperparameters("split-mnist", "bgln-d-corrected")
+    assert hp["statistics"] == "last-epoch"
+    results = _run(tmp_path / "after", "split-mnist", "bgln-d-corrected", "--statistics", "after")
+    assert results["hyperparameters"]["statistics"] == "after"
+    assert "statistics after" in continual.report([str(tmp_path / "after")])
+    for method, options, message in (
+            ("ntk", {"statistics": "after"}, "statistics applies to"),
+            ("bgln-s", {"statistics": "after", "momentum": 0.9}, "leave momentum"),
+            ("bgln-s", {"statistics": "later"}, "statistics must be one of")):
+        with pytest.raises(ValueError, match=message):
+            continual.run_continual("split-mnist", method, [0], tmp_path / "x", **options)

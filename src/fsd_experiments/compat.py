@@ -10,7 +10,7 @@ here, with what the older version meant.
     covered its task's head, which on a single-head benchmark is every logit), ``model``
     (the MLP) and other settings whose default is ``None`` (``first_epochs``: every task
     trained ``epochs``; ``validation``: accuracies on the test sets; ``injection_rank``: the
-    method's own). Checkpoints from before
+    method's own), and ``statistics`` (recorded in the last epoch). Checkpoints from before
     these settings resume under the same rules.
 
 ``fsd influence``:
@@ -37,7 +37,7 @@ CL_RESULTS_SCHEMA = 2
 
 # cl settings that older results files lack, and what those runs did
 _CL_LEGACY_SETTINGS: dict[str, Any] = {"optimizer": "per-task", "penalty": "sum",
-                                        "model": "mlp"}
+                                        "model": "mlp", "statistics": "last-epoch"}
 
 
 def legacy_penalty_outputs(benchmark: str, method: str) -> str:
@@ -55,7 +55,7 @@ def cl_checkpoint_settings(saved: str, benchmark: str, method: str) -> dict[str,
     """
     return {"penalty_outputs": legacy_penalty_outputs(benchmark, method), "model": "mlp",
             "first_epochs": None, "validation": None, "injection_rank": None,
-            **json.loads(saved)}
+            "statistics": "last-epoch", **json.loads(saved)}
 
 
 def cl_hyperparameters(raw: Mapping[str, Any], benchmark: str, method: str) -> dict[str, Any]:

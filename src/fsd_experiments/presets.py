@@ -333,6 +333,11 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
         # whole covariance for the others); r: the gates' injections sized from the stored
         # covariance's top r directions plus its diagonal (fsd.moments.corrected)
         "injection_rank": None,
+        # when the summary's statistics are recorded: "last-epoch", during the task's last
+        # training epoch (the paper's: free, but with dropout masks on and the network still
+        # moving), or "after", one pass over the task's training inputs at its final
+        # parameters in evaluation mode (the function the penalty then guards)
+        "statistics": "last-epoch",
     } | (_EXACT_MOMENTS if method.startswith("bgln-d-exact")
          or PRESETS[method].estimator is BGLNVariant else {})
 

@@ -38,7 +38,13 @@ from .reporting import (
 )
 from .results import results_markdown
 from .runner import BENCHMARKS, METHODS, CheckpointMismatchError, run
-from .settings import OPTIMIZER_MODES, PENALTY_MODES, PENALTY_OUTPUTS, RunSettings
+from .settings import (
+    OPTIMIZER_MODES,
+    PENALTY_MODES,
+    PENALTY_OUTPUTS,
+    STATISTICS_MODES,
+    RunSettings,
+)
 from .tune import tune, tune_tables
 
 
@@ -205,6 +211,11 @@ def _add_run_options(parser: argparse.ArgumentParser, *, enforce_required: bool)
                     help="multi-head benchmarks: each summary covers its task's head, or all "
                          "logits (default: all for the paper's BGLN-D and its variants, as the "
                          "authors' code; head for the others, bgln-d-exact included)")
+    parser.add_argument("--statistics", choices=STATISTICS_MODES, default=None,
+                    help="BGLN and LAFTR summaries: record the input moments and gate "
+                         "statistics in each task's last training epoch (last-epoch, default, "
+                         "the paper's), or in one pass over its training inputs after training, "
+                         "in evaluation mode (after: dropout off, at the final parameters)")
     parser.add_argument("--metric", default=None, choices=list(METRICS),
                     help="output metric of the Monte Carlo and NTK penalties (laftr, bgln-s, "
                          "ntk...; default: softmax_euclidean, as the authors' BGLN-S code, but "

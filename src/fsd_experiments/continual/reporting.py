@@ -201,7 +201,7 @@ def _find_results(paths: Sequence[str]) -> list[Path]:
 SETTINGS = ("fsd_scale", "lr", "epochs", "first_epochs", "batch_size", "model", "width",
             "penalty_outputs", "metric", "rank", "optimizer", "penalty", "coreset_size",
             "num_samples", "momentum", "train_subset", "test_subset", "tasks", "validation",
-            "injection_rank")
+            "injection_rank", "statistics")
 
 
 def _protocol(hp: Hyperparameters, benchmark: str, method: str, device: str = "cpu") -> str:
@@ -222,6 +222,8 @@ def _protocol(hp: Hyperparameters, benchmark: str, method: str, device: str = "c
         parts.append(f"lowrank r={hp.rank}")
     if hp.injection_rank:
         parts.append(f"injections r={hp.injection_rank}")
+    if hp.statistics != paper["statistics"]:
+        parts.append(f"statistics {hp.statistics}")
     if hp.metric != paper["metric"]:
         parts.append(f"metric {hp.metric or 'euclidean'}")
     if hp.train_subset:

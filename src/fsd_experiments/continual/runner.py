@@ -90,6 +90,26 @@ def _fit_summary(method: str, hp: Hyperparameters, model: nn.Module, task: Task,
                          statistics=collector)
 
 
+@torch.no_grad()
+def _record_after(model: nn.Module, collector: StatisticsCollector, task: Task,
+                  classwise: bool, device: torch.device) -> None:
+    """Record the summary's statistics in one pass over ``task``'s training inputs.
+
+    At the task's final parameters in evaluation mode (dropout off): the statistics of the
+    function the summary's distance then compares against, not of the last epoch's moving,
+    masked network. Costs one forward pass over the training set.
+    """
+    model.eval()
+    try:
+        for i in range(0, task.x_train.shape[0], 1024):
+            x = task.x_train[i:i + 1024].to(device)
+            y = task.y_train[i:i + 1024].to(device)
+            with collector.record(labels=y if classwise else None):
+                model(x)
+    finally:
+        model.train()
+
+
 class _LastEpochRecorder:
     """The data loss of one task, recording the summary's statistics in the last epoch."""
 
@@ -222,22 +242,27 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
         last_task = t == len(tasks) - 1
         collector = None
         if spec.estimator is not None and not last_task and (spec.moments or spec.gates):
+            # one pass at fixed parameters: a plain mean, no EMA to follow a moving network
+            momentum = hp.momentum if hp.statistics == "last-epoch" else None
             collector = StatisticsCollector(model, moments=spec.moments, gates=spec.gates,
-                                            momentum=hp.momentum,
-                                            layer_moments=spec.layer_moments)
+                                            momentum=momentum, layer_moments=spec.layer_moments)
         if hp.optimizer == "per-task":
             optimizer = torch.optim.Adam(model.parameters(), lr=hp.lr)
         batches = TensorBatches(task.x_train, task.y_train, hp.batch_size, shuffle=True,
                                 generator=shuffle)
         epochs = hp.epochs_of_task(t)
-        # with dropout, the gate frequencies are those of the training passes (masks on)
-        recording = _LastEpochRecorder(collector, epochs, spec.classwise)
+        # last epoch: with dropout, the gate frequencies are those of the training passes
+        # (masks on); after: recorded by _record_after below instead
+        recording = _LastEpochRecorder(collector if hp.statistics == "last-epoch" else None,
+                                       epochs, spec.classwise)
         train(model, batches, recording.head_loss(task), optimizer, epochs=epochs,
               penalty=penalty.penalty if previous else None,
               weight=1.0 if hp.fsd_scale else 0.0,
               on_epoch=recording.start_epoch, device=dev, progress=progress,
               desc=f"{method} seed {seed} task {t + 1}/{len(tasks)}", mininterval=2.0)
         row = [_accuracy(model, other, dev) for other in tasks]
+        if collector is not None and hp.statistics == "after":
+            _record_after(model, collector, task, spec.classwise, dev)
         if spec.estimator is not None and not last_task:
             estimator = _fit_summary(method, hp, model, task, collector, seed * 100 + t)
             estimator.save(ckpt_dir / f"task{t}.fsd")

@@ -17,6 +17,9 @@ from ..presets import CL_METHODS, CNN_METHODS, PRESETS, default_hyperparameters
 OPTIMIZER_MODES: tuple[str, ...] = ("shared", "per-task")
 PENALTY_MODES: tuple[str, ...] = ("mean", "sum")
 PENALTY_OUTPUTS: tuple[str, ...] = ("head", "all")
+#: when a summary's statistics are recorded: in the task's last training epoch (the paper's),
+#: or in one pass over its training inputs after training, in evaluation mode
+STATISTICS_MODES: tuple[str, ...] = ("last-epoch", "after")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Hyperparameters:
     penalty_outputs: str
     validation: float | None
     injection_rank: int | None = None
+    statistics: str = "last-epoch"
 
     @classmethod
     def paper(cls, benchmark: str, method: str) -> Hyperparameters:
@@ -122,13 +126,26 @@ class Hyperparameters:
                                  f"(bgln-d-corrected…), not {method!r}")
             if self.injection_rank < 1:
                 raise ValueError(f"injection rank must be positive, got {self.injection_rank}")
+        if self.statistics not in STATISTICS_MODES:
+            raise ValueError(f"statistics must be one of {STATISTICS_MODES}, "
+                             f"got {self.statistics!r}")
+        if self.statistics != paper["statistics"]:
+            preset = PRESETS[method]
+            if preset.estimator is None or not (preset.moments or preset.gates):
+                raise ValueError(f"statistics applies to the methods that record input "
+                                 f"moments or gate statistics (BGLN, LAFTR), not {method!r}")
+            if self.momentum != paper["momentum"]:
+                raise ValueError("momentum weighs the last epoch's batches as the network "
+                                 "moves; statistics 'after' averages one pass at the final "
+                                 "parameters: leave momentum at its default")
 
 
 #: the ``fsd cl`` options that override a hyper-parameter of the same name
 OVERRIDABLE: tuple[str, ...] = (
     "epochs", "first_epochs", "model", "lr", "batch_size", "fsd_scale", "width", "momentum",
     "coreset_size", "num_samples", "train_subset", "test_subset", "tasks", "optimizer",
-    "penalty", "rank", "metric", "penalty_outputs", "validation", "injection_rank")
+    "penalty", "rank", "metric", "penalty_outputs", "validation", "injection_rank",
+    "statistics")
 
 
 @dataclass(frozen=True)
