@@ -551,19 +551,18 @@ def test_gap_plot_draws_every_ratio_of_every_row(tmp_path, capsys):
     assert "| Q1 | bgln-d |" in capsys.readouterr().out
 
 
-def test_learning_and_forgetting_splits_each_row_by_task(tmp_path):
+def test_learning_tables_split_each_row_by_task(tmp_path, capsys):
     # _results' matrices: R = [[a, 50], [a, a]] per seed, so each task learns a and keeps a
     _write(tmp_path / "C3-corrected", _results("bgln-d-corrected", [98.0, 96.0],
                                                 fsd_scale=10.0))
     raw = _results("osla", [97.0])
     raw["accuracy_matrix"]["1"] = [[99.0, 50.0], [95.0, 99.0]]  # task 1 forgets 4 points
-    _write(tmp_path / "K6-osla", raw)
-    table = result_tables.learning_and_forgetting_table(
-        [tmp_path / "C3-corrected", tmp_path / "K6-osla"])
-    lines = table.splitlines()
+    _write(tmp_path / "C10-osla", raw)
+    lines = continual.learning_tables([str(tmp_path)]).splitlines()
     assert lines[2] == ("| C3 | bgln-d-corrected | 10 | 97.00 ± 1.00 (98.00, 96.00) | 97.00 | "
-                        "0.00 | 97.00 → 97.00; 97.00 → 97.00 |")
-    assert lines[3] == "| K6 | osla | 1 | 99.00 | 97.00 | 0.00 | 99.00 → 95.00; 99.00 → 99.00 |"
-    (tmp_path / "X1-empty").mkdir()
-    with pytest.raises(ValueError, match=r"has no results\.json"):
-        result_tables.learning_and_forgetting_table([tmp_path / "X1-empty"])
+                        "0.00 | 97.00 → 97.00; 97.00 → 97.00 |")  # by row number
+    assert lines[3] == "| C10 | osla | 1 | 99.00 | 97.00 | 0.00 | 99.00 → 95.00; 99.00 → 99.00 |"
+    assert main(["cl", "report", str(tmp_path), "--learning"]) == 0
+    assert capsys.readouterr().out.strip() == "\n".join(lines).strip()
+    assert main(["cl", "report", str(tmp_path), "--learning", "--wall"]) == 2
+    assert "different tables" in capsys.readouterr().err

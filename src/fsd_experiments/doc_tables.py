@@ -16,7 +16,8 @@ An influence table names ``fsd influence report`` and its run folders the same w
 ``--rows`` blocks hold the results tables (:func:`~.continual.reporting.row_tables`),
 ``--tune`` blocks the tuning table (:func:`~.continual.tune.tune_tables`), ``--gap`` blocks
 the estimate-against-truth table (:func:`~.continual.reporting.gap_tables`), ``--wall``
-blocks the wall-time table (:func:`~.continual.reporting.wall_tables`).
+blocks the wall-time table (:func:`~.continual.reporting.wall_tables`), ``--learning``
+blocks the learning-and-forgetting table (:func:`~.continual.reporting.learning_tables`).
 
 A table copied from the markdown a study wrote beside its JSON (``fsd fidelity``, ``fsd toy``,
 ``fsd memory``) names the file and which of its tables, counted from 1::
@@ -46,7 +47,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .continual.reporting import gap_tables, row_tables, wall_tables
+from .continual.reporting import gap_tables, learning_tables, row_tables, wall_tables
 from .continual.tune import tune_tables
 from .influence.report import report_tables
 from .io import atomic_write_text
@@ -54,7 +55,7 @@ from .result_tables import render_table
 
 #: a generated block: the report's arguments in the opening marker, the table, the end marker
 BLOCK = re.compile(r"(<!-- fsd cl report (?P<args>[^>]*?) "
-                   r"--(?P<kind>rows|tune|gap|wall): begin -->\n)"
+                   r"--(?P<kind>rows|tune|gap|wall|learning): begin -->\n)"
                    r"(?P<table>.*?)(<!-- fsd cl report: end -->)", re.S)
 #: an influence block: the report's run folders, the table, the end marker
 INFLUENCE = re.compile(r"(<!-- fsd influence report (?P<args>[^>]*?): begin -->\n)"
@@ -124,13 +125,13 @@ def rendered_table(args: str, name: str, root: Path) -> str:
 
 
 def render(args: str, root: Path, kind: str = "rows") -> str:
-    """The table ``fsd cl report ARGS --KIND`` prints (KIND: rows, tune, gap, wall).
+    """The table ``fsd cl report ARGS --KIND`` prints (KIND: rows, tune, gap, wall, learning).
 
     The folders are looked up under ``root``.
     """
     paths = block_folders(args, root)
     return {"rows": row_tables, "tune": tune_tables, "gap": gap_tables,
-            "wall": wall_tables}[kind](paths)
+            "wall": wall_tables, "learning": learning_tables}[kind](paths)
 
 
 def refreshed(text: str, root: Path) -> str:

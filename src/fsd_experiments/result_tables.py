@@ -5,9 +5,8 @@ The tables the docs render from JSON result files are formatted here, once: for 
 :data:`RENDERERS` names them), and by the benchmark script that writes the files where it
 prints the same table. A renderer takes the paths the block names, in its order, and returns
 the table. Most load JSON files and hand them to a function of this module that the scripts
-call on the rows they just measured; ``injections-against-exact`` and
-``learning-and-forgetting`` read ``results/cl`` row folders (their ``results.json``, and
-``gap.md`` for the first).
+call on the rows they just measured; ``injections-against-exact`` reads ``results/cl`` row
+folders (their ``results.json`` and ``gap.md``).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from .continual.reporting import per_seed_cell, read_gap_folders
-from .continual.results import accuracy_summary
 from .io import read_json
 from .presets import PRESETS
 
@@ -323,40 +321,6 @@ def injections_against_exact_table(folders: Sequence[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def learning_and_forgetting_table(folders: Sequence[Path]) -> str:
-    """Each row's accuracy split into what each task learned and what it kept.
-
-    ``folders``: ``results/cl`` row folders holding ``results.json``, a line each: the row,
-    method and λ; each task's accuracy right after its own training (R[i,i]) averaged over
-    tasks, per seed; the average accuracy at the end; BWT; and per task, averaged over
-    seeds, R[i,i] → R[T,i]. An average accuracy below another row's is then either less
-    learned (the first column) or more forgotten (BWT).
-
-    Raises:
-        ValueError: a folder without ``results.json``.
-    """
-    lines = ["| row | method | λ | right after its own training (mean over tasks) | "
-             "avg acc at the end | BWT | per task, mean over seeds: right after → at the end |",
-             "|---|---|---:|---|---:|---:|---|"]
-    for folder in folders:
-        path = Path(folder) / "results.json"
-        if not path.is_file():
-            raise ValueError(f"{folder} has no results.json")
-        results = read_json(path)
-        matrices = [results["accuracy_matrix"][str(seed)] for seed in results["seeds"]]
-        tasks = len(matrices[0])
-        learned = [statistics.fmean(m[i][i] for i in range(tasks)) for m in matrices]
-        per_task = [f"{statistics.fmean(m[i][i] for m in matrices):.2f} → "
-                    f"{statistics.fmean(m[-1][i] for m in matrices):.2f}" for i in range(tasks)]
-        bwt = f"{results['backward_transfer']['mean']:.2f}".replace("-", "−")
-        lines.append(
-            f"| {Path(folder).name.split('-')[0]} | {results['method']} | "
-            f"{results['hyperparameters']['fsd_scale']:g} | "
-            f"{per_seed_cell(accuracy_summary(learned))} | "
-            f"{results['avg_accuracy']['mean']:.2f} | {bwt} | {'; '.join(per_task)} |")
-    return "\n".join(lines) + "\n"
-
-
 # ----- the estimators' defaults (benchmarks/defaults.py) -----------------------------------
 
 def _study_table(result: Mapping[str, Any], letter: str) -> list[list[str]]:
@@ -469,7 +433,6 @@ RENDERERS: dict[str, Renderer] = {
     "corrected-conv": _on_json(_one(corrected_conv_table)),
     "gate-clusters": _on_json(_one(gate_clusters_table)),
     "injections-against-exact": injections_against_exact_table,
-    "learning-and-forgetting": learning_and_forgetting_table,
     "defaults-summary": _on_json(_one(defaults_summary_table)),
     "memory-budget": _on_json(_one(memory_budget_table)),
 }

@@ -30,6 +30,7 @@ from .reporting import (
     gap_markdown,
     gap_plot,
     gap_tables,
+    learning_tables,
     merge_runs,
     penalty_gap,
     report,
@@ -98,16 +99,17 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    if args.rows + args.tune + args.gap + args.wall > 1:
-        print("error: --rows, --tune, --gap and --wall are different tables; give one",
-              file=sys.stderr)
+    if args.rows + args.tune + args.gap + args.wall + args.learning > 1:
+        print("error: --rows, --tune, --gap, --wall and --learning are different tables; give "
+              "one", file=sys.stderr)
         return 2
-    if args.wall and args.plot:
-        print("error: --wall has no figure; drop --plot", file=sys.stderr)
-        return 2
+    for flag in ("wall", "learning"):
+        if getattr(args, flag) and args.plot:
+            print(f"error: --{flag} has no figure; drop --plot", file=sys.stderr)
+            return 2
     table = (row_tables(args.dirs) if args.rows else tune_tables(args.dirs) if args.tune
              else gap_tables(args.dirs) if args.gap else wall_tables(args.dirs) if args.wall
-             else report(args.dirs))
+             else learning_tables(args.dirs) if args.learning else report(args.dirs))
     print(table)
     if args.out:
         out = Path(args.out)
@@ -265,6 +267,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                      help="the docs' estimate-against-truth table: a line per row folder "
                           "holding gap.md (what fsd cl gap printed): the spread of estimate / "
                           "true FSD over seeds and old tasks, task 1's numbers per seed")
+    rep.add_argument("--learning", action="store_true",
+                     help="the docs' learning-and-forgetting table: a line per row folder, each "
+                          "task's accuracy right after its own training (mean over tasks), the "
+                          "average at the end, BWT, and per task right after → at the end")
     rep.add_argument("--wall", action="store_true",
                      help="the docs' wall-time table: a line per row folder, its minutes per "
                           "seed and their ratio to the fine-tuning row of the same tasks, "

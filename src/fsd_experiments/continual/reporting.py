@@ -28,7 +28,7 @@ from ..compat import cl_checkpoint_settings, is_cl_results
 from ..io import atomic_write_bytes, exclusive_directory, read_json, refuse_used_directory
 from ..plotting import pyplot
 from ..presets import PRESETS, default_hyperparameters
-from .results import RunResults, SeedResult, _mean_matrix, _pm, write_results
+from .results import RunResults, SeedResult, _mean_matrix, _pm, accuracy_summary, write_results
 from .runner import METHODS, build_model, checked_matrix, read_checkpoint, summary_outputs
 from .settings import Hyperparameters
 
@@ -443,6 +443,36 @@ def wall_tables(paths: Sequence[str]) -> str:
             seeds = " ".join(map(str, res.seeds))
             lines.append(f"| {_row_id(path.parent)} | {method} | {changes} | {seeds} | "
                          f"{'–' if own is None else f'{own:.1f}'} | {ratio} | {_machine(res)} |")
+        tables.append((bench, "\n".join(lines) + "\n"))
+    return _per_benchmark(tables)
+
+
+def learning_tables(paths: Sequence[str]) -> str:
+    """Each row's accuracy split into what its tasks learned and kept: a table per benchmark.
+
+    A line per row folder (as :func:`row_tables` finds them, in row order): its method and λ;
+    each task's accuracy right after its own training (R[i,i]) averaged over tasks, per seed;
+    the average accuracy at the end; BWT; and per task, averaged over seeds, R[i,i] → R[T,i].
+    An average accuracy below another row's is then either less learned (the first of these)
+    or more forgotten (BWT).
+    """
+    rows = sorted(_read_runs(paths), key=lambda r: _row_key(r[2]))
+    tables: list[tuple[str, str]] = []
+    for bench in dict.fromkeys(r[0] for r in rows):
+        lines = ["| row | method | λ | right after its own training (mean over tasks) | "
+                 "avg acc at the end | BWT | per task, mean over seeds: right after → at the "
+                 "end |", "|---|---|---:|---|---:|---:|---|"]
+        for _, method, path, res in (r for r in rows if r[0] == bench):
+            matrices = [res.accuracy_matrix[str(seed)] for seed in res.seeds]
+            tasks = len(matrices[0])
+            learned = [float(np.mean([m[i][i] for i in range(tasks)])) for m in matrices]
+            per_task = [f"{np.mean([m[i][i] for m in matrices]):.2f} → "
+                        f"{np.mean([m[-1][i] for m in matrices]):.2f}" for i in range(tasks)]
+            bwt = f"{res.backward_transfer['mean']:.2f}".replace("-", "−")
+            lines.append(
+                f"| {_row_id(path.parent)} | {method} | {res.hyperparameters.fsd_scale:g} | "
+                f"{per_seed_cell(accuracy_summary(learned))} | "
+                f"{res.avg_accuracy['mean']:.2f} | {bwt} | {'; '.join(per_task)} |")
         tables.append((bench, "\n".join(lines) + "\n"))
     return _per_benchmark(tables)
 
