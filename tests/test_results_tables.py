@@ -566,3 +566,8 @@ def test_learning_tables_split_each_row_by_task(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == "\n".join(lines).strip()
     assert main(["cl", "report", str(tmp_path), "--learning", "--wall"]) == 2
     assert "different tables" in capsys.readouterr().err
+
+
+def test_estimate_ratios_keep_two_digits_when_collapsed():
+    assert result_tables._two_digits(0.246) == "0.25"
+    assert result_tables._two_digits(0.00126) == "0.0013"  # not "0.00"

@@ -275,6 +275,11 @@ def _injections(results: Mapping[str, Any]) -> str:
     return "whole covariance" if rank is None else f"rank {rank}"
 
 
+def _two_digits(value: float) -> str:
+    """Two decimals, or two significant digits below 0.1 (a collapsed estimate's 0.0013)."""
+    return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"
+
+
 def injections_against_exact_table(folders: Sequence[Path]) -> str:
     """Corrected-recursion rows against exact moments over the same seeds and tasks.
 
@@ -317,7 +322,7 @@ def injections_against_exact_table(folders: Sequence[Path]) -> str:
         ratios = [r["ratio"] for r in rows]
         lines.append(f"| {row} | {injections} | {per_seed_cell(results['avg_accuracy'])} | {bwt} | "
                      f"{min(factors):.2f}–{max(factors):.2f}× | {count} | "
-                     f"{min(ratios):.2f}–{max(ratios):.2f} |")
+                     f"{_two_digits(min(ratios))}–{_two_digits(max(ratios))} |")
     return "\n".join(lines) + "\n"
 
 
