@@ -363,6 +363,9 @@ def test_the_injections_table_compares_each_pair_with_exact_moments(tmp_path):
     assert lines[3] == "| Q17 | rank 8 (seed 1) | 94.00 | 0.00 | 1.00–2.00× | 3 (tasks 2–4) | " \
                        "0.50–0.50 |"
     assert lines[4].startswith("| Q18 | rank 16 | ") and "| 1 (task 1) |" in lines[4]
+    again = row("Q2b-exact", "bgln-d-exact", [95.1], [4.0, 4.0, 2.0, 1.0])  # the reference rerun
+    assert result_tables.injections_against_exact_table([exact, again]).splitlines()[2].startswith(
+        "| Q2b | none (exact moments) (seed 1) | 95.10 | 0.00 | 0.50–1.00× | 0 |")
     (tmp_path / "Q3-unmeasured").mkdir()
     with pytest.raises(ValueError, match=r"no gap\.md"):
         result_tables.injections_against_exact_table([exact, tmp_path / "Q3-unmeasured"])

@@ -269,6 +269,8 @@ def _spans(numbers: Sequence[int]) -> str:
 
 
 def _injections(results: Mapping[str, Any]) -> str:
+    if PRESETS[results["method"]].options.get("moments") != "corrected":
+        return "none (exact moments)"  # a rerun of the reference itself
     rank = results["hyperparameters"].get("injection_rank")
     if rank is None:  # the preset's (bgln-d-corrected-cut: 8) or the whole covariance
         rank = PRESETS[results["method"]].options.get("injection_rank")
