@@ -38,6 +38,8 @@ def _rewrite(path: Path, change: Callable[[dict], None], checksums: bool = True)
     if checksums:
         payload["checksums"] = payload_checksums(payload["estimator"], payload["config"],
                                                  payload["meta"], payload["tensors"])
+    else:
+        payload["version"] = 1  # as a file written before checksums says of itself
     out = path.with_name("edited.fsd")
     torch.save(payload, out)
     return out

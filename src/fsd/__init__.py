@@ -13,7 +13,8 @@ import warnings
 from types import ModuleType
 
 from .estimators import variants  # noqa: F401  # registers BGLNVariant, so fsd.load reads it
-from .estimators.base import Estimator, NotFittedError, from_payload, iter_batches, load
+from .estimators.base import Estimator, NotFittedError, from_payload, load
+from .estimators.batches import iter_batches
 from .estimators.ewc import EWC
 from .estimators.exact_fsd import ExactFSD
 from .estimators.kfac import KFAC

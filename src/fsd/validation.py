@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -55,7 +55,7 @@ def check_common(stored: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
         integer = key in ("outputs", "coreset.group")
         if key.startswith("buffer0."):
             pass  # buffers may be integers (BatchNorm's num_batches_tracked)
-        elif key in ("data.x", "coreset.x") and not value.is_complex():
+        elif key in ("data.x", "coreset.x", "probe.x") and not value.is_complex():
             pass  # stored inputs keep their dtype: token ids are integers
         elif integer and (value.is_floating_point() or value.is_complex()):
             raise SummaryFormatError(f"field {key!r}: expected integers, got {value.dtype}")
@@ -97,15 +97,33 @@ def magnitude_limit(dtype: torch.dtype) -> float:
     ‖f − f0‖², K-FAC's tr(ΔᵀGΔA)), so a value whose square overflows ``dtype`` gives an
     infinite (or NaN) distance: √max is where that starts (1.8e19 for float32, 1.3e154 for
     float64), far above any real data, weight or moment.
+
+    θ0, stored inputs and outputs and input means enter those forms squared. Second moments
+    (EWC's Fisher, K-FAC's factors, input covariances) enter linearly but are themselves
+    squares of the data, so they pass 1.8e19 in float32 for inputs near 4e9 (a Unix time
+    in ms, 1.7e12, gives 2.9e24): one bound for all, which ``fit`` applies too
+    (:func:`out_of_range`), so such a summary is refused at fit, not at load.
     """
     return math.sqrt(torch.finfo(dtype).max)
 
 
-def require_in_range(stored: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> None:
-    """Every floating tensor's magnitude within :func:`magnitude_limit` of ``dtype``.
+class OutOfRange(NamedTuple):
+    """A stored field beyond :func:`magnitude_limit`: what :func:`out_of_range` finds."""
 
-    ``dtype=None`` checks each tensor against its own dtype (at load); a dtype checks the
-    values a summary will be converted to (a float64 summary used with a float32 model).
+    key: str
+    largest: float
+    limit: float
+    dtype: torch.dtype
+
+
+def out_of_range(stored: Mapping[str, Tensor], dtype: torch.dtype | None = None
+                 ) -> OutOfRange | None:
+    """The first floating tensor whose magnitude exceeds :func:`magnitude_limit`, or ``None``.
+
+    The one test of a summary's range: ``fsd.load`` refuses what it finds
+    (:func:`require_in_range`) and ``fit`` refuses the same summary before it can be saved,
+    so a file ``save`` writes is one ``load`` reads. ``dtype=None`` checks each tensor
+    against its own dtype; a dtype checks the values a summary will be converted to.
     """
     for key, value in stored.items():
         if not isinstance(value, Tensor) or not value.is_floating_point() or not value.numel():
@@ -114,9 +132,22 @@ def require_in_range(stored: Mapping[str, Tensor], dtype: torch.dtype | None = N
         limit = magnitude_limit(target)
         largest = float(value.detach().abs().max())
         if not largest <= limit:
-            raise SummaryFormatError(f"field {key!r}: values up to {largest:.3g} exceed "
-                                     f"{limit:.3g}, beyond which their squares overflow "
-                                     f"{target}")
+            return OutOfRange(key, largest, limit, target)
+    return None
+
+
+def require_in_range(stored: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> None:
+    """Every floating tensor's magnitude within :func:`magnitude_limit` of ``dtype``.
+
+    ``dtype=None`` checks each tensor against its own dtype (at load); a dtype checks the
+    values a summary will be converted to (a float64 summary used with a float32 model).
+    Raises :class:`SummaryFormatError` for the first field :func:`out_of_range` finds.
+    """
+    found = out_of_range(stored, dtype)
+    if found is not None:
+        raise SummaryFormatError(f"field {found.key!r}: values up to {found.largest:.3g} exceed "
+                                 f"{found.limit:.3g}, beyond which their squares overflow "
+                                 f"{found.dtype}")
 
 
 def tensor_digest(value: Tensor) -> str:
@@ -141,14 +172,17 @@ def payload_checksums(estimator: str, config: str, meta: str,
                        "tensors": {k: tensor_digest(v) for k, v in tensors.items()}})
 
 
-def checksum_damage(payload: Mapping[str, Any]) -> str | None:
+def checksum_damage(payload: Mapping[str, Any], *, required: bool = False) -> str | None:
     """What in a summary payload disagrees with its ``checksums`` entry, or ``None``.
 
-    ``None`` also for a payload without checksums (written before they were): its bytes are
-    not checked. The answer names the first damaged part (a field, the config or the meta).
+    A payload without checksums is damaged when ``required`` (its format version is one
+    written with them: the entry was deleted); otherwise it predates them and ``None`` is
+    the answer, its bytes unchecked. The answer names the first damaged part (a field, the
+    config or the meta).
     """
     if "checksums" not in payload:
-        return None
+        return ("the checksums are missing, and a summary of this format version is always "
+                "saved with them: the file was edited or damaged") if required else None
     damaged = "checksum mismatch: the file was damaged or changed after it was saved"
     try:
         sums = json.loads(payload["checksums"])
@@ -171,6 +205,22 @@ def checksum_damage(payload: Mapping[str, Any]) -> str | None:
                 sums["tensors"][key] != tensor_digest(value):
             return f"field {key!r}: {damaged}"
     return None
+
+
+def regularizer_checksum(payload: Mapping[str, Any]) -> str:
+    """sha256 over a regularizer file's settings and task list, in order (hex).
+
+    Each task enters by its format version and its own ``checksums`` entry, which covers
+    its tensors, configuration and metadata: a task dropped, duplicated, reordered or
+    swapped, or a strength or reduction changed, changes this digest. Raises ``TypeError``
+    for settings that are not JSON (a damaged file).
+    """
+    summaries = payload.get("summaries")
+    tasks = [[p.get("version"), p.get("checksums")] if isinstance(p, Mapping) else None
+             for p in (summaries if isinstance(summaries, list) else [])]
+    return text_digest(json.dumps({"strength": payload.get("strength"),
+                                   "reduction": payload.get("reduction"), "tasks": tasks},
+                                  sort_keys=True))
 
 
 def positive_int(name: str, value: Any, *, allow_none: bool = False) -> int | None:

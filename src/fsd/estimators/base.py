@@ -11,21 +11,15 @@ with ``torch.load(weights_only=True)``, so loading a file runs no pickled code.
 from __future__ import annotations
 
 import contextlib
-import glob
 import itertools
 import json
 import numbers
 import os
-import stat
-import tempfile
-import time
 import warnings
-from collections.abc import Sized
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from ..model import support
 from ..model.calls import (
@@ -45,179 +39,28 @@ from ..validation import (
     SummaryFormatError,
     check_common,
     checksum_damage,
+    out_of_range,
     parameter_shapes,
     payload_checksums,
     require_in_range,
 )
+from .batches import Data, FloatInputs, MappedBatches, as_batches, iter_batches
+from .files import atomic_torch_save, check_format_version, read_weights_only
+from .model_state import check_distance, check_parameters, refuse_meta
 
 FORMAT = "fsd-summary"
-FORMAT_VERSION = 1
+#: 1: summaries of fsd before the checksums, and those written with them until version 2;
+#: 2: the checksums are always written, so a version-2 file without them was edited
+FORMAT_VERSION = 2
+#: the first format version whose files always carry checksums
+CHECKSUMS_SINCE = 2
 # what to_payload writes; "checksums" is absent from files written before it was added
 _PAYLOAD_ENTRIES = {"format", "version", "estimator", "config", "meta", "tensors", "checksums"}
 
 ESTIMATORS: dict[str, type["Estimator"]] = {}
 
-Data = Iterable[Any] | Tensor
-"""What ``fit`` accepts: an iterable of batches (``x`` or ``(x, y, ...)``), e.g. a
-``DataLoader``; a map-style ``Dataset`` such as ``TensorDataset`` (read in batches of 1024);
-one tensor, or one ``(x, y)`` / ``(x, y, task)`` tuple, holding a single batch. Batches of
-another form (dicts, objects) are read through ``fit(..., batch_to_input=fn)``."""
-
-
-class _MappedBatches:
-    """``fn`` applied to every batch of a (re-iterable) data source."""
-
-    def __init__(self, data: Iterable[Any], fn: Callable[[Any], Any]) -> None:
-        self.data, self.fn = data, fn
-
-    def __iter__(self) -> Iterator[Any]:
-        return map(self.fn, self.data)
-
-    def __len__(self) -> int:
-        return len(self.data)  # type: ignore[arg-type]
-
-
-def as_batches(data: Any, batch_to_input: Callable[[Any], Any] | None = None) -> Any:
-    """``data`` in the form the estimators iterate: batches of ``x`` or ``(x, y, ...)``.
-
-    Args:
-        data: any form :data:`Data` describes.
-        batch_to_input: applied to every batch first, returning ``x`` or ``(x, y)`` (e.g.
-            ``lambda b: (b["pixel_values"], b["labels"])`` for dict batches).
-    """
-    if isinstance(data, Tensor):
-        data = [data]
-    elif (isinstance(data, tuple) and 2 <= len(data) <= 3
-          and all(isinstance(t, Tensor) and t.dim() >= 1 for t in data)
-          and len({t.shape[0] for t in data}) == 1):
-        data = [data]  # one (x, y) or (x, y, task) batch, not a sequence of batches
-    elif (isinstance(data, list) and 2 <= len(data) <= 3
-          and all(isinstance(t, Tensor) and t.dim() >= 1 for t in data)
-          and len({t.shape[0] for t in data}) == 1):
-        # a DataLoader's batch is a list: [x, y] of a 1-D regression would read as two
-        # batches of inputs, the targets among them
-        shapes = [tuple(t.shape[1:]) for t in data]
-        if len(set(shapes)) > 1:  # not batches of one model's inputs: an (x, y) batch
-            raise ValueError(f"data is a list of tensors with examples of shapes {shapes}: "
-                             f"one (x, y) batch (a DataLoader's batch is a list) is passed as a "
-                             f"tuple (tuple(batch)) or [(x, y)]")
-        warnings.warn(f"data is a list of {len(data)} tensors of the same batch size, read as "
-                      f"{len(data)} batches of inputs; for one (x, y) batch pass a tuple "
-                      f"(tuple(batch)) or [(x, y)]", stacklevel=3)
-    elif isinstance(data, torch.utils.data.Dataset) and not isinstance(
-            data, torch.utils.data.IterableDataset):
-        data = torch.utils.data.DataLoader(data, batch_size=1024)
-    if batch_to_input is not None:
-        data = _MappedBatches(data, batch_to_input)
-    return data
-
-
-class _FloatInputs:
-    """Casts a batch's inputs to ``dtype`` (integer inputs of a model that needs floats)."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-    def __call__(self, batch: Any) -> Any:
-        if isinstance(batch, (tuple, list)) and batch and not isinstance(batch[0], (tuple, list)):
-            return (torch.as_tensor(batch[0]).to(self.dtype), *batch[1:])
-        if isinstance(batch, Tensor):
-            return batch.to(self.dtype)
-        return batch  # iter_batches names what is wrong with it
-
-
 class NotFittedError(RuntimeError):
     """``distance`` or ``save`` was called before ``fit``."""
-
-
-def iter_batches(
-    data: Data | None,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-    progress: bool = False,
-    desc: str | None = None,
-) -> Iterator[tuple[Tensor, Tensor | None]]:
-    """Yield ``(x, y)`` batches moved to ``device``, validating them on the way.
-
-    Floating-point inputs are cast to ``dtype``; integer and boolean ones (token ids for an
-    ``nn.Embedding``) keep their dtype. ``y`` is ``None`` for unlabelled batches. Raises
-    ``ValueError`` for empty data, inputs without a batch dimension, or NaN/infinite inputs
-    (naming the batch).
-    """
-    if data is None:
-        raise ValueError("no data given: fit needs data (or statistics=... for moment methods)")
-    batches = [data] if isinstance(data, Tensor) else data
-    try:
-        total = len(batches) if isinstance(batches, Sized) else None
-    except TypeError:  # a mapped generator (batch_to_input=) has a __len__ that cannot answer
-        total = None
-    seen = 0
-    for index, batch in enumerate(tqdm(batches, disable=not progress, desc=desc, total=total,
-                                       leave=False)):
-        if isinstance(batch, dict):
-            raise ValueError(f"batch {index} is a dict (keys {sorted(map(str, batch))}): fit "
-                             f"reads x or (x, y) batches; pass batch_to_input=, e.g. "
-                             f"fit(model, loader, batch_to_input=lambda b: (b['x'], b['y']))")
-        if not isinstance(batch, (Tensor, tuple, list)):
-            raise ValueError(f"batch {index} is a {type(batch).__name__}: fit reads tensors x "
-                             f"or (x, y) tuples; convert others with batch_to_input=")
-        if isinstance(batch, (tuple, list)):
-            if not batch:
-                raise ValueError(f"batch {index} is empty")
-            x, y = batch[0], (batch[1] if len(batch) > 1 else None)
-        else:
-            x, y = batch, None
-        if isinstance(x, (tuple, list)):
-            raise ValueError(f"batch {index}'s input is a {type(x).__name__} of {len(x)}: the "
-                             f"estimators measure models of one input tensor; "
-                             f"{support.SEVERAL_INPUTS}")
-        x = torch.as_tensor(x)
-        if x.dim() < 2:
-            raise ValueError(f"batch {index} has shape {tuple(x.shape)}: expected "
-                             f"(batch, *features). Data is an iterable of batches; one "
-                             f"labelled batch is passed as [(x, y)]")
-        # discrete inputs stay discrete: a cast would turn token ids into floats no Embedding
-        # takes (fit casts them for a model that needs floats, _check_runs_on)
-        # detached: inputs computed by a network (a frozen encoder's features) would tie the
-        # stored summary, and every penalty's backward, to that network's graph
-        x = x.detach().to(device=device, dtype=None if is_integer_input(x) else dtype)
-        if not torch.isfinite(x).all():
-            raise ValueError(f"batch {index} contains NaN or infinite inputs")
-
-        if y is not None:
-            y = torch.as_tensor(y).detach().to(device)
-            if y.dim() == 0:
-                raise ValueError(f"batch {index}'s label is a scalar: data is an iterable of "
-                                 f"batches, not of (x, y) examples; batch them (a DataLoader, "
-                                 f"or one (x, y) tuple of tensors)")
-            if y.shape[0] != x.shape[0]:
-                raise ValueError(f"batch {index}: {y.shape[0]} labels for {x.shape[0]} inputs")
-        seen += x.shape[0]
-        yield x, y
-    if seen == 0:
-        raise ValueError("data is empty: fit needs at least one example")
-
-
-def check_parameters(model: nn.Module) -> None:
-    """Refuse a model whose parameters or buffers hold no values or non-finite ones.
-
-    θ0 is the model's current parameters: a NaN or infinite one (a diverged training run)
-    would be stored, make every distance NaN and the saved summary unloadable, and a model
-    on the ``meta`` device has no values at all. Raises ``ValueError`` naming the first.
-    """
-    named = [(f"parameter '{n}'", t) for n, t in model.named_parameters()]
-    named += [(f"buffer '{n}'", t) for n, t in model.named_buffers()]
-    for name, tensor in named:
-        if tensor.is_meta:
-            raise ValueError(f"{name} is on the meta device and holds no values: fit needs "
-                             f"the reference network's weights (e.g. model.to_empty("
-                             f"device='cpu'), then load_state_dict)")
-    for name, tensor in named:
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"{name} has NaN or infinite values: fit takes θ0 from the "
-                             f"model's parameters, which must be finite (a diverged training "
-                             f"run? a smaller learning rate or gradient clipping)")
 
 
 def model_dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
@@ -248,85 +91,6 @@ def evaluation_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for m, training in flags:
             m.training = training
-
-
-# Age after which a temporary file of :func:`atomic_torch_save` is a killed write's leftover.
-# A write takes seconds; an hour leaves room for a slow disk without keeping litter for good.
-_STALE_TEMPORARY_SECONDS = 3600.0
-
-
-def _temporary_prefix(path: str) -> str:
-    """The prefix of the temporary files that saving to ``path`` creates beside it."""
-    # the target's name is part of it, so only leftovers of saves to the same file are
-    # removed; cut so that prefix, random part and suffix stay within a file name's 255 bytes
-    return f".fsd-{os.path.basename(path)[:200]}."
-
-
-def _remove_stale_temporaries(path: str | os.PathLike,
-                             older_than: float = _STALE_TEMPORARY_SECONDS) -> list[str]:
-    """Delete leftovers of earlier saves to ``path`` killed before their rename; return them.
-
-    Only the temporary files that :func:`atomic_torch_save` names after this target
-    (``.fsd-<name>.<random>.tmp`` beside it) and whose last change is more than
-    ``older_than`` seconds old are removed: a younger one may be another process's save in
-    progress.
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    pattern = glob.escape(_temporary_prefix(path)) + "*.tmp"
-    removed = []
-    now = time.time()
-    for candidate in glob.glob(os.path.join(glob.escape(directory), pattern)):
-        try:
-            info = os.lstat(candidate)
-            if stat.S_ISREG(info.st_mode) and now - info.st_mtime > older_than:
-                os.remove(candidate)
-                removed.append(candidate)
-        except OSError:  # gone meanwhile, or not ours to remove: leave it
-            continue
-    return removed
-
-
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file in the same folder, then rename it to ``path``.
-
-    A crash never leaves a half-written file at ``path``. A process killed before the rename
-    leaves its temporary file (``.fsd-<name>.<random>.tmp``) behind; the next save to the
-    same ``path`` removes those older than an hour.
-
-    Raises:
-        IsADirectoryError: ``path`` is a directory.
-        OSError: The folder of ``path`` is missing or cannot be written; the message names
-            ``path``, not the temporary file.
-    """
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"{path} is a directory: give the summary a file name")
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=_temporary_prefix(path), suffix=".tmp")
-    except OSError as error:  # mkstemp's message would name a temporary file the user never saw
-        reason = "does not exist" if isinstance(error, FileNotFoundError) else \
-            f"cannot be written ({error.strerror})"
-        raise type(error)(f"cannot save to {path}: its folder {directory} {reason}") from None
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        # mkstemp makes the file private (0600); give it the mode open() would have
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    _remove_stale_temporaries(path)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 
 
 def _refuse_tied_parameters(model: nn.Module, estimator: str) -> None:
@@ -412,7 +176,7 @@ class Estimator:
             model: the reference network. Its dtype and device are used throughout.
             data: batches of ``x`` or ``(x, y, ...)`` (a ``DataLoader``, a list), a
                 ``TensorDataset``, or one batch (a tensor or an ``(x, y)`` tuple); see
-                :data:`fsd.estimators.base.Data`. Labels are needed only for class-conditional
+                :data:`fsd.estimators.batches.Data`. Labels are needed only for class-conditional
                 summaries.
             outputs: restrict the distance to these output units (e.g. one task's head).
             statistics: a :class:`fsd.StatisticsCollector` that recorded the data already
@@ -440,7 +204,9 @@ class Estimator:
                 buffer that is NaN, infinite or on the ``meta`` device (the first is named),
                 empty data, data the model cannot run on, bad ``outputs``, outputs that are
                 not (N, K) or not finite on the first example, a softmax metric over one
-                output.
+                output. After fitting, a summary ``fsd.load`` would refuse: e.g. a float32
+                value beyond 1.8e19 (an EWC Fisher or a K-FAC factor of inputs near 1e10,
+                which scale with x²), naming the input feature and the remedy.
 
         A fit that raises leaves the estimator as it was: a summary fitted before stays.
             fsd.statistics.distributed.DistributedFitError: under torch.distributed, on every rank
@@ -469,11 +235,35 @@ class Estimator:
                 with evaluation_mode(model):
                     self._fit(self.bind(model), data, statistics=statistics, dtype=dtype,
                               device=device, progress=progress)
+            self._meta["fitted"] = True
+            # what save writes, load reads: fsd.load's own checks, on the new summary
+            self._refuse_unloadable(data, dtype, device)
         except BaseException:
             self._stored, self._state, self._meta, self._cache = previous
             raise
-        self._meta["fitted"] = True
         return self
+
+    def _refuse_unloadable(self, data: Data | None, dtype: torch.dtype,
+                           device: torch.device) -> None:
+        """Raise ``ValueError`` (one line) unless ``fsd.load`` would accept this summary.
+
+        A value beyond :func:`~fsd.validation.magnitude_limit` (a float32 EWC Fisher or
+        K-FAC factor of inputs near 1e10, which scale with x²) is named with its cause:
+        the input feature that large, found by reading the data again when it can be.
+        """
+        name = type(self).__name__
+        found = out_of_range(self._stored)
+        if found is not None:
+            raise ValueError(f"{name}.fit: the summary's field {found.key!r} reaches "
+                             f"{found.largest:.3g}, beyond {found.limit:.3g} where its square "
+                             f"overflows {found.dtype}, and fsd.load would refuse it; "
+                             f"{_range_remedy(found.key, data, dtype, device)}")
+        try:
+            _rebuild(type(self), json.dumps(self.config), json.dumps(self._meta), self._stored,
+                     origin="the fitted summary", damage=None)
+        except SummaryFormatError as error:
+            raise ValueError(f"{name}.fit: fsd.load would refuse this summary ({error})"
+                             ) from None
 
     def _prepare(self, model: nn.Module, data: Data | None,
                  outputs: Sequence[int] | slice | None,
@@ -555,12 +345,14 @@ class Estimator:
         """
         self.require_fitted()
         model = unwrap(model)
+        refuse_meta(model)
         self.check_architecture(model)
         with float32_view(model, differentiable=True):
             dtype, device = model_dtype_device(model)
             self.place(dtype, device)
             with evaluation_mode(model):
-                return self._distance(self.bind(model))
+                value = self._distance(self.bind(model))
+        return check_distance(value, model)  # not finite: names a NaN or inf parameter
 
     def layer_terms(self, model: nn.Module) -> dict[str, Tensor]:
         """:meth:`distance` split into one term per layer, by module path; they sum to it.
@@ -581,11 +373,15 @@ class Estimator:
                                       f"{', '.join(split)}")
         self.require_fitted()
         model = unwrap(model)
+        refuse_meta(model)
         self.check_architecture(model)
         with float32_view(model, differentiable=True):  # as distance() does
             self.place(*model_dtype_device(model))
             with evaluation_mode(model):
-                return self._layer_terms(self.bind(model))
+                terms = self._layer_terms(self.bind(model))
+        if terms:
+            check_distance(torch.stack([t.detach() for t in terms.values()]), model)
+        return terms
 
     def statistics_collector(self, model: nn.Module, *, momentum: float | None = None
                              ) -> Any:
@@ -631,11 +427,20 @@ class Estimator:
         """Write the summary to ``path`` atomically (temporary file, then rename).
 
         Temporary files that earlier saves to the same ``path`` left when killed before their
-        rename, and that are more than an hour old, are removed. Raises ``IsADirectoryError``
-        if ``path`` is a directory and an ``OSError`` naming ``path`` if its folder is missing
-        or cannot be written.
+        rename, and that are more than an hour old, are removed.
+
+        Raises:
+            IsADirectoryError: ``path`` is a directory.
+            OSError: one line naming ``path`` and the reason: a FIFO, a device or a socket;
+                a folder that is missing or cannot be written; a failed write (``No space
+                left on device``). A file already at ``path`` is left as it was.
+            SummaryFormatError: the summary would not load (it was changed in memory).
         """
-        atomic_torch_save(self.to_payload(), path)
+        payload = self.to_payload()
+        # what save writes, load reads: a summary changed in memory since fit is refused
+        # here, the file at path left as it was
+        check_loadable(payload, f"cannot save to {os.fspath(path)}")
+        atomic_torch_save(payload, path)
 
     def to_payload(self) -> dict[str, Any]:
         """The summary as plain tensors and JSON strings (what :meth:`save` writes).
@@ -715,7 +520,7 @@ class Estimator:
                         f"the inputs, and these are discrete ({x.dtype}, e.g. token ids): "
                         f"{use}") from None
                 raise self._cannot_run(x, kwargs, first) from None
-            data = _MappedBatches(data, _FloatInputs(dtype))
+            data = MappedBatches(data, FloatInputs(dtype))
         z = select_output(result, self._meta.get("output"),
                           f"{type(model).__name__}.forward")
         self._check_reference_output(z)
@@ -878,17 +683,11 @@ def load(path: str | os.PathLike, map_location: str | torch.device | None = None
     checksums written with them, and the tensors against the estimator's configuration and
     architecture (:mod:`fsd.validation`); a damaged or inconsistent file raises
     :class:`~fsd.validation.SummaryFormatError` naming the field. Files written by fsd
-    versions before checksums (no ``checksums`` entry) still load: their bytes are not
-    checksummed, only checked for consistency.
+    versions before checksums (format version 1, no ``checksums`` entry) still load: their
+    bytes are not checksummed, only checked for consistency; a version-2 file without
+    checksums is refused. A FIFO, a device or a socket is refused before it is opened.
     """
-    try:
-        payload = torch.load(os.fspath(path), map_location=map_location, weights_only=True)
-    except (FileNotFoundError, IsADirectoryError, PermissionError):
-        raise
-    except Exception as error:  # truncated, empty, random bytes, a pickle of anything else
-        # torch's own message suggests weights_only=False, which would run pickled code
-        raise SummaryFormatError(f"{os.fspath(path)} is not an fsd summary file (unreadable: "
-                                 f"{type(error).__name__})") from None
+    payload = read_weights_only(path, "summary", map_location)
     return from_payload(payload, origin=os.fspath(path))
 
 
@@ -896,13 +695,13 @@ def from_payload(payload: Any, origin: str = "summary") -> Estimator:
     """Rebuild an estimator from :meth:`Estimator.to_payload`'s dictionary, checking it.
 
     Raises :class:`~fsd.validation.SummaryFormatError` naming ``origin`` (a file name, or
-    where in a container the summary sat) and the field that is wrong.
+    where in a container the summary sat) and the field that is wrong; for a format
+    version this fsd does not know (a later one: upgrade fsd); and for a payload whose
+    version is written with checksums and that has none.
     """
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise SummaryFormatError(f"{origin} is not an fsd summary file")
-    if payload.get("version") != FORMAT_VERSION:
-        raise SummaryFormatError(f"{origin}: unsupported fsd summary version "
-                                 f"{payload.get('version')}")
+    version = check_format_version(payload.get("version"), origin, "summary", FORMAT_VERSION)
     name = payload.get("estimator")
     cls = ESTIMATORS.get(name) if isinstance(name, str) else None
     if cls is None:
@@ -913,12 +712,26 @@ def from_payload(payload: Any, origin: str = "summary") -> Estimator:
     if unexpected:
         raise SummaryFormatError(f"{origin}: not a valid {name} summary: unexpected entries "
                                  f"{', '.join(unexpected)}")
-    damage = checksum_damage(payload)  # None for files written before checksums
+    # None for version-1 files written before checksums
+    damage = checksum_damage(payload, required=version >= CHECKSUMS_SINCE)
+    return _rebuild(cls, payload.get("config"), payload.get("meta"), payload.get("tensors"),
+                    origin=origin, damage=damage)
+
+
+def _rebuild(cls: type[Estimator], config: Any, meta: Any, tensors: Any, *, origin: str,
+             damage: str | None) -> Estimator:
+    """An estimator of ``cls`` from a payload's parts, through every check ``fsd.load`` runs.
+
+    ``fit`` and ``save`` call it too, on the JSON a file would hold: a summary that passes
+    here is one ``fsd.load`` reads. ``damage`` (what disagrees with the checksums) follows
+    the consistency checks' message, or is the message when they pass.
+    """
+    name = cls.__name__
     try:
-        estimator = cls(**json.loads(payload["config"]))
-        estimator._stored = dict(payload["tensors"])
+        estimator = cls(**json.loads(config))
+        estimator._stored = dict(tensors)
         estimator._state = estimator._stored
-        estimator._meta = json.loads(payload["meta"])
+        estimator._meta = json.loads(meta)
         # the consistency checks run first: their message says what is wrong with the field
         check_common(estimator._stored, estimator._meta)
         check_call_meta(estimator._meta)
@@ -938,3 +751,70 @@ def from_payload(payload: Any, origin: str = "summary") -> Estimator:
     if damage is not None:
         raise SummaryFormatError(f"{origin}: not a valid {name} summary: {damage}")
     return estimator
+
+
+def check_loadable(payload: dict[str, Any], origin: str) -> None:
+    """Refuse to write ``payload`` (from :meth:`Estimator.to_payload`) unless it would load.
+
+    The checks of :func:`from_payload`, without the checksums ``to_payload`` just computed.
+    Raises :class:`~fsd.validation.SummaryFormatError` naming ``origin`` and the field.
+    """
+    cls = ESTIMATORS[payload["estimator"]]
+    _rebuild(cls, payload["config"], payload["meta"], payload["tensors"], origin=origin,
+             damage=None)
+
+
+# A standardised feature beyond this would be a 1000-σ outlier: inputs that large are raw
+# (a Unix time, a price, an unscaled sensor) and are named as the cause of a huge summary.
+_RAW_INPUT = 1e3
+_STANDARDISE = ("standardise the inputs (subtract each feature's mean and divide by its "
+                "standard deviation), or fit a float64 model (model.double())")
+
+
+def _range_remedy(key: str, data: Data | None, dtype: torch.dtype, device: torch.device
+                  ) -> str:
+    """The cause and the fix of a summary field beyond the magnitude limit, for ``fit``."""
+    if key.startswith("theta0."):
+        return (f"the parameter {key[len('theta0.'):]!r} is that large: fit a float64 model "
+                f"(model.double())")
+    largest = _largest_input_feature(data, dtype, device)
+    if largest is None:
+        return _STANDARDISE
+    feature, value = largest
+    if value >= _RAW_INPUT:
+        return f"feature {feature} of the inputs reaches {value:.3g}: {_STANDARDISE}"
+    return (f"the inputs stay within {value:.3g}, so the model's weights or outputs are that "
+            f"large: fit a float64 model (model.double())")
+
+
+def _largest_input_feature(data: Data | None, dtype: torch.dtype, device: torch.device
+                           ) -> tuple[str, float] | None:
+    """The input feature of largest magnitude and that magnitude, or ``None``.
+
+    ``None`` when the data cannot be read again (a generator ``fit`` consumed, statistics
+    only) or holds integer inputs, which no float feature scaling concerns.
+    """
+    if data is None or isinstance(data, Iterator):
+        return None
+    peak: Tensor | None = None
+    shape: tuple[int, ...] = ()
+    try:
+        for x, _ in iter_batches(data, dtype=dtype, device=device):
+            if not x.is_floating_point():
+                return None
+            batch = x.detach().abs().flatten(1).amax(0)
+            peak = batch if peak is None else torch.maximum(peak, batch)
+            shape = tuple(x.shape[1:])
+    except Exception:  # the message falls back to the general advice
+        return None
+    if peak is None or peak.numel() == 0:
+        return None
+    index = int(peak.argmax())
+    value = float(peak[index])
+    if len(shape) == 1:
+        return str(index), value
+    position = []  # the index within one example's shape, as x[:, c, h, w] reads it
+    for size in reversed(shape):
+        position.append(index % size)
+        index //= size
+    return str(tuple(reversed(position))), value

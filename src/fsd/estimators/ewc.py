@@ -13,7 +13,9 @@ from ..model import autodiff, support
 from ..model.hooks import forward_hooks
 from ..statistics import distributed
 from ..validation import positive_int, require_nonnegative, require_shape
-from .base import Data, Estimator, iter_batches
+from . import probe
+from .base import Estimator
+from .batches import Data, iter_batches
 
 FISHERS = ("true", "sampled", "empirical")
 
@@ -141,6 +143,8 @@ class EWC(Estimator):
         count = 0
         for x, y in iter_batches(data, dtype=dtype, device=device, progress=progress,
                                  desc="EWC: Fisher"):
+            if "probe.x" not in self._state and x.shape[0]:  # distance's check of the function
+                probe.record(self._state, model, {**params, **buffers}, x)
             with torch.no_grad():
                 z0 = select(functional_call(model, {**params, **buffers}, (x,)))
             hs = self._factors(z0, y, generator).detach()
@@ -154,6 +158,7 @@ class EWC(Estimator):
                 total[k] += batch[k].to(torch.float64)
             count += x.shape[0]
         total, count = distributed.sum_tensors(total, count)  # all ranks' shards
+        probe.share_rank_zeros(self._state)
         for k, v in total.items():
             self._state[f"fisher.{k}"] = (v / count).to(dtype)
 
@@ -169,6 +174,8 @@ class EWC(Estimator):
         return torch.stack(list(self._layer_terms(model).values())).sum()
 
     def _layer_terms(self, model: nn.Module) -> dict[str, Tensor]:
+        # same parameters, another function (an activation swapped) would read 0 at θ0
+        probe.check_probe(self._cache, model, self._state, self.reference_state)
         theta0 = self.reference_parameters()
         terms: dict[str, Tensor] = {}
         for name, p in model.named_parameters():

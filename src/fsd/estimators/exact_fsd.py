@@ -11,7 +11,8 @@ from torch.func import functional_call
 from ..metrics import check_metric, pointwise_distance
 from ..statistics import distributed
 from ..validation import SummaryFormatError, positive_int, require, require_shape
-from .base import Data, Estimator, iter_batches
+from .base import Estimator
+from .batches import Data, iter_batches
 
 
 class ExactFSD(Estimator):

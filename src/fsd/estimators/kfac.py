@@ -68,7 +68,9 @@ from ..validation import (
     require_psd,
     require_shape,
 )
-from .base import Data, Estimator, iter_batches
+from . import probe
+from .base import Estimator
+from .batches import Data, iter_batches
 
 _DIAGONAL = "kfac_diag."  # the prefix of a diagonal block's field, then the parameter's name
 
@@ -130,6 +132,8 @@ class KFAC(Estimator):
         count = 0
         for x, _ in iter_batches(data, dtype=dtype, device=device, progress=progress,
                                  desc="KFAC: factors"):
+            if "probe.x" not in self._state and x.shape[0]:  # distance's check of the function
+                probe.record(self._state, model, {**params, **buffers}, x)
             hooked = candidates if layers is None else layers
             seen: dict[str, list[tuple[Tensor, Tensor]]] = {path: [] for path in hooked}
             handles = [layer.module.register_forward_hook(_recorder(seen[p]))
@@ -181,6 +185,7 @@ class KFAC(Estimator):
             {**{f"A:{p}": v for p, v in inputs_sq.items()},
              **{f"G:{p}": v for p, v in grads_sq.items()},
              **{f"D:{k}": v for k, v in diagonal.items()}}, count)
+        probe.share_rank_zeros(self._state)
         for path in layers:
             key = f"{path}." if path else ""
             for factor in "AG":
@@ -273,6 +278,8 @@ class KFAC(Estimator):
             raise SummaryFormatError("meta 'layers': no layer recorded")
 
     def _layer_terms(self, model: nn.Module) -> dict[str, Tensor]:
+        # same parameters, another function (an activation swapped) would read 0 at θ0
+        probe.check_probe(self._cache, model, self._state, self.reference_state)
         theta0 = self.reference_parameters()
         current = dict(model.named_parameters())
         terms = {}

@@ -59,7 +59,8 @@ from ..validation import (
     require_psd,
     require_shape,
 )
-from .base import Data, Estimator, iter_batches
+from .base import Estimator
+from .batches import Data, iter_batches
 
 INPUTS = ("coreset", "gaussian")
 COVARIANCES = ("full", "diag", "lowrank")

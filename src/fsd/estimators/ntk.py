@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import types
-import weakref
 from typing import Any, ClassVar, Iterator
 
 import torch
@@ -13,10 +12,11 @@ from torch.func import functional_call
 
 from ..metrics import check_metric, pointwise_distance
 from ..model import autodiff, support
-from ..model.signature import ArchitectureMismatchError
 from ..statistics.coreset import Reservoir
 from ..validation import SummaryFormatError, positive_int, require, require_shape
-from .base import Data, Estimator, iter_batches
+from . import probe
+from .base import Estimator
+from .batches import Data, iter_batches
 
 
 class NTK(Estimator):
@@ -89,33 +89,10 @@ class NTK(Estimator):
         current = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         tangents = {n: current[n] - v for n, v in reference.items() if v.is_floating_point()}
         f0, jv = self._products(model, self._state["coreset.x"], tangents)
-        # once per model object and layout: the comparison reads a number back (a GPU sync
-        # every step). The object is held weakly (a freed model's id can be reused) and its
-        # submodules by identity and type (a layer swapped in place changes the function)
-        layout = tuple((name, id(m), type(m)) for name, m in model.named_modules())
-        seen = self._cache.get(f"same-function:{id(model)}")
-        if seen is None or seen[0]() is not model or seen[1] != layout:
-            self._check_same_function(f0.detach())
-            self._cache[f"same-function:{id(model)}"] = (weakref.ref(model), layout)
+        probe.check_same_function(self._cache, model, lambda: f0,
+                                  self._state.get("coreset.f0"))
         reference = self._select(f0).detach()
         return pointwise_distance(self.config["metric"], reference, self._select(jv)).mean()
-
-    def _check_same_function(self, f0: Tensor) -> None:
-        """f(x, θ0) of the model given equals the fitted one (up to float round-off)."""
-        fitted = self._state.get("coreset.f0")
-        if fitted is None:
-            return
-        if f0.shape != fitted.shape:
-            raise ArchitectureMismatchError(
-                f"the model gives {tuple(f0.shape[1:])} outputs per example, the summary was "
-                f"fitted on a model giving {tuple(fitted.shape[1:])}")
-        # loose enough for another device or kernel, far below a changed activation
-        gap = float((f0 - fitted).abs().max())
-        if gap > 1e-3 * (float(fitted.abs().max()) + 1e-6):
-            raise ArchitectureMismatchError(
-                f"the model computes another function than the one fitted: at the fitted "
-                f"parameters θ0 its outputs on the stored inputs differ by up to {gap:.3g} "
-                f"(an activation or a layer without parameters changed?)")
 
     def _products(self, model: nn.Module, x: Tensor, tangents: dict[str, Tensor]
                   ) -> tuple[Tensor, Tensor]:

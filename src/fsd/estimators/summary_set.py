@@ -24,6 +24,7 @@ from ..model.tracing import unwrap
 from ..precision import float32_view
 from .base import Estimator, evaluation_mode, model_dtype_device
 from .linearized import BGLN
+from .model_state import check_distance, refuse_meta
 
 
 def _batch_key(estimator: Estimator) -> tuple | None:
@@ -82,8 +83,10 @@ class SummarySet:
         A float16 or bfloat16 model is measured in float32, as by :meth:`Estimator.distance`.
         """
         model = unwrap(model)
+        refuse_meta(model)
         with float32_view(model, differentiable=True):
-            return self._distance(model)
+            value = self._distance(model)
+        return check_distance(value, model)  # the batched members are not checked one by one
 
     def _distance(self, model: nn.Module) -> Tensor:
         dtype, device = model_dtype_device(model)

@@ -12,8 +12,9 @@ an exponential moving average (``momentum``), which are averaged over the ranks 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -48,7 +49,8 @@ def gather_objects(obj: Any) -> list[Any]:
     if world_size() == 1:
         return [obj]
     out: list[Any] = [None] * world_size()
-    torch.distributed.all_gather_object(out, _to_cpu(obj))
+    with _collective():
+        torch.distributed.all_gather_object(out, _to_cpu(obj))
     return out
 
 
@@ -57,14 +59,35 @@ def sum_tensors(tensors: dict[str, Tensor], count: int) -> tuple[dict[str, Tenso
     if world_size() == 1:
         return tensors, count
     summed = {}
-    for key in sorted(tensors):  # one order on every rank
-        value = tensors[key].detach().clone()
-        torch.distributed.all_reduce(value)
-        summed[key] = value
     device = next(iter(tensors.values())).device if tensors else None
     total = torch.tensor([count], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(total)
+    with _collective():
+        for key in sorted(tensors):  # one order on every rank
+            value = tensors[key].detach().clone()
+            torch.distributed.all_reduce(value)
+            summed[key] = value
+        torch.distributed.all_reduce(total)
     return summed, int(total.item())
+
+
+@contextlib.contextmanager
+def _collective() -> Iterator[None]:
+    """A collective of fitting: a rank that failed or never joined, in one line.
+
+    The backend's error (gloo's timeout after the process group's ``timeout``, a peer's
+    closed connection) is many lines about sockets; what went wrong is that the ranks did
+    not all reach this point.
+    """
+    try:
+        yield
+    except RuntimeError as error:  # torch.distributed.DistBackendError is one
+        text = str(error).strip()
+        first = text.splitlines()[0] if text else type(error).__name__
+        raise DistributedFitError(
+            f"rank {rank()} of {world_size()}: a collective of fit failed ({first[:200]}): "
+            f"every rank must call fit, or record statistics, at the same point, and none may "
+            f"exit or stall (one that never joins leaves the others waiting until the "
+            f"process group's timeout)") from None
 
 
 def state_digests(model: nn.Module) -> list[tuple[str, str]]:

@@ -22,7 +22,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..estimators.base import Data, Estimator
+from ..estimators.base import Estimator
+from ..estimators.batches import Data
 from ..estimators.exact_fsd import ExactFSD
 
 
@@ -124,15 +125,28 @@ def calibrate(estimator: Estimator, model: nn.Module, data: Data, *,
         A :class:`Calibration`; ``str()`` of it is a one-line report.
 
     Raises:
-        ValueError: in one line naming the argument, for what would leave a ratio — and so
+        ValueError: in one line naming the argument: ``model`` not an ``nn.Module``,
+            ``seed`` not an integer in [0, 2**64), and what would leave a ratio — and so
             λ — not a finite number: ``scale`` not finite and > 0, ``num_perturbations``
             below 2, ``moved`` empty, a moved network with non-finite parameters, a true
             FSD of 0 (a network that did not move, or a ``scale`` too small to move the
             parameters) or not finite (a ``scale`` so large the outputs overflow), or an
             ``estimator`` whose distance is not finite.
+        fsd.ArchitectureMismatchError: ``model`` is not of the architecture the estimator
+            was fitted on.
+        fsd.estimators.base.NotFittedError: the estimator was not fitted.
     """
     # every ratio must be finite and positive, or λ / median ratio is not a number: what
     # would break it is refused, naming the argument (the default networks: ``scale``)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module of the reference's architecture, got "
+                         f"{type(model).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+        # torch.Generator takes a seed in [0, 2**64)
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    estimator.require_fitted()
+    # before load_state_dict, whose message for another model is many lines of key names
+    estimator.check_architecture(model)
     if moved is None:
         if (isinstance(num_perturbations, bool) or not isinstance(num_perturbations, int)
                 or num_perturbations < 2):

@@ -54,7 +54,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 from tqdm.auto import tqdm
 
-from ..estimators.base import Estimator, as_batches
+from ..estimators.base import Estimator
+from ..estimators.batches import as_batches
 from ..estimators.ewc import EWC
 from ..estimators.linearized import BGLN
 from ..metrics import pointwise_distance

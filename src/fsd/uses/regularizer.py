@@ -22,14 +22,20 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..estimators.base import Data, Estimator, atomic_torch_save, from_payload, model_dtype_device
+from ..estimators.base import Estimator, check_loadable, from_payload, model_dtype_device
+from ..estimators.batches import Data
+from ..estimators.files import atomic_torch_save, check_format_version, read_weights_only
 from ..estimators.summary_set import SummarySet
 from ..model.calls import Output
 from ..precision import compute_dtype
-from ..validation import SummaryFormatError
+from ..validation import SummaryFormatError, regularizer_checksum
 
 FORMAT = "fsd-continual-regularizer"
-FORMAT_VERSION = 1
+#: 1: settings and summaries; 2: a checksum over the settings and the task list as well
+FORMAT_VERSION = 2
+#: the first format version whose files always carry the checksum over the task list
+CHECKSUM_SINCE = 2
+_ENTRIES = {"format", "version", "strength", "reduction", "summaries", "checksum"}
 REDUCTIONS = ("sum", "mean")
 #: The largest strength λ accepted. λ·D stays finite in float32 for every distance D below
 #: 3.4e38 / 1e12 = 3.4e26 — outputs some 1e13 away from the reference's, a diverged network
@@ -44,10 +50,14 @@ def check_strength(strength: Any) -> float:
 
     Raises ``ValueError`` naming the value (``MAX_STRENGTH`` says why the bound).
     """
-    if (isinstance(strength, bool) or not isinstance(strength, numbers.Real)
+    real = isinstance(strength, numbers.Real) and not isinstance(strength, bool)
+    # an int beyond float's range (10**400) is out of bounds before float() overflows on it
+    if (not real or (isinstance(strength, int) and abs(strength) > MAX_STRENGTH)
             or not 0 <= float(strength) <= MAX_STRENGTH):
+        shown = repr(strength)
+        shown = shown if len(shown) <= 40 else f"{shown[:12]}… ({len(shown)} characters)"
         raise ValueError(f"strength must be a finite non-negative number at most "
-                         f"{MAX_STRENGTH:g}, got {strength!r} ({type(strength).__name__})")
+                         f"{MAX_STRENGTH:g}, got {shown} ({type(strength).__name__})")
     return float(strength)
 
 
@@ -160,8 +170,10 @@ class ContinualRegularizer:
                        ) -> ContinualRegularizer:
         """A regularizer holding already fitted ``summaries`` (e.g. read back from files)."""
         regularizer = cls(estimator, strength=strength, reduction=reduction)
-        for summary in summaries:
+        for i, summary in enumerate(summaries):
             summary.require_fitted()
+            # a summary that would not load would make the saved file lose every task
+            check_loadable(summary.to_payload(), f"summary {i}")
         regularizer.summaries = list(summaries)
         return regularizer
 
@@ -193,38 +205,59 @@ class ContinualRegularizer:
         return self.strength * self._penalty.distance(model)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write every summary and the settings to one file (atomically; no pickled code)."""
-        atomic_torch_save({
-            "format": FORMAT, "version": FORMAT_VERSION, "strength": self.strength,
-            "reduction": self.reduction,
-            "summaries": [s.to_payload() for s in self.summaries],
-        }, path)
+        """Write every summary and the settings to one file (atomically; no pickled code).
+
+        The file carries a checksum over the settings and the task list besides each
+        summary's own, so a task dropped, duplicated or reordered by hand is refused at load.
+
+        Raises:
+            SummaryFormatError: a summary would not load (one changed in memory since it was
+                fitted), naming its task; nothing is written.
+            OSError: as :meth:`fsd.Estimator.save`, one line naming ``path``; a file already
+                there is left as it was.
+        """
+        origin = os.fspath(path)
+        summaries = []
+        for i, summary in enumerate(self.summaries):
+            payload = summary.to_payload()
+            check_loadable(payload, f"cannot save to {origin} (task {i})")
+            summaries.append(payload)
+        file: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION,
+                                "strength": self.strength, "reduction": self.reduction,
+                                "summaries": summaries}
+        file["checksum"] = regularizer_checksum(file)
+        atomic_torch_save(file, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, estimator: Callable[[], Estimator] | None = None,
              map_location: str | torch.device | None = None) -> ContinualRegularizer:
-        """Read a regularizer written by :meth:`save`; ``estimator`` fits later tasks."""
+        """Read a regularizer written by :meth:`save`; ``estimator`` fits later tasks.
+
+        Each summary is checked as :func:`fsd.load` checks one, and the settings and task
+        list against the file's checksum. Files of format version 1 (written before that
+        checksum) load without it; a version-2 file without it, or of a later version, is
+        refused. Raises :class:`~fsd.validation.SummaryFormatError` in one line naming the
+        file (and the task); a FIFO or a device is refused before it is opened.
+        """
         origin = os.fspath(path)
-        try:
-            payload = torch.load(origin, map_location=map_location, weights_only=True)
-        except (FileNotFoundError, IsADirectoryError, PermissionError):
-            raise
-        except Exception as error:  # torch's message would suggest weights_only=False
-            raise SummaryFormatError(f"{origin} is not an fsd regularizer file (unreadable: "
-                                     f"{type(error).__name__})") from None
+        payload = read_weights_only(origin, "regularizer", map_location)
         if not isinstance(payload, dict) or payload.get("format") != FORMAT:
             raise SummaryFormatError(f"{origin} is not an fsd regularizer file")
-        if payload.get("version") != FORMAT_VERSION:
-            raise SummaryFormatError(f"{origin}: unsupported regularizer version "
-                                     f"{payload.get('version')}")
+        version = check_format_version(payload.get("version"), origin, "regularizer",
+                                       FORMAT_VERSION)
+        unexpected = sorted(map(repr, set(payload) - _ENTRIES))
+        if unexpected:  # a damaged "checksum" key would pass the file off as a version-1 one
+            raise SummaryFormatError(f"{origin}: unexpected entries {', '.join(unexpected)}")
+        damage = _checksum_damage(payload, required=version >= CHECKSUM_SINCE)
+        also = "" if damage is None else f" ({damage})"
         try:
             regularizer = cls(estimator, strength=payload["strength"],
                               reduction=payload["reduction"])
         except (KeyError, TypeError, ValueError) as error:
-            raise SummaryFormatError(f"{origin}: bad settings ({error})") from None
+            raise SummaryFormatError(f"{origin}: bad settings ({error}){also}") from None
         summaries = payload.get("summaries")
         if not isinstance(summaries, list):
-            raise SummaryFormatError(f"{origin}: field 'summaries' is missing")
+            raise SummaryFormatError(f"{origin}: field 'summaries' is missing{also}")
         for i, summary in enumerate(summaries):
             # private classes (``_LinearizedEstimator``) are building blocks, not estimators
             name = summary.get("estimator") if isinstance(summary, dict) else None
@@ -232,4 +265,26 @@ class ContinualRegularizer:
                 raise SummaryFormatError(f"{origin} (task {i}): unknown estimator {name!r}")
         regularizer.summaries = [from_payload(p, origin=f"{origin} (task {i})")
                                  for i, p in enumerate(summaries)]
+        if damage is not None:  # every part is consistent, but not the file that was saved
+            raise SummaryFormatError(f"{origin}: {damage}")
         return regularizer
+
+
+def _checksum_damage(payload: dict[str, Any], *, required: bool) -> str | None:
+    """What in a regularizer file disagrees with its ``checksum`` entry, or ``None``.
+
+    ``None`` for a file without one unless ``required`` (a version-1 file predates it).
+    """
+    if "checksum" not in payload:
+        return ("the checksum over the settings and the task list is missing, and a "
+                "regularizer file of this format version is always saved with it: the file "
+                "was edited or damaged") if required else None
+    try:
+        expected = regularizer_checksum(payload)
+    except (TypeError, ValueError):  # settings that are no JSON: bytes changed
+        expected = None
+    if payload["checksum"] != expected:
+        return ("checksum mismatch over the settings and the task list (a task dropped, "
+                "duplicated or reordered, or a setting changed): the file was damaged or "
+                "changed after it was saved")
+    return None
