@@ -11,8 +11,10 @@ low-rank r = 64; one summary and ``fsd.combine`` of 9), exact moments on the wid
 chain (one and 9), the residual graph of width 256 (exact moments), the paper's CIFAR
 CNN (Algorithm 2, low-rank r = 64), and the linearized pass of LAFTR (coreset; chain and
 residual graph) and BGLN-S (chain) at width 256, and the corrected recursion
-(``fsd.estimators.variants``) at widths 256 and 512. A refactor should leave every ratio
-near 1.
+(``fsd.estimators.variants``) at widths 256 and 512; then whole training steps (batch 128,
+the loss plus the penalty, backward, an Adam step, so that the parameters change every step)
+for Algorithm 2, exact moments with 9 summaries, BGLN-S, LAFTR, EWC, KFAC (also on the CNN)
+and NTK. A refactor should leave every ratio near 1.
 """
 
 from __future__ import annotations
@@ -82,18 +84,31 @@ def _penalty(package: Any, build: Callable[[], nn.Module], shape: tuple[int, ...
     model = build().eval()
     data = _data(shape)
     kind = config.pop("estimator", "bgln-d")
+    # a whole training step: the loss on a batch plus the penalty, backward, an Adam step
+    # (the parameters change every step, as in training); otherwise distance + backward
+    training = config.pop("training_step", False)
     make = {"bgln-d": lambda: package.BGLN(deterministic=True, **config),
             "bgln-s": lambda: package.BGLN(**config),
             "laftr": lambda: package.LAFTR(**config),
+            "ewc": lambda: package.EWC(**config),
+            "kfac": lambda: package.KFAC(**config),
+            "ntk": lambda: package.NTK(**config),
             "corrected": lambda: importlib.import_module(
                 f"{package.__name__}.estimators.variants").BGLNVariant(**config)}[kind]
     fitted = [make().fit(_moved(model), data) for _ in range(summaries)]
     target = package.combine(fitted) if summaries > 1 else fitted[0]
     moved = _moved(model)
+    x, y = data[0]
+    optimizer = torch.optim.Adam(moved.parameters(), lr=1e-6)
 
     def step() -> None:
         moved.zero_grad(set_to_none=True)
-        target.distance(moved).backward()
+        penalty = target.distance(moved)
+        if training:
+            (nn.functional.cross_entropy(moved(x), y) + penalty).backward()
+            optimizer.step()
+        else:
+            penalty.backward()
     return step
 
 
@@ -144,6 +159,22 @@ def main() -> None:
         # the corrected recursion (a prototype: fsd.estimators.variants.BGLNVariant)
         "corrected-w256": (lambda: _mlp(256), (784,), 1, {**lowrank, "estimator": "corrected"}),
         "corrected-w512": (lambda: _mlp(512), (784,), 1, {**lowrank, "estimator": "corrected"}),
+        # whole training steps (batch 128, Adam): the parameters change every step, so the
+        # checks distance runs once per model state run every step
+        "step-alg2-w256": (lambda: _mlp(256), (784,), 1, {**lowrank, "training_step": True}),
+        "step-exact-w256-K9": (lambda: _mlp(256), (784,), 9,
+                               {**lowrank, "moments": "exact", "training_step": True}),
+        "step-bgln-s-w256": (lambda: _mlp(256), (784,), 1,
+                             {"estimator": "bgln-s", "training_step": True}),
+        "step-laftr-w256": (lambda: _mlp(256), (784,), 1,
+                            {"estimator": "laftr", "training_step": True}),
+        "step-ewc-w256": (lambda: _mlp(256), (784,), 1,
+                          {"estimator": "ewc", "training_step": True}),
+        "step-kfac-w256": (lambda: _mlp(256), (784,), 1,
+                           {"estimator": "kfac", "training_step": True}),
+        "step-ntk-w256": (lambda: _mlp(256), (784,), 1,
+                          {"estimator": "ntk", "training_step": True}),
+        "step-kfac-cifar-cnn": (_cnn, (3, 32, 32), 1, {"estimator": "kfac", "training_step": True}),
     }
     chosen = args.cases.split(",") if args.cases else list(cases)
     print(f"torch {torch.__version__}, {platform.machine()}, {args.threads} thread(s), "

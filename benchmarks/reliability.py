@@ -362,6 +362,152 @@ def _():
     fsd.ContinualRegularizer(strength=1e308)
 
 
+@case("`distance` of a model with a NaN parameter (all 11 estimator configurations)")
+def _():
+    est = fsd.BGLN(deterministic=True).fit(_mlp(), X)
+    moved = _mlp()
+    with torch.no_grad():
+        moved[2].weight[0, 0] = float("nan")
+    est.distance(moved)
+
+
+@case("`distance` of a model on the `meta` device")
+def _():
+    fsd.ExactFSD().fit(_mlp(), X).distance(_mlp().to("meta"))
+
+
+@case("EWC measuring another function at θ0 (ReLU swapped for Tanh)")
+def _():
+    relu = _mlp()
+    tanh = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    tanh.load_state_dict(relu.state_dict())
+    fsd.EWC().fit(relu, X).distance(tanh)
+
+
+@case("KFAC measuring another function at θ0 (ReLU replaced by Identity)")
+def _():
+    relu = _mlp()
+    identity = nn.Sequential(nn.Linear(4, 8), nn.Identity(), nn.Linear(8, 3))
+    identity.load_state_dict(relu.state_dict())
+    fsd.KFAC().fit(relu, X).distance(identity)
+
+
+@case("`fit` on a later batch of another feature width")
+def _():
+    batches = [(X, torch.zeros(32).long()), (torch.randn(8, 5), torch.zeros(8).long())]
+    fsd.KFAC().fit(_mlp(), batches)
+
+
+@case("`fsd.calibrate` with `seed='a'`")
+def _():
+    fsd.calibrate(fsd.EWC().fit(_mlp(), X), _mlp(), X, seed="a")
+
+
+@case("`fsd.calibrate` with `seed=2**70`")
+def _():
+    fsd.calibrate(fsd.EWC().fit(_mlp(), X), _mlp(), X, seed=2 ** 70)
+
+
+@case("`fsd.calibrate` with `model=None`")
+def _():
+    fsd.calibrate(fsd.EWC().fit(_mlp(), X), None, X)  # type: ignore[arg-type]
+
+
+@case("`fsd.calibrate` with a model of another architecture")
+def _():
+    other = nn.Sequential(nn.Linear(4, 9), nn.ReLU(), nn.Linear(9, 3))
+    fsd.calibrate(fsd.EWC().fit(_mlp(), X), other, X)
+
+
+@case("`ContinualRegularizer(strength=10**400)`")
+def _():
+    fsd.ContinualRegularizer(strength=10 ** 400)
+
+
+@case("EWC on a feature of 1.7e12 (a Unix time in ms): the summary would not load")
+def _():
+    x = X.clone()
+    x[:, 3] = 1.7e12 + torch.arange(32.0)
+    fsd.EWC().fit(_mlp(), x)
+
+
+@case("LAFTR with Gaussian inputs on inputs ×1e20")
+def _():
+    fsd.LAFTR(inputs="gaussian").fit(_mlp(), X * 1e20)
+
+
+@case("`ContinualRegularizer.end_task` with a task that would not load (inputs ×1e10)")
+def _():
+    regularizer = fsd.ContinualRegularizer(fsd.KFAC)
+    regularizer.end_task(_mlp(), X)
+    regularizer.end_task(_mlp(), X * 1e10)  # refused; the first task stays
+
+
+def _in_a_child(code: str, limit: int) -> None:
+    """Run ``code`` in a Python child with a file size limit; raise its last error line."""
+    import resource
+
+    def limited() -> None:  # Python ignores SIGXFSZ: a write past the limit gets EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    with tempfile.TemporaryDirectory() as d:
+        run = subprocess.run([sys.executable, "-c", code], cwd=d, capture_output=True,
+                             text=True, preexec_fn=limited, timeout=300)
+        lines = [line for line in run.stderr.strip().splitlines() if line.strip()]
+    if run.returncode:  # the child's "Type: message", raised here as that type
+        name, _, message = (lines[-1] if lines else "Error: ").partition(": ")
+        raise type(name, (Exception,), {})(message.replace(d, "DIR"))
+
+
+@case("`est.save()` past a file size limit (`ulimit -f`), as on a full disk")
+def _():
+    _in_a_child("import torch, fsd; m = torch.nn.Linear(300, 300); "
+                "fsd.EWC().fit(m, torch.randn(8, 300)).save('s.fsd')", limit=64 << 10)
+
+
+@case("`fsd.load` of a FIFO with no writer (it waited for ever)")
+def _():
+    with tempfile.TemporaryDirectory() as d:
+        os.mkfifo(os.path.join(d, "pipe.fsd"))
+        fsd.load(os.path.join(d, "pipe.fsd"))
+
+
+@case("`fsd.load` of a summary whose `checksums` entry was deleted")
+def _():
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "summary.fsd")
+        fsd.EWC().fit(_mlp(), X).save(path)
+        payload = torch.load(path, weights_only=True)
+        del payload["checksums"]
+        torch.save(payload, path)
+        return fsd.load(path)
+
+
+@case("`fsd.load` of a summary of format version 99")
+def _():
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "summary.fsd")
+        fsd.EWC().fit(_mlp(), X).save(path)
+        payload = torch.load(path, weights_only=True)
+        payload["version"] = 99
+        torch.save(payload, path)
+        return fsd.load(path)
+
+
+@case("`ContinualRegularizer.load` of a file with a task dropped")
+def _():
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "reg.fsd")
+        regularizer = fsd.ContinualRegularizer(fsd.EWC)
+        regularizer.end_task(_mlp(), X)
+        regularizer.end_task(_mlp(), X)
+        regularizer.save(path)
+        payload = torch.load(path, weights_only=True)
+        payload["summaries"] = payload["summaries"][:1]
+        torch.save(payload, path)
+        return fsd.ContinualRegularizer.load(path)
+
+
 CL = ["cl", "--benchmark", "split-mnist", "--method", "finetune", "--out", "OUT"]
 COMMANDS: list[tuple[str, list[str]]] = [
     ("`fsd cl ... --tasks -1`", [*CL, "--tasks", "-1"]),
@@ -393,6 +539,7 @@ COMMANDS: list[tuple[str, list[str]]] = [
     ("`fsd cl ... --data-dir ''`", [*CL, "--data-dir", ""]),
     ("`fsd cl` with MNIST missing and downloads off",
      [*CL, "--seeds", "1", "--no-download"]),
+    ("`fsd fidelity --estimators bogus`", ["fidelity", "--out", "OUT", "--estimators", "bogus"]),
 ]
 
 
@@ -437,6 +584,45 @@ def _lose_task0(folder: str) -> None:
     os.remove(os.path.join(folder, "task0.fsd"))
 
 
+def _cut_matrix(folder: str) -> None:
+    # the accuracy matrix of a finished seed cut to its first 2 rows: resuming would retrain
+    # task 3 on top of task 3's weights
+    state = torch.load(os.path.join(folder, "state.pt"), weights_only=True)
+    state["matrix"] = state["matrix"][:2]
+    torch.save(state, os.path.join(folder, "state.pt"))
+
+
+def _future_version(folder: str) -> None:
+    state = torch.load(os.path.join(folder, "state.pt"), weights_only=True)
+    state["version"] = 99
+    torch.save(state, os.path.join(folder, "state.pt"))
+
+
+def _users_folder(d: str) -> list[str]:
+    folder = os.path.join(d, "mine")
+    os.makedirs(os.path.join(folder, "drafts"))
+    for name in ("notes.txt", "results.md", os.path.join("drafts", ".draft.tmp")):
+        with open(os.path.join(folder, name), "w") as f:
+            f.write("the user's\n")
+    return [*TINY_CL, "--data-dir", _fake_mnist(d), "--out", folder]
+
+
+def _linked_lock(d: str) -> list[str]:
+    args = _cl_checkpoint(d, lambda folder: None)
+    run = os.path.join(d, "run")
+    with open(os.path.join(d, "precious.txt"), "w") as f:
+        f.write("keep me\n")
+    os.remove(os.path.join(run, ".lock"))
+    os.symlink(os.path.join(d, "precious.txt"), os.path.join(run, ".lock"))
+    return args
+
+
+def _inside_checkpoints(d: str) -> list[str]:
+    args = _cl_checkpoint(d, lambda folder: None)
+    inside = os.path.join(d, "run", "checkpoints", "seed1", "sub")
+    return [*args[:-1], inside]
+
+
 def _a_file(d: str) -> str:
     open(os.path.join(d, "a-file"), "w").close()
     return os.path.join(d, "a-file")
@@ -458,6 +644,21 @@ FILE_COMMANDS: list[tuple[str, Callable[[str], list[str]]]] = [
     ("`fsd data fetch mnist --data-dir` a regular file",
      lambda d: ["data", "fetch", "mnist", "--data-dir", _a_file(d)]),
     ("`fsd influence uci` on a data.txt with a 1e308 entry", _huge_uci_row),
+    ("`fsd cl --out` a folder holding a user's files (`notes.txt`, `results.md`, "
+     "`drafts/.draft.tmp`)", _users_folder),
+    ("`fsd cl` on a run whose `.lock` is a symbolic link to a user's file", _linked_lock),
+    ("`fsd cl` resuming a `state.pt` whose accuracy matrix was cut to 2 rows",
+     lambda d: _cl_checkpoint(d, _cut_matrix)),
+    ("`fsd cl` resuming a checkpoint of `version: 99`",
+     lambda d: _cl_checkpoint(d, _future_version)),
+    ("`fsd cl --out` inside another run's checkpoint folder", _inside_checkpoints),
+    ("`fsd compare-estimators --out` below a regular file",
+     lambda d: ["compare-estimators", "--no-download", "--data-dir", d, "--out",
+                os.path.join(_a_file(d), "x")]),
+    ("`fsd influence mislabeled --n-train 1` (no corrupted point to detect)",
+     lambda d: ["influence", "mislabeled", "--out", os.path.join(d, "out"), "--data-dir",
+                _fake_mnist(d), "--n-train", "1", "--methods", "random", "--epochs", "1",
+                "--no-progress"]),
 ]
 
 
