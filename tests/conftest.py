@@ -187,3 +187,27 @@ def real_data() -> Path:
     fetch("mnist", REAL_DATA_DIR)
     fetch("uci", REAL_DATA_DIR)
     return REAL_DATA_DIR
+
+
+def fails_in_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``fsd argv``; assert exit status 2 and one line on stderr; return that line."""
+    from fsd_experiments.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
+    return lines[0]
+
+
+def finished_cl_run(tmp_path_factory: pytest.TempPathFactory, argv: list[str]) -> Path:
+    """A finished ``fsd cl argv`` run in a new temporary folder, for a module's tests to copy."""
+    from fsd_experiments.cli import main
+
+    out = tmp_path_factory.mktemp("cl") / "run"
+    assert main([*argv, "--out", str(out)]) == 0
+    return out

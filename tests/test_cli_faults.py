@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import fails_in_one_line, finished_cl_run
 from datafiles import REAL_DATA_DIR
 from fsd_experiments.cli import main
 
@@ -27,25 +28,10 @@ CL = ["cl", "--benchmark", "split-mnist", "--method", "bgln-d", "--seeds", "1", 
       "--no-progress", "--data-dir", str(DATA_DIR)]
 
 
-def fails_in_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """Run ``fsd argv``; assert exit status 2 and one line on stderr; return that line."""
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as stop:
-        code = stop.code
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
-    return lines[0]
-
-
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory, real_data: Path) -> Path:
     """A finished 3-task BGLN-D run (one seed) whose checkpoints the tests damage copies of."""
-    out = tmp_path_factory.mktemp("cl") / "run"
-    assert main([*CL, "--out", str(out)]) == 0
-    return out
+    return finished_cl_run(tmp_path_factory, CL)
 
 
 def _copy(run: Path, tmp_path: Path) -> tuple[Path, Path]:

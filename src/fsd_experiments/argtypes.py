@@ -15,6 +15,8 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 
+from .io import file_kind
+
 
 def _number(text: str, kind: type) -> Any:
     try:
@@ -204,19 +206,42 @@ def _checked_path(text: str, what: str) -> Path:
     return path
 
 
+def _blocking_ancestor(path: Path) -> Path | None:
+    """The nearest existing folder-to-be above ``path`` when it is not a directory."""
+    for above in path.absolute().parents:
+        if above.exists():
+            return None if above.is_dir() else above
+    return None
+
+
 def output_dir(text: str) -> str:
-    """An output directory: not empty (``''`` is the current directory), not ``/``, no file."""
+    """An output directory: not empty (``''`` is the current directory), not ``/``, no file.
+
+    Nor below a file (``afile/x``): refused now rather than when the results are written.
+    """
     path = _checked_path(text, "a directory (or a new name)")
     if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a file: give a directory (or a new name)")
+        raise argparse.ArgumentTypeError(f"{text} is {file_kind(path)}, not a directory: give a "
+                                         f"directory (or a new name)")
+    blocking = _blocking_ancestor(path)
+    if blocking is not None:
+        raise argparse.ArgumentTypeError(f"{text} cannot be created: {blocking} is "
+                                         f"{file_kind(blocking)}, not a directory")
     return text
 
 
 def output_file(text: str) -> str:
-    """An output file: not empty, not ``/``, not an existing directory."""
+    """An output file: not empty, not ``/``, not a directory, FIFO or device, not below a file."""
     path = _checked_path(text, "a file name")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory: give a file name")
+    if path.exists() and not path.is_file():  # a FIFO, a device: never replaced by a file
+        raise argparse.ArgumentTypeError(f"{text} is {file_kind(path)}, not a regular file: give "
+                                         f"a file name")
+    blocking = _blocking_ancestor(path)
+    if blocking is not None:
+        raise argparse.ArgumentTypeError(f"{text} cannot be created: {blocking} is "
+                                         f"{file_kind(blocking)}, not a directory")
     return text
 
 
@@ -299,6 +324,22 @@ def device(text: str) -> str:
     elif parsed.type not in ("cpu", "mps"):
         raise argparse.ArgumentTypeError(f"must be cpu or cuda[:N], got {text!r}")
     return text
+
+
+class UsageError(SystemExit):
+    """Options refused after parsing (they conflict, or name unknown things): exit status 2.
+
+    A ``SystemExit`` as argparse's own refusals are, with status 2 rather than the 1 that
+    ``SystemExit(message)`` gives; ``str()`` is the message, which
+    :func:`fsd_experiments.cli.main` prints as one line.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class OneLineParser(argparse.ArgumentParser):

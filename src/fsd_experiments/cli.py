@@ -12,10 +12,20 @@ from fsd import __version__
 from . import argtypes
 from .argtypes import OneLineParser, add_threads_option, apply_threads
 from .data.common import add_data_options, downloads_disabled
-from .io import atomic_write_text, versioned, write_json
+from .io import (
+    atomic_write_text,
+    claim_output,
+    earlier_output,
+    os_error_message,
+    versioned,
+    write_json,
+)
 
 #: layout of compare_estimators.json
 COMPARE_SCHEMA = 1
+#: the kind of folder ``fsd compare-estimators --out`` writes (see ``io.claim_directory``)
+COMPARE_FOLDER = "compare-estimators run"
+_COMPARE_FILES = ("compare_estimators.md", "compare_estimators.json")
 
 
 def _cmd_data_fetch(args: argparse.Namespace) -> int:
@@ -29,6 +39,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     from .compare import compare_estimators, format_rows
     apply_threads(args.threads)
+    if args.out:  # a folder that is not fsd's to write is refused now, not after the study
+        claim_output(args.out, COMPARE_FOLDER,
+                     earlier_output(lambda name: name in _COMPARE_FILES), _COMPARE_FILES)
     rows = compare_estimators(args.data_dir, width=args.width, depth=args.depth,
                               epochs=args.epochs, finetune_epochs=args.finetune_epochs,
                               seed=args.seed, repeats=args.repeats)
@@ -36,7 +49,6 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     print(table)
     if args.out:
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "compare_estimators.md", table + "\n")
         write_json(out / "compare_estimators.json",
                    versioned({"rows": [asdict(r) for r in rows]}, COMPARE_SCHEMA), indent=2)
@@ -96,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fsd`` console script."""
     try:
         return _main(argv)
+    except argtypes.UsageError as error:  # exits 2 as argparse's refusals do, with one line
+        print(f"error: {error}", file=sys.stderr)
+        raise
     except ModuleNotFoundError as error:
         # `pip install -e .` installs the script but not the experiments' dependencies
         if error.name not in _EXPERIMENT_DEPENDENCIES:
@@ -125,14 +140,5 @@ def _main(argv: list[str] | None) -> int:
         return 2
     except OSError as error:
         # an --out that is a file or on a read-only disk, a full disk: what and where
-        print(f"error: {_os_error_message(error)}", file=sys.stderr)
+        print(f"error: {os_error_message(error)}", file=sys.stderr)
         return 2
-
-
-def _os_error_message(error: OSError) -> str:
-    """One line for an ``OSError``: the path and the reason, without errno's brackets."""
-    if error.filename is None:  # raised with a message of our own, or without a path
-        return str(error) if error.errno is None else f"{error.strerror}"
-    if isinstance(error, FileExistsError):  # what mkdir says of a file in the way
-        return f"{error.filename} exists and is not a directory"
-    return f"{error.filename}: {error.strerror}"

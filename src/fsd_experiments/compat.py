@@ -11,7 +11,15 @@ here, with what the older version meant.
     (the MLP) and other settings whose default is ``None`` (``first_epochs``: every task
     trained ``epochs``; ``validation``: accuracies on the test sets; ``injection_rank``: the
     method's own), and ``statistics`` (recorded in the last epoch). Checkpoints from before
-    these settings resume under the same rules.
+    these settings resume under the same rules; checkpoints before version 3 carry no
+    sha256 of their contents and resume unchecked (version 1 had no ``version`` at all).
+    Run folders written before output folders were marked (``.fsd-output``) are recognised
+    as fsd's by their layout and adopted (``fsd_experiments.continual.runner``'s
+    ``_earlier_run_folder``): fsd cl's files and nothing else, with a results.json of fsd cl
+    or a ``checkpoints/seed<S>`` folder; tunings' folders likewise by theirs. The output
+    folders of ``fsd fidelity``, ``toy``, ``memory``, ``compare-estimators`` and ``influence
+    uci`` / ``mislabeled`` are adopted the same way when they hold that command's result
+    files and nothing else (``fsd_experiments.io.earlier_output``, ``owned_files``).
 
 ``fsd influence``:
     mislabeled results written before the pool's corrupted mask was saved rebuild it from
@@ -56,6 +64,11 @@ def cl_checkpoint_settings(saved: str, benchmark: str, method: str) -> dict[str,
     return {"penalty_outputs": legacy_penalty_outputs(benchmark, method), "model": "mlp",
             "first_epochs": None, "validation": None, "injection_rank": None,
             "statistics": "last-epoch", **json.loads(saved)}
+
+
+def cl_checkpoint_has_checksum(state: Mapping[str, Any]) -> bool:
+    """Whether an ``fsd cl`` checkpoint carries a sha256 of its contents (version 3 on)."""
+    return int(state.get("version", 1)) >= 3
 
 
 def cl_hyperparameters(raw: Mapping[str, Any], benchmark: str, method: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -28,7 +29,7 @@ from fsd.estimators.base import Estimator
 
 from . import argtypes
 from .argtypes import add_threads_option, apply_threads
-from .io import atomic_write_text, versioned, write_json
+from .io import atomic_write_text, claim_output, earlier_output, named, versioned, write_json
 from .models import cifar_cnn, mlp
 from .presets import PRESETS
 
@@ -219,9 +220,13 @@ def measured_counts(model: nn.Module, input_shape: Sequence[int], N: int, C: int
     if classwise:
         rows_wanted.append(("bgln-s-cw", "BGLN-S-CW / BGLN-D-CW", "P + C(A + d + d²)",
                             "+C mixture weights"))
-    rows_wanted.append(("ewc", "EWC", "2P", "θ0 + diagonal Fisher"))
+    # EWC and KFAC also keep f(x, θ0) on 4 synthetic inputs, 4(d + K) numbers, by which
+    # distance tells another function with the same parameters (fsd.estimators.probe)
+    rows_wanted.append(("ewc", "EWC", "2P", "θ0 + diagonal Fisher; + 4(d + K) for the check "
+                        "of the function"))
     rows_wanted.append(("osla", "OSLA (K-FAC factors)", "P + Σ (a_l² + g_l²)",
-                        "θ0 + A_l, G_l per layer; our formula: the paper counts P + Σ p_l²"))
+                        "θ0 + A_l, G_l per layer; our formula: the paper counts P + Σ p_l²; "
+                        "+ 4(d + K) for the check of the function"))
     specs = [(PRESETS[m].title, key, formula, fitted(m), note)
              for m, key, formula, note in rows_wanted]
     rows = []
@@ -306,8 +311,18 @@ ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
 }
 
 
+#: the kind of folder ``fsd memory --out`` writes (see :func:`fsd_experiments.io.claim_directory`)
+MEMORY_FOLDER = "memory run"
+
+
 def _cmd_memory(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
+    if args.out:  # a folder that is not fsd's to write is refused before the counting
+        # an earlier fsd memory's folder holds the tables of one or more architectures
+        arches = "|".join(map(re.escape, ARCHITECTURES))
+        earlier = earlier_output(named(rf"memory_(?:{arches})\.(?:md|json)"))
+        claim_output(args.out, MEMORY_FOLDER, earlier,
+                     [f"memory_{args.arch}.md", f"memory_{args.arch}.json"])
     model_fn, shape = ARCHITECTURES[args.arch]
     model = model_fn()
     if args.input_shape:
@@ -335,7 +350,6 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     print(text, end="")
     if args.out:
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / f"memory_{args.arch}.md", text)
         write_json(out / f"memory_{args.arch}.json", versioned(result, MEMORY_SCHEMA), indent=1)
         print(f"wrote {out / f'memory_{args.arch}.md'} and .json")

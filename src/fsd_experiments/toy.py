@@ -33,9 +33,9 @@ from fsd.estimators.base import Estimator
 
 from . import argtypes
 from .argtypes import add_threads_option, apply_threads
-from .io import atomic_write_text, versioned, write_json
+from .io import atomic_write_text, claim_output, earlier_output, versioned, write_json
 from .models import mlp
-from .plotting import pyplot
+from .plotting import pyplot, write_figure
 from .presets import PRESETS
 from .training import squared_error, train
 
@@ -214,8 +214,7 @@ def toy_plot(result: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("y")
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    write_figure(fig, path, dpi=130)  # atomically: a full disk leaves no half PNG
 
 
 def format_toy(result: dict[str, Any]) -> str:
@@ -270,12 +269,19 @@ def toy_markdown(saved: dict[str, Any]) -> str:
     return text + "\n"
 
 
+#: the kind of folder ``fsd toy`` writes (see :func:`fsd_experiments.io.claim_directory`)
+TOY_FOLDER = "toy run"
+#: what ``fsd toy`` writes into its folder (an earlier fsd's folder holds only these)
+TOY_FILES = ("toy.png", "toy.md", "toy.json")
+
+
 def _cmd_toy(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     cfg = ToyConfig.from_args(args)
+    # a folder that is not fsd's to write is refused before the training
+    out = claim_output(args.out, TOY_FOLDER, earlier_output(lambda name: name in TOY_FILES),
+                       TOY_FILES)
     result = run_toy(cfg)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     toy_plot(result, out / "toy.png")
     saved = {k: result[k] for k in ("config", "approximation", "errors")}
     if args.seeds > 1:

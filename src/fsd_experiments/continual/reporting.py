@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import io
 import json
 import math
 import os
@@ -25,11 +24,26 @@ from fsd.moments.evaluators import names as evaluator_names
 
 from ..benchmarks import CNN_MODELS, make_tasks
 from ..compat import cl_checkpoint_settings, is_cl_results
-from ..io import atomic_write_bytes, exclusive_directory, read_json, refuse_used_directory
-from ..plotting import pyplot
+from ..io import (
+    claim_directory,
+    exclusive_directory,
+    read_json,
+    refuse_nested,
+    refuse_used_directory,
+)
+from ..plotting import pyplot, write_figure
 from ..presets import PRESETS, default_hyperparameters
 from .results import RunResults, SeedResult, _mean_matrix, _pm, accuracy_summary, write_results
-from .runner import METHODS, build_model, checked_matrix, read_checkpoint, summary_outputs
+from .runner import (
+    CHECKPOINT_FOLDER,
+    METHODS,
+    RUN_FOLDER,
+    build_model,
+    checked_matrix,
+    is_checkpoint_folder,
+    read_checkpoint,
+    summary_outputs,
+)
 from .settings import Hyperparameters
 
 
@@ -57,6 +71,7 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
     # into another run's directory, its results.json would be replaced while its checkpoints
     # stay, and fsd cl gap or a rerun there would mix the two
     why = "merge writes only where no other run's results or checkpoints are"
+    refuse_nested(out, is_checkpoint_folder, CHECKPOINT_FOLDER)
     refuse_used_directory(out, why)  # before reading the runs; again under the lock below
     runs: list[tuple[Path, RunResults]] = []
     for path in paths:
@@ -110,13 +125,26 @@ def merge_runs(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
     out = Path(out)
     with exclusive_directory(out):  # an fsd cl (or merge) starting there now is refused
         refuse_used_directory(out, why)
+        claim_directory(out, RUN_FOLDER)  # empty: marked as an fsd cl run's folder
         # checkpoints first: results.json, written last, is what says the seeds are done
-        for seed, folder in sorted(seed_folders.items()):
-            shutil.copytree(folder, out / "checkpoints" / f"seed{seed}",
-                            copy_function=_link_or_copy,
-                            ignore=shutil.ignore_patterns(".*.tmp"))
+        try:
+            for seed, folder in sorted(seed_folders.items()):
+                shutil.copytree(folder, out / "checkpoints" / f"seed{seed}",
+                                copy_function=_link_or_copy,
+                                ignore=shutil.ignore_patterns(".*.tmp"))
+        except (OSError, _CopyError) as error:
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)  # half a copy looks resumable
+            raise error.cause if isinstance(error, _CopyError) else error from None
         write_results(merged, out, plots=plots)
     return merged
+
+
+class _CopyError(Exception):
+    """A file's copy failed: raised through ``copytree``, which would gather an OSError."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 def _link_or_copy(source: str, destination: str) -> None:
@@ -128,7 +156,12 @@ def _link_or_copy(source: str, destination: str) -> None:
     try:
         os.link(source, destination)
     except OSError:
-        shutil.copy2(source, destination)
+        try:
+            shutil.copy2(source, destination)
+        except OSError as error:  # a full disk: stop at once, naming the file and the reason
+            named = error.filename is not None or error.errno is None
+            raise _CopyError(error if named else
+                             type(error)(error.errno, error.strerror, destination)) from None
 
 
 def _joined(versions: set[str | None]) -> str | None:
@@ -488,19 +521,7 @@ def comparison_plot(paths: Sequence[str], out: str | os.PathLike) -> Path:
     rows = _read_runs(paths)
     if not rows:
         raise ValueError(f"no fsd cl results.json in {', '.join(map(str, paths))} to plot")
-    return _write_figure(_comparison_figure(rows), out, dpi=120)
-
-
-def _write_figure(fig: Any, out: str | os.PathLike, dpi: int) -> Path:
-    """Save a matplotlib figure atomically to ``out`` (its suffix picks the format), close it."""
-    out = Path(out)
-    buffer = io.BytesIO()
-    try:
-        fig.savefig(buffer, dpi=dpi, format=out.suffix.lstrip(".") or "png")
-    finally:
-        pyplot().close(fig)
-    atomic_write_bytes(out, buffer.getvalue())
-    return out
+    return write_figure(_comparison_figure(rows), out, dpi=120)
 
 
 def _comparison_figure(rows: list[tuple[str, str, Path, RunResults]]) -> Any:
@@ -898,7 +919,7 @@ def gap_plot(paths: Sequence[str], out: str | os.PathLike) -> Path:
     :data:`GAP_AXIS_FLOOR` are drawn at it. Written
     atomically to ``out`` (its suffix picks the format).
     """
-    return _write_figure(_gap_figure(read_gap_folders(paths)), out, dpi=110)
+    return write_figure(_gap_figure(read_gap_folders(paths)), out, dpi=110)
 
 
 def _gap_figure(found: list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]]) -> Any:

@@ -18,7 +18,7 @@ from ..benchmarks import CL_BENCHMARKS
 from ..compat import CL_RESULTS_SCHEMA, cl_results
 from ..devices import cpu_name, device_name
 from ..io import atomic_write_text, read_json, write_json
-from ..plotting import pyplot
+from ..plotting import pyplot, write_figure
 from ..presets import CL_METHODS
 from .settings import Hyperparameters
 
@@ -325,8 +325,7 @@ def _plot(results: RunResults, out: Path) -> list[Path]:
     fig.colorbar(image, ax=ax, fraction=0.046)
     fig.tight_layout()
     heatmap = out / "accuracy_matrix.png"
-    fig.savefig(heatmap, dpi=120)
-    plt.close(fig)
+    write_figure(fig, heatmap, dpi=120)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for j in range(t):
@@ -340,8 +339,7 @@ def _plot(results: RunResults, out: Path) -> list[Path]:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     curves = out / "task_accuracy.png"
-    fig.savefig(curves, dpi=120)
-    plt.close(fig)
+    write_figure(fig, curves, dpi=120)
     return [heatmap, curves]
 
 

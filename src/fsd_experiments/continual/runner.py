@@ -3,26 +3,44 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
+import re
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from fsd.estimators.base import Estimator, atomic_torch_save, load
+from fsd.estimators.base import Estimator, load
 from fsd.statistics.collector import StatisticsCollector
 from fsd.uses.regularizer import ContinualRegularizer
 
 from ..benchmarks import CL_BENCHMARKS, CNN_MODELS, Task, make_tasks
-from ..compat import cl_checkpoint_settings
+from ..compat import cl_checkpoint_has_checksum, cl_checkpoint_settings, is_cl_results
 from ..data import TensorBatches
 from ..devices import resolve_device
-from ..io import exclusive_directory, remove_stale_temporaries
+from ..io import (
+    BOOKKEEPING,
+    LOCK,
+    atomic_write_bytes,
+    check_target,
+    claim_directory,
+    exclusive_directory,
+    file_kind,
+    is_fsd_temporary,
+    is_pid_lock,
+    marker_kind,
+    non_file_kind,
+    read_json,
+    refuse_nested,
+    remove_stale_temporaries,
+)
 from ..models import conv_net, mlp
 from ..presets import CL_METHODS, PRESETS, Preset
 from ..training import LossFn, train
@@ -30,7 +48,10 @@ from .results import RunResults, SeedResult, write_results
 from .settings import PENALTY_MODES, Hyperparameters, RunSettings
 
 BENCHMARKS: tuple[str, ...] = CL_BENCHMARKS
-CHECKPOINT_VERSION = 2
+#: 3: a sha256 of the checkpoint's contents (``"sha256"``), checked before resuming
+CHECKPOINT_VERSION = 3
+#: the kind of folder an ``fsd cl`` run writes (see :func:`fsd_experiments.io.claim_directory`)
+RUN_FOLDER = "cl run"
 
 
 class CheckpointMismatchError(RuntimeError):
@@ -224,6 +245,13 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
         start_task = len(result.matrix)
         if spec.estimator is not None and start_task < len(tasks):
             _check_summaries(ckpt_dir, start_task, seed)
+        # last, after the checks that say what is wrong: a matrix cut to fewer rows (or any
+        # other edit) is valid on its own, but would retrain tasks on top of later weights
+        if cl_checkpoint_has_checksum(state) and state.get("sha256") != checkpoint_sha256(state):
+            raise UnreadableCheckpointError(
+                f"{state_path} was changed after fsd wrote it (its contents do not match the "
+                f"sha256 written with them), and resuming it would give other numbers"
+                f"{start_over}")
         if start_task < len(tasks):
             _log(f"[{method} seed {seed}] resuming after task {start_task}/{len(tasks)}")
     for t in range(start_task, len(tasks)):
@@ -271,7 +299,7 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
             collector.remove()
         result.matrix.append(row)
         result.wall_seconds += time.perf_counter() - began
-        atomic_torch_save({
+        checkpoint = {
             "version": CHECKPOINT_VERSION,
             "hyperparameters": json.dumps(_comparable(hp, benchmark, method)),
             "data_sha256": data_sha256,
@@ -281,7 +309,8 @@ def run_seed(benchmark: str, method: str, hp: Hyperparameters, seed: int, out: P
             "matrix": torch.tensor(result.matrix, dtype=torch.float64),
             "wall_seconds": torch.tensor(result.wall_seconds, dtype=torch.float64),
             "summary_bytes": torch.tensor(result.summary_bytes, dtype=torch.int64),
-        }, state_path)
+        }
+        _save({**checkpoint, "sha256": checkpoint_sha256(checkpoint)}, state_path)
         _log(f"[{method} seed {seed}] task {t + 1}/{len(tasks)} ({task.name}) "
              f"{time.perf_counter() - began:.0f}s: acc " + " ".join(
                  f"{a:.2f}" for a in row[:t + 1]))
@@ -293,9 +322,12 @@ def read_checkpoint(state_path: Path, map_location: Any = "cpu",
     """The dictionary of an ``fsd cl`` checkpoint (``state.pt``), or one line naming the file.
 
     Raises:
-        UnreadableCheckpointError: the file is empty, truncated, not a torch file, or lacks
-            keys of a checkpoint. ``advice`` is appended to the message (what to do).
+        UnreadableCheckpointError: the file is empty, truncated, not a torch file, lacks
+            keys of a checkpoint, or was written by a newer fsd (a ``version`` above
+            :data:`CHECKPOINT_VERSION`); a FIFO or a device is refused before it is read.
+            ``advice`` is appended to the message (what to do).
     """
+    _refuse_non_file(state_path, advice)
     try:
         state = torch.load(state_path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
@@ -307,7 +339,66 @@ def read_checkpoint(state_path: Path, map_location: Any = "cpu",
     if not isinstance(state, dict) or any(k not in state for k in _STATE_KEYS):
         raise UnreadableCheckpointError(
             f"{state_path} is not an fsd cl checkpoint (keys missing){advice}")
+    version = state.get("version", 1)  # the first checkpoints had no version
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise UnreadableCheckpointError(
+            f"{state_path} is not an fsd cl checkpoint (version {version!r}){advice}")
+    if version > CHECKPOINT_VERSION:
+        raise UnreadableCheckpointError(
+            f"{state_path} was written by a newer fsd (checkpoint version {version}; this fsd "
+            f"reads up to {CHECKPOINT_VERSION}): use that fsd{advice or ' to read it'}")
     return state
+
+
+def _refuse_non_file(state_path: Path, advice: str) -> None:
+    """Refuse a checkpoint path that is a FIFO, a device or a folder (links followed)."""
+    kind = non_file_kind(state_path)
+    if kind is not None:  # torch.load would wait on a FIFO for ever
+        raise UnreadableCheckpointError(f"{state_path} is {kind}, not a checkpoint file{advice}")
+
+
+def checkpoint_sha256(state: Mapping[str, Any]) -> str:
+    """sha256 of a checkpoint's contents: all but its settings, version and checksum.
+
+    The settings are compared on their own (older checkpoints lack newer settings, see
+    :mod:`fsd_experiments.compat`); everything else (the model, the optimizer, the
+    shuffling generator, the accuracy matrix, the times and sizes) must be what fsd wrote
+    for a resumed run to give the numbers of an uninterrupted one.
+    """
+    digest = hashlib.sha256()
+    _digest(digest, {key: value for key, value in state.items()
+                     if key not in ("hyperparameters", "version", "sha256")})
+    return digest.hexdigest()
+
+
+def _digest(digest: Any, value: Any) -> None:
+    """Feed ``value`` (tensors, mappings, sequences, plain values) into ``digest``."""
+    if isinstance(value, Tensor):
+        digest.update(f"T{value.dtype}{tuple(value.shape)}".encode())
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, Mapping):
+        digest.update(f"M{len(value)}".encode())
+        for key in sorted(value, key=repr):
+            _digest(digest, key)
+            _digest(digest, value[key])
+    elif isinstance(value, (list, tuple)):  # a tuple may come back as a list
+        digest.update(f"S{len(value)}".encode())
+        for item in value:
+            _digest(digest, item)
+    else:
+        digest.update(f"V{value!r};".encode())
+
+
+def _save(obj: Any, path: Path) -> None:
+    """``torch.save`` ``obj`` to ``path`` atomically, as :func:`atomic_write_bytes` writes.
+
+    Serialized in memory first: torch's own writer reports a full disk without the file or
+    the reason; this way the error is an ``OSError`` naming ``path``, and nothing is left.
+    """
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def checked_matrix(state: dict[str, Any], state_path: Path, num_tasks: int | None,
@@ -389,6 +480,78 @@ def _with_finished_seeds(settings: RunSettings, out: Path) -> list[int]:
     return [*previous.seeds, *(s for s in settings.seeds if s not in previous.seeds)]
 
 
+#: the files an ``fsd cl`` run writes into its folder (and checkpoints/)
+_RUN_FILES = ("results.json", "results.md", "accuracy_matrix.png", "task_accuracy.png")
+# what the docs' row folders keep beside them: fsd cl gap's table and fsd cl tune's files
+_ROW_FILES = ("gap.md", "tune.json", "tune.md")
+_SEED_FOLDER = re.compile(r"seed\d+")
+_CHECKPOINT_FILE = re.compile(r"state\.pt|task\d+\.fsd")
+
+
+def is_run_folder(path: Path) -> bool:
+    """Whether ``path`` is an ``fsd cl`` run's folder: marked as one, or laid out as one.
+
+    Without a marker (runs of an fsd before it): a results.json of fsd cl or a checkpoint
+    in ``checkpoints/seed<S>``. Unreadable files count as no evidence.
+    """
+    owner = marker_kind(path)
+    if owner is not None:
+        return owner == RUN_FOLDER
+    if any(path.glob("checkpoints/seed*/state.pt")):
+        return True
+    try:
+        return non_file_kind(path / "results.json") is None and \
+            (path / "results.json").is_file() and is_cl_results(read_json(path / "results.json"))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
+
+
+#: what :func:`is_checkpoint_folder` says of a folder, for messages
+CHECKPOINT_FOLDER = "the checkpoint folder of an fsd cl run"
+
+
+def is_checkpoint_folder(path: Path) -> bool:
+    """Whether ``path`` is the ``checkpoints`` folder of an ``fsd cl`` run.
+
+    No run's folder goes there (or below): the run there owns it and cleans it.
+    """
+    return path.name == "checkpoints" and is_run_folder(path.parent)
+
+
+def _earlier_run_folder(path: Path) -> bool:
+    """Whether ``path``, a folder without fsd's marker, is a run of an fsd from before it.
+
+    It holds nothing but what ``fsd cl`` writes (results, plots, the docs' row files,
+    ``checkpoints/seed<S>`` with checkpoints and summaries, fsd's temporary files, a lock
+    holding a pid), and results.json or a seed's checkpoint folder. A results.json that is
+    not fsd cl's raises the reader's error naming it, before anything is written.
+    """
+    def ours(entry: Path, names: Sequence[str] | re.Pattern[str], kind: str) -> bool:
+        named = entry.name in names if isinstance(names, Sequence) \
+            else names.fullmatch(entry.name) is not None
+        return (named and file_kind(entry) == kind) or is_fsd_temporary(entry)
+
+    lock = path / LOCK
+    if file_kind(lock) is not None and not is_pid_lock(lock):
+        return False
+    entries = [p for p in path.iterdir() if p.name not in BOOKKEEPING]
+    seeds = []
+    for entry in entries:
+        if entry.name == "checkpoints" and file_kind(entry) == "a directory":
+            seeds = list(entry.iterdir())
+            if not all(ours(seed, _SEED_FOLDER, "a directory") for seed in seeds):
+                return False
+            if not all(ours(f, _CHECKPOINT_FILE, "a file")
+                       for seed in seeds if seed.is_dir() for f in seed.iterdir()):
+                return False
+        elif not ours(entry, (*_RUN_FILES, *_ROW_FILES), "a file"):
+            return False
+    if (path / "results.json").is_file():
+        RunResults.read(path / "results.json")  # raises, naming it, if not fsd cl's
+        return True
+    return any(seed.is_dir() for seed in seeds)
+
+
 def run(settings: RunSettings) -> RunResults:
     """Run the settings' method on its benchmark for each seed; write results into ``out``.
 
@@ -398,9 +561,19 @@ def run(settings: RunSettings) -> RunResults:
     out = Path(settings.out)
     done: list[SeedResult] = []
     results: RunResults | None = None
+    refuse_nested(out, is_checkpoint_folder, CHECKPOINT_FOLDER)
+    # fsd writes, locks and cleans only a folder that is new, empty or its own
+    claim_directory(out, RUN_FOLDER, earlier=_earlier_run_folder)
     with exclusive_directory(out):  # a second fsd cl on this --out is refused, not mixed in
-        remove_stale_temporaries(out)
+        remove_stale_temporaries(out, below=("checkpoints/seed*",))
         seeds = _with_finished_seeds(settings, out)
+        # a FIFO or a device where a result goes is refused now, not after hours of training
+        for name in _RUN_FILES:
+            check_target(out / name)
+        for seed in seeds:
+            folder = out / "checkpoints" / f"seed{seed}"
+            _refuse_non_file(folder / "state.pt",
+                             f"; delete {folder} to start seed {seed} over")
         for seed in seeds:
             done.append(run_seed(settings.benchmark, settings.method, settings.hyperparameters,
                                  seed, out, settings.data_dir, settings.device,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import multiprocessing
+import re
 import shutil
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -32,7 +33,22 @@ from typing import Any, Sequence
 
 import torch
 
-from ..io import DirectoryInUseError, atomic_write_text, read_json, versioned, write_json
+from ..io import (
+    BOOKKEEPING,
+    LOCK,
+    DirectoryInUseError,
+    UnsafeOutputError,
+    atomic_write_text,
+    claim_directory,
+    file_kind,
+    is_fsd_temporary,
+    is_pid_lock,
+    os_error_message,
+    read_json,
+    refuse_nested,
+    versioned,
+    write_json,
+)
 from ..presets import default_hyperparameters
 from .reporting import (
     _ROW_FOLDER,
@@ -44,7 +60,13 @@ from .reporting import (
     per_seed_cell,
 )
 from .results import RunResults, _pm
-from .runner import CheckpointMismatchError, UnreadableCheckpointError, run
+from .runner import (
+    CHECKPOINT_FOLDER,
+    CheckpointMismatchError,
+    UnreadableCheckpointError,
+    is_checkpoint_folder,
+    run,
+)
 from .settings import RunSettings
 
 #: 2: ``validation``, the split the grid was scored on
@@ -141,6 +163,9 @@ def tune(settings: RunSettings, grid: Sequence[float], tuning_seed: int = 42,
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
     root = Path(settings.out)
+    refuse_nested(root, is_checkpoint_folder, CHECKPOINT_FOLDER)
+    # the tuning writes its runs, tune.json and tune.md only into a folder of its own
+    claim_directory(root, TUNE_FOLDER, earlier=_earlier_tune_folder)
     points = [dataclasses.replace(
         settings, seeds=(tuning_seed,), out=root / "grid" / f"lambda-{scale:g}", plots=False,
         hyperparameters=dataclasses.replace(settings.hyperparameters, fsd_scale=scale))
@@ -167,7 +192,7 @@ def tune(settings: RunSettings, grid: Sequence[float], tuning_seed: int = 42,
         hyperparameters=dataclasses.replace(settings.hyperparameters, fsd_scale=chosen,
                                             validation=None))
     started = final_settings.out.is_dir() and any(
-        p.name != ".lock" for p in final_settings.out.iterdir())
+        p.name not in BOOKKEEPING for p in final_settings.out.iterdir())
     apart = root / "final-seeds"
     # seeds already started apart (by a tuning with jobs > 1) resume apart, whatever jobs is
     finished = _finished(final_settings) if started else None
@@ -187,6 +212,25 @@ def tune(settings: RunSettings, grid: Sequence[float], tuning_seed: int = 42,
     write_json(root / "tune.json", result.to_json())
     atomic_write_text(root / "tune.md", result.markdown(settings))
     return result
+
+
+#: the kind of folder ``fsd cl tune`` writes (see :func:`fsd_experiments.io.claim_directory`)
+TUNE_FOLDER = "cl tune"
+_TUNE_ENTRIES = re.compile(r"grid|final|final-seeds|final-lambda-.+|tune\.json|tune\.md")
+
+
+def _earlier_tune_folder(path: Path) -> bool:
+    """Whether ``path`` (no marker) is a tuning of an fsd from before output folders were marked.
+
+    It holds only a tuning's folders and files (grid, final, final-seeds, final-lambda-<λ>,
+    tune.json, tune.md), fsd's temporary files and fsd's lock, and its grid or tune.json.
+    """
+    names = [p.name for p in path.iterdir() if p.name not in BOOKKEEPING
+             and not is_fsd_temporary(p)]
+    lock = path / LOCK
+    return (file_kind(lock) is None or is_pid_lock(lock)) \
+        and all(_TUNE_ENTRIES.fullmatch(name) for name in names) \
+        and ("grid" in names or "tune.json" in names)
 
 
 def _set_aside(final: Path, chosen: float) -> None:
@@ -226,7 +270,8 @@ def _finished(settings: RunSettings) -> RunResults | None:
 # the errors fsd cl reports in one line, rebuilt by name in the parent: a worker's own
 # exception object may not survive pickling
 _REPORTED = {cls.__name__: cls for cls in (CheckpointMismatchError, UnreadableCheckpointError,
-                                           DirectoryInUseError, ValueError, FileNotFoundError)}
+                                           DirectoryInUseError, UnsafeOutputError, ValueError,
+                                           FileNotFoundError, OSError)}
 
 
 def _run_all(runs: Sequence[RunSettings], jobs: int, root: Path) -> list[RunResults]:
@@ -258,7 +303,10 @@ def _run_in_worker(settings: RunSettings, label: str) -> RunResults | tuple[str,
     try:
         return run(settings)
     except Exception as error:  # reported by the parent, after the other runs finish
-        return type(error).__name__, str(error)
+        # as the nearest class the parent reports in one line (an OSError in its words)
+        name = next((c.__name__ for c in type(error).__mro__ if c.__name__ in _REPORTED),
+                    type(error).__name__)
+        return name, os_error_message(error) if isinstance(error, OSError) else str(error)
 
 
 class _Prefixed(io.TextIOBase):

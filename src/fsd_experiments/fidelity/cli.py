@@ -11,7 +11,7 @@ from .. import argtypes
 from ..argtypes import add_threads_option, apply_threads, number_list, positive_int
 from ..benchmarks import load_benchmark
 from ..data import add_data_options
-from .study import FidelityConfig, run_fidelity
+from .study import FidelityConfig, claim_fidelity_folder, run_fidelity
 from .suite import BENCHMARKS, MINIMIZE_ESTIMATORS, STUDIES
 
 
@@ -29,6 +29,8 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     cfg = FidelityConfig.from_args(args)  # checks the estimator names before the data loads
     studies = args.studies
+    # a folder that is not fsd's to write is refused before the data loads
+    claim_fidelity_folder(args.out, args.benchmark)
     bench = load_benchmark(args.benchmark, args.data_dir, max_train=args.max_train,
                            max_test=args.max_test, seed=args.seed)
     run_fidelity(bench, args.out, cfg, studies, progress=not args.quiet)

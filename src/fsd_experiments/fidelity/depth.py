@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..benchmarks import Benchmark
-from ..plotting import pyplot
+from ..plotting import pyplot, write_figure
 from ..stats import bootstrap_spearman_difference
 from .pairs import pair_study, summarize_pairs
 from .suite import accuracy, fit_suite, make_family, train_reference
@@ -86,5 +86,4 @@ def depth_plot(result: dict[str, Any], path: Path, title: str) -> None:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    write_figure(fig, path, dpi=130)  # atomically: a full disk leaves no half PNG

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..benchmarks import Benchmark
-from ..plotting import pyplot
+from ..plotting import pyplot, write_figure
 from .suite import Suite, accuracy, train_steps
 
 
@@ -127,5 +127,4 @@ def minimization_plot(result: dict[str, Any], path: Path, title: str) -> None:
                 ax.legend(fontsize=8)
     fig.suptitle(f"{title}\n({result['steps']} steps, points every few iterations)")
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    write_figure(fig, path, dpi=130)  # atomically: a full disk leaves no half PNG

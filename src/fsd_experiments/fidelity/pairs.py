@@ -11,7 +11,7 @@ from scipy import stats as scipy_stats
 from torch import Tensor, nn
 
 from ..benchmarks import Benchmark
-from ..plotting import pyplot
+from ..plotting import pyplot, write_figure
 from ..stats import statistic
 from .suite import Suite, accuracy
 
@@ -147,5 +147,4 @@ def scatter_plot(result: dict[str, Any], path: Path, title: str) -> None:
     ax.set_title(title)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    write_figure(fig, path, dpi=130)  # atomically: a full disk leaves no half PNG

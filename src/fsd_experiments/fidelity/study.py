@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..benchmarks import Benchmark
-from ..io import atomic_write_text, versioned, write_json
+from ..argtypes import UsageError
+from ..benchmarks import FIDELITY_BENCHMARKS, Benchmark
+from ..io import atomic_write_text, claim_output, earlier_output, named, versioned, write_json
 from ..stats import bootstrap_spearman_difference
 from .depth import depth_plot, depth_study, format_depth
 from .minimize import format_minimization, minimization_plot, minimization_study
@@ -31,6 +33,30 @@ from .suite import (
 
 #: the layout of fidelity_<benchmark>.json
 FIDELITY_SCHEMA = 1
+#: the kind of folder ``fsd fidelity`` writes (see :func:`fsd_experiments.io.claim_directory`)
+FIDELITY_FOLDER = "fidelity run"
+
+
+def fidelity_files(benchmark: str) -> tuple[str, ...]:
+    """The files :func:`run_fidelity` writes for ``benchmark`` (each study its own plot)."""
+    return (f"fidelity_{benchmark}.json", f"fidelity_{benchmark}.md",
+            *(f"{plot}_{benchmark}.png" for plot in ("scatter", "depth", "minimize")))
+
+
+def claim_fidelity_folder(out: str | Path, benchmark: str) -> None:
+    """Make ``out`` an ``fsd fidelity`` folder before any work, or refuse it.
+
+    New, empty or already fidelity's; a folder without fsd's marker only where it holds
+    nothing but an earlier ``fsd fidelity``'s files (of any of its benchmarks). A result file
+    for ``benchmark`` that is a FIFO, a device or a folder is refused too.
+
+    Raises:
+        UnsafeOutputError: the folder or a result path is not fsd's to write (the message
+            says which and what to do).
+    """
+    earlier = earlier_output(named(*(re.escape(name) for bench in FIDELITY_BENCHMARKS
+                                     for name in fidelity_files(bench))))
+    claim_output(out, FIDELITY_FOLDER, earlier, fidelity_files(benchmark))
 
 
 @dataclass(frozen=True)
@@ -81,7 +107,7 @@ class FidelityConfig:
             names = _names(text, allowed)
             refused = [n for n in names if not takes_metric(n, metric)]
             if refused:
-                raise SystemExit(
+                raise UsageError(
                     f"{', '.join(refused)} compute only the Euclidean metric; with --metric "
                     f"{metric} choose from "
                     f"{', '.join(repr(a) for a in allowed if takes_metric(a, metric))}")
@@ -107,7 +133,7 @@ def _names(text: str, allowed: Sequence[str]) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     unknown = [n for n in names if n not in allowed]
     if unknown or not names:
-        raise SystemExit(f"unknown estimators {unknown or [text]}; choose from "
+        raise UsageError(f"unknown estimators {unknown or [text]}; choose from "
                          f"{', '.join(repr(a) for a in allowed)}")
     return names
 

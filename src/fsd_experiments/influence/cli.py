@@ -18,9 +18,16 @@ from ..argtypes import (
     probability,
 )
 from ..data import UCI_DATASETS, DataNotFoundError, add_data_options, load_uci
-from .mislabeled import MISLABELED_METHODS, run_mislabeled
+from .mislabeled import MISLABELED_METHODS, claim_mislabeled_folder, run_mislabeled
 from .report import report_tables
-from .uci import LEARNING_RATES, UCI_METHODS, _canonical_uci, run_uci, write_uci_summary
+from .uci import (
+    LEARNING_RATES,
+    UCI_METHODS,
+    _canonical_uci,
+    claim_uci_folder,
+    run_uci,
+    write_uci_summary,
+)
 
 
 def _error(message: str) -> int:
@@ -39,7 +46,8 @@ def _cmd_uci(args: argparse.Namespace) -> int:
             load_uci(name, args.data_dir)
     except (ValueError, DataNotFoundError) as error:
         return _error(str(error))
-    out = Path(args.out)
+    # a folder that is not fsd's to write is refused before the training
+    out = claim_uci_folder(args.out, names)
     for name in names:
         result = run_uci(name, args.methods, seed=args.seed, out=out / name,
                          data_dir=args.data_dir, removals=args.removals, epochs=args.epochs,
@@ -62,6 +70,7 @@ def _cmd_uci(args: argparse.Namespace) -> int:
 def _cmd_mislabeled(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     try:
+        claim_mislabeled_folder(args.out)  # before the data loads and the training
         result = run_mislabeled(
             args.methods, out=args.out, data_dir=args.data_dir, seed=args.seed,
             n_train=args.n_train, corrupt=args.corrupt, width=args.width, depth=args.depth,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -10,10 +11,24 @@ from torch import Tensor, nn
 from fsd.uses.influence import pointwise_loss
 
 from ..data import TensorBatches
+from ..io import read_json
 from ..training import train
 
 METHOD_TITLES = {"exact": "PBRF (exact)", "ewc": "EWC", "cg": "CG", "bgln-d": "BGLN-D",
                  "random": "random"}
+
+
+def recorded_experiment(path: Path) -> str | None:
+    """The ``experiment`` a results.json records (``"uci"``, ``"mislabeled"``), else ``None``.
+
+    ``None`` too for a file that cannot be read or is not a results object.
+    """
+    try:
+        raw = read_json(path)
+    except (OSError, ValueError):
+        return None
+    experiment = raw.get("experiment") if isinstance(raw, dict) else None
+    return experiment if isinstance(experiment, str) else None
 
 
 def _check_methods(methods: Sequence[str], allowed: Sequence[str]) -> list[str]:

@@ -15,18 +15,22 @@ from fsd.uses.influence import cg_scores, pbrf_scores
 from ..compat import mislabeled_result, pool_corrupted
 from ..data import load_mnist
 from ..devices import device_name, resolve_device
-from ..io import atomic_write_text, versioned, write_json
+from ..io import atomic_write_text, claim_output, owned_files, versioned, write_json
 from ..models import mlp
-from ..plotting import pyplot
+from ..plotting import pyplot, write_figure
 from ..stats import (
     area_under,
     detection_curve,
     detection_intervals,
 )
-from .common import METHOD_TITLES, _check_methods, train_sgd
+from .common import METHOD_TITLES, _check_methods, recorded_experiment, train_sgd
 
 #: layout of the results.json files ``fsd influence mislabeled`` writes
 MISLABELED_SCHEMA = 1
+#: the kind of folder ``fsd influence mislabeled`` writes (see ``io.claim_directory``)
+MISLABELED_FOLDER = "influence mislabeled run"
+#: what ``fsd influence mislabeled`` writes into its folder
+MISLABELED_FILES = ("results.json", "results.md", "detection.png")
 
 MISLABELED_METHODS: tuple[str, ...] = ("exact", "ewc", "cg", "bgln-d", "random")
 
@@ -109,6 +113,16 @@ def run_mislabeled(methods: Sequence[str] = ("bgln-d", "ewc", "cg", "random"), *
     keep = torch.randperm(x_all.shape[0], generator=generator)[:n_train]
     x = x_all[keep].reshape(len(keep), -1)
     y, corrupted = corrupt_labels(y_all[keep], corrupt, 10, generator)
+    # drawn before training, which does not use this generator: the same pool as after it
+    pool_index = torch.randperm(n_train, generator=generator)[:pool]
+    is_corrupt = corrupted[pool_index].numpy().astype(np.float64)
+    if not 0 < is_corrupt.sum() < len(is_corrupt):
+        # every detection curve would divide by zero: NaN areas, said before training
+        raise ValueError(
+            f"the pool of {len(is_corrupt)} points holds "
+            f"{'no' if is_corrupt.sum() == 0 else 'only'} corrupted labels "
+            f"({int(corrupted.sum())} of the {n_train} training images are corrupted), so "
+            f"detection cannot be scored: raise --n-train or --pool, or change --corrupt")
     torch.manual_seed(seed)
     model = mlp(x.shape[1], width, depth, 10).to(device)
     x, y = x.to(device), y.to(device)
@@ -118,8 +132,6 @@ def run_mislabeled(methods: Sequence[str] = ("bgln-d", "ewc", "cg", "random"), *
         raise RuntimeError(f"training diverged at lr {lr}")
     with torch.no_grad():
         predictions = model(x).argmax(-1).cpu()
-    pool_index = torch.randperm(n_train, generator=generator)[:pool]
-    is_corrupt = corrupted[pool_index].numpy().astype(np.float64)
     x_test, y_test = load_mnist(data_dir, "test")
     with torch.no_grad():
         test_accuracy = float((model(x_test.reshape(len(x_test), -1).to(device)).argmax(-1)
@@ -227,5 +239,26 @@ def write_mislabeled_outputs(result: dict[str, Any], out: Path) -> None:
     ax.set_title(f"MNIST, {result['model']}, pool {pool['size']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "detection.png", dpi=110)
-    plt.close(fig)
+    write_figure(fig, out / "detection.png", dpi=110)  # atomically: no half PNG
+
+
+def claim_mislabeled_folder(out: str | Path) -> Path:
+    """Make ``out`` an ``fsd influence mislabeled`` folder before any work, or refuse it.
+
+    New, empty or already this command's; a folder without fsd's marker only where it holds
+    nothing but an earlier fsd's mislabeled results (:data:`MISLABELED_FILES`, its
+    results.json a mislabeled one). A result path that is a FIFO, a device or a folder is
+    refused too.
+
+    Raises:
+        UnsafeOutputError: the folder or a result path is not fsd's to write (the message
+            says which and what to do).
+    """
+    return claim_output(out, MISLABELED_FOLDER, _earlier_mislabeled_folder, MISLABELED_FILES)
+
+
+def _earlier_mislabeled_folder(path: Path) -> bool:
+    """Whether ``path`` (no marker) holds only an earlier fsd's mislabeled results."""
+    found = owned_files(path, lambda name: name in MISLABELED_FILES)
+    return bool(found) and ("results.json" not in found  # a uci summary is not adopted
+                            or recorded_experiment(path / "results.json") == "mislabeled")

@@ -13,22 +13,37 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from fsd.estimators.files import file_kind
 from fsd.uses.influence import cg_scores, pbrf_scores
 
 from ..compat import uci_bootstrap, uci_result
 from ..data import UCI_DATASETS, load_uci
 from ..data.uci import canonical_uci_name
-from ..io import atomic_write_text, versioned, write_json
+from ..io import (
+    UnsafeOutputError,
+    atomic_write_text,
+    check_target,
+    claim_output,
+    owned_files,
+    versioned,
+    write_json,
+)
 from ..models import mlp
-from ..plotting import pyplot
+from ..plotting import pyplot, write_figure
 from ..stats import (
     correlations,
     kmeans_labels,
 )
-from .common import METHOD_TITLES, _check_methods, mean_loss, train_sgd
+from .common import METHOD_TITLES, _check_methods, mean_loss, recorded_experiment, train_sgd
 
 #: layout of the results.json files ``fsd influence uci`` writes
 UCI_SCHEMA = 1
+#: the kind of folder ``fsd influence uci`` writes (see ``io.claim_directory``)
+UCI_FOLDER = "influence uci run"
+#: what ``fsd influence uci`` writes: the summary into its folder, and each data set's
+#: results into a sub-folder named after it
+UCI_SUMMARY_FILES = ("results.json", "results.md")
+UCI_DATASET_FILES = ("results.json", "results.md", "scatter.png")
 
 #: Methods of each study: the PBRF methods, CG, and (mislabeled) a random ranking.
 UCI_METHODS: tuple[str, ...] = ("exact", "ewc", "cg", "bgln-d")
@@ -330,8 +345,49 @@ def write_uci_outputs(result: dict[str, Any], out: Path) -> None:
         axes[0][0].set_ylabel("estimate")
         fig.suptitle(result["dataset"])
         fig.tight_layout()
-        fig.savefig(out / "scatter.png", dpi=110)
-        plt.close(fig)
+        write_figure(fig, out / "scatter.png", dpi=110)  # atomically: no half PNG
+
+
+def claim_uci_folder(out: str | Path, datasets: Sequence[str]) -> Path:
+    """Make ``out`` an ``fsd influence uci`` folder before any work, or refuse it.
+
+    New, empty or already this command's; a folder without fsd's marker only where it holds
+    nothing but an earlier fsd's UCI results (the summary, data set folders with theirs). A
+    data set's folder that is a link or a file, or a result path that is a FIFO, a device or
+    a folder, is refused too.
+
+    Raises:
+        UnsafeOutputError: the folder or a result path is not fsd's to write (the message
+            says which and what to do).
+    """
+    folder = claim_output(out, UCI_FOLDER, _earlier_uci_folder, UCI_SUMMARY_FILES)
+    for name in datasets:
+        kind = file_kind(folder / name)
+        if kind not in (None, "a directory"):  # a link would be written through
+            raise UnsafeOutputError(f"{folder / name} is {kind}, not a folder: fsd writes the "
+                                    f"{name} results into a folder of its own there; remove "
+                                    f"it or give another --out")
+        for file in UCI_DATASET_FILES:
+            check_target(folder / name / file)
+    return folder
+
+
+def _earlier_uci_folder(path: Path) -> bool:
+    """Whether ``path`` (no marker) holds only an earlier fsd's ``fsd influence uci`` results.
+
+    The summary (its results.json a uci one) and data set folders holding only their
+    results, and at least one of these files.
+    """
+    top = owned_files(path, lambda name: name in UCI_SUMMARY_FILES,
+                      folders=lambda name: name in UCI_DATASETS)
+    if top is None or ("results.json" in top  # a mislabeled run's is not adopted
+                       and recorded_experiment(path / "results.json") != "uci"):
+        return False
+    inner = [owned_files(path / name, lambda file: file in UCI_DATASET_FILES)
+             for name in top if name in UCI_DATASETS]
+    if any(files is None for files in inner):
+        return False
+    return any(name in UCI_SUMMARY_FILES for name in top) or any(inner)
 
 
 def write_uci_summary(out: Path) -> str:
