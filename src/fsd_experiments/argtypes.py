@@ -214,6 +214,14 @@ def _blocking_ancestor(path: Path) -> Path | None:
     return None
 
 
+def _refuse_below_a_file(text: str, path: Path) -> None:
+    """Refuse ``path`` (given as ``text``) when a folder above it is a file, a FIFO..."""
+    blocking = _blocking_ancestor(path)
+    if blocking is not None:
+        raise argparse.ArgumentTypeError(f"{text} cannot be created: {blocking} is "
+                                         f"{file_kind(blocking)}, not a directory")
+
+
 def output_dir(text: str) -> str:
     """An output directory: not empty (``''`` is the current directory), not ``/``, no file.
 
@@ -223,10 +231,7 @@ def output_dir(text: str) -> str:
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is {file_kind(path)}, not a directory: give a "
                                          f"directory (or a new name)")
-    blocking = _blocking_ancestor(path)
-    if blocking is not None:
-        raise argparse.ArgumentTypeError(f"{text} cannot be created: {blocking} is "
-                                         f"{file_kind(blocking)}, not a directory")
+    _refuse_below_a_file(text, path)
     return text
 
 
@@ -238,10 +243,7 @@ def output_file(text: str) -> str:
     if path.exists() and not path.is_file():  # a FIFO, a device: never replaced by a file
         raise argparse.ArgumentTypeError(f"{text} is {file_kind(path)}, not a regular file: give "
                                          f"a file name")
-    blocking = _blocking_ancestor(path)
-    if blocking is not None:
-        raise argparse.ArgumentTypeError(f"{text} cannot be created: {blocking} is "
-                                         f"{file_kind(blocking)}, not a directory")
+    _refuse_below_a_file(text, path)
     return text
 
 

@@ -12,7 +12,7 @@ the meta device is metadata, and finiteness is read off the distance itself
 
 from __future__ import annotations
 
-import itertools
+import math
 from typing import Literal
 
 import torch
@@ -59,8 +59,13 @@ def _refuse_non_finite(name: str, call: Call) -> None:
 
 
 def refuse_meta(model: nn.Module, call: Call = "distance") -> None:
-    """Raise ``ValueError`` naming the first parameter or buffer on the ``meta`` device."""
-    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+    """Raise ``ValueError`` naming the first parameter or buffer on the ``meta`` device.
+
+    Looks at the first parameter only, then names the culprit: a model moved to ``meta``
+    moves every tensor, and this runs on every ``distance``.
+    """
+    first = next(model.parameters(), None)
+    if first is not None and first.is_meta:
         _refuse_meta(_named_tensors(model), call)
 
 
@@ -75,7 +80,9 @@ def check_distance(value: Tensor, model: nn.Module) -> Tensor:
     it is. Under ``vmap``, which batches the value, nothing is checked.
     """
     try:
-        finite = bool(torch.isfinite(value).all())
+        # a 0-dim distance is read as a number: cheaper than a tensor comparison
+        finite = math.isfinite(value.item()) if value.dim() == 0 else \
+            bool(torch.isfinite(value).all())
     except RuntimeError:  # batched by vmap: no one value to read
         return value
     if not finite:
