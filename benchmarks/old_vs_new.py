@@ -1,6 +1,7 @@
 """Another checkout's fsd against this one, side by side in one process: penalty cost.
 
 Run:  .venv/bin/python benchmarks/old_vs_new.py --old OTHER/src [--threads 1] [--repeats 15]
+      [--cases a,b] [--out PREFIX]   (PREFIX.md and PREFIX.json keep the printed table)
 
 ``OTHER/src`` holds another checkout's ``fsd`` package (``git worktree add OTHER <commit>``);
 it is copied under the name ``fsd_old`` (the package imports itself relatively) and imported
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 import fsd
+from fsd_experiments.printed_report import printed_report
 
 
 class Residual(nn.Module):
@@ -139,6 +141,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--cases", default="", help="comma-separated case names (default all)")
+    parser.add_argument("--out", default=None,
+                        help="also keep the printed table as OUT.md and OUT.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     old = _import_old(args.old)
@@ -177,15 +181,22 @@ def main() -> None:
         "step-kfac-cifar-cnn": (_cnn, (3, 32, 32), 1, {"estimator": "kfac", "training_step": True}),
     }
     chosen = args.cases.split(",") if args.cases else list(cases)
-    print(f"torch {torch.__version__}, {platform.machine()}, {args.threads} thread(s), "
-          f"medians of {args.repeats}, distance + backward")
+    with printed_report(args.out):
+        _table(old, cases, chosen, args.repeats, args.threads)
+
+
+def _table(old: Any, cases: dict[str, tuple], chosen: list[str], repeats: int, threads: int
+           ) -> None:
+    """Time each chosen case, old and new interleaved, and print the table."""
+    print(f"torch {torch.__version__}, {platform.machine()}, {threads} thread(s), "
+          f"medians of {repeats}, distance + backward (step-*: a whole training step)")
     print("| case | old (ms) | new (ms) | new / old |")
     print("|---|---:|---:|---:|")
     for name in chosen:
         build, shape, k, config = cases[name]
         old_ms, new_ms = _median_pair(_penalty(old, build, shape, k, **dict(config)),
                                       _penalty(fsd, build, shape, k, **dict(config)),
-                                      args.repeats)
+                                      repeats)
         print(f"| {name} | {old_ms:.2f} | {new_ms:.2f} | {new_ms / old_ms:.3f} |", flush=True)
 
 
