@@ -51,6 +51,18 @@ def fsd_process(argv: list[str], timeout: float = 300, limit: int | None = None
                           env={**os.environ, "PYTHONPATH": SRC})
 
 
+def fill_the_disk_at(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Make the disk full (ENOSPC) when a file whose path holds ``name`` is synced."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if name in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory, real_data: Path) -> Path:
     """A finished 3-task fine-tuning run (one seed) that the tests copy."""
@@ -197,21 +209,14 @@ def test_a_lock_that_is_a_fifo_is_refused(finished_run, tmp_path, capsys):
 @needs_mnist
 def test_a_full_disk_while_writing_a_checkpoint_is_one_line(tmp_path, capsys, monkeypatch):
     # the disk fills up as the first checkpoint is written (the marker was written before)
-    real_fsync = os.fsync
-
-    def fsync(fd: int) -> None:
-        if "state.pt" in os.readlink(f"/proc/self/fd/{fd}"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
+    fill_the_disk_at(monkeypatch, "state.pt")
     out = tmp_path / "run"
     state = out / "checkpoints" / "seed1" / "state.pt"
     line = fails_in_one_line([*CL, "--out", str(out)], capsys)
     assert line == (f"error: {state}: No space left on device; free some space there or "
                     "write elsewhere, then run again")
     assert not state.exists() and not list(out.rglob("*.tmp"))  # nothing half-written
-    monkeypatch.setattr(os, "fsync", real_fsync)
+    monkeypatch.undo()  # space again
     assert main([*CL, "--out", str(out)]) == 0  # space again: the run starts over
 
 
@@ -513,14 +518,7 @@ def test_a_result_file_that_is_a_fifo_is_refused_before_the_work(tmp_path, capsy
 
 def test_a_full_disk_while_writing_a_plot_leaves_no_half_png(tmp_path, capsys, monkeypatch):
     # savefig wrote straight into toy.png: a full disk left half a PNG behind
-    real_fsync = os.fsync
-
-    def fsync(fd: int) -> None:
-        if "toy.png" in os.readlink(f"/proc/self/fd/{fd}"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
+    fill_the_disk_at(monkeypatch, "toy.png")
     out = tmp_path / "toy"
     line = fails_in_one_line([*TOY, "--out", str(out)], capsys)
     assert line == (f"error: {out / 'toy.png'}: No space left on device; free some space there "
