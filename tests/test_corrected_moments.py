@@ -478,3 +478,76 @@ class _Distance(nn.Module):
 
     def forward(self):
         return self._estimator[0].distance(self.model)
+
+
+def _small_cnn(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(27, 4)).double()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_the_public_corrected_option_is_the_corrected_recursion_and_loads_as_bgln(kind, tmp_path):
+    # fsd.BGLN(deterministic=True, moments="corrected") walks the same recursion as the
+    # variant class (corrected on MLP chains, corrected-conv on CNNs), bit for bit, and its
+    # file loads as a BGLN giving the same distance
+    if kind == "mlp":
+        model, data = _mlp(), _data()
+        moved = _moved(model)
+    else:
+        model = _small_cnn()
+        g = torch.Generator().manual_seed(3)
+        data = [(torch.randn(120, 1, 8, 8, generator=g, dtype=torch.float64),
+                 torch.randint(0, 4, (120,), generator=g))]
+        moved = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in moved.parameters():
+                p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    options = {"covariance": "lowrank", "rank": 4}
+    public = fsd.BGLN(deterministic=True, moments="corrected", **options).fit(model, data)
+    variant = BGLNVariant(moments="corrected", **options).fit(model, data)
+    assert public._meta["evaluator"] == ("corrected" if kind == "mlp" else "corrected-conv")
+    value = public.distance(moved)
+    assert float(value.detach()) > 0
+    torch.testing.assert_close(value, variant.distance(moved), rtol=0, atol=0)
+    exact_options = {"moments": "exact"} if kind == "mlp" else {}
+    other = fsd.BGLN(deterministic=True, **exact_options, **options).fit(model, data)
+    assert float(other.distance(moved).detach()) != float(value.detach())  # reaches the walk
+    public.save(tmp_path / "s.pt")
+    loaded = fsd.load(tmp_path / "s.pt")
+    assert type(loaded) is fsd.BGLN and loaded.config["moments"] == "corrected"
+    torch.testing.assert_close(loaded.distance(moved), value, rtol=0, atol=0)
+
+
+def test_the_public_corrected_option_refuses_what_it_does_not_do():
+    with pytest.raises(ValueError, match="moments= and reference= choose how BGLN-D"):
+        fsd.BGLN(moments="corrected")
+    with pytest.raises(ValueError, match="reference='layerwise' applies to"):
+        fsd.BGLN(deterministic=True, moments="corrected", reference="layerwise")
+    with pytest.raises(ValueError, match="moments must be one of"):
+        fsd.BGLN(deterministic=True, moments="no-gate-variance")
+
+
+def test_the_public_corrected_option_in_combine_and_the_continual_regularizer(tmp_path):
+    # the regularizer's penalty over corrected summaries is λ Σ_t D_t (stacked by combine),
+    # saved and loaded with them; value and gradient against the one-by-one sum
+    model, data = _mlp(hidden=3), _data()
+    factory = lambda: fsd.BGLN(deterministic=True, moments="corrected",  # noqa: E731
+                               covariance="lowrank", rank=3)
+    reg = fsd.ContinualRegularizer(factory, strength=0.7)
+    fitted = []
+    for seed in (20, 21):
+        at = _moved(model, scale=0.1, seed=seed)
+        reg.end_task(at, data)
+        fitted.append(factory().fit(at, data))
+    moved = _moved(model, scale=0.3, seed=99)
+    penalty = reg.penalty(moved)
+    expected = 0.7 * sum(e.distance(moved) for e in fitted)
+    torch.testing.assert_close(penalty, expected, rtol=1e-12, atol=0)
+    g1 = torch.autograd.grad(penalty, list(moved.parameters()))
+    g2 = torch.autograd.grad(expected, list(moved.parameters()))
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+    reg.save(tmp_path / "reg.fsd")
+    again = fsd.ContinualRegularizer.load(tmp_path / "reg.fsd")
+    torch.testing.assert_close(again.penalty(moved), penalty, rtol=0, atol=0)

@@ -1,4 +1,4 @@
-"""Real users' models × the eight estimators.
+"""Real users' models × the estimators of the docs table.
 
 The models (``tests/zoo_models.py``) are written the way their sources write them. Every cell
 of model × estimator is either refused at ``fit`` in one line naming an alternative, or its
@@ -14,6 +14,9 @@ distance is checked against a brute force, on float64 models moved by N(0, 0.05�
 - BGLN-S and BGLN-D with exact moments, where both run: BGLN-S's Monte Carlo mean within 5
   standard errors of BGLN-D exact. Where BGLN-D exact refuses the model, BGLN-S gets the
   generic checks below only (no brute force exists for it there).
+- BGLN-D corrected (``moments="corrected"``): BGLN-S's Monte Carlo mean within 10 % (the
+  approximation's) plus 5 standard errors, or the measured gap where the two model max-pools
+  differently (:data:`CORRECTED_GAP`).
 - BGLN-D (Algorithm 2): ``fsd.testing.dense_algorithm2_cnn``, the dense transcription, with
   the summary's moments and gate frequencies.
 - EWC: ½ Σ diag(F) Δθ² with F the dense Gauss–Newton matrix E[JᵀJ] of the data.
@@ -98,8 +101,20 @@ _PARAMETRIZED_EXACT = ("refused: BGLN-D with exact moments on a graph: Parametri
                        "(call_module 0); use " + _GRAPH)
 
 
+def _corrected(why: str, node: str, call: str) -> str:
+    return (f"refused: BGLN-D with moments='corrected' on a graph: {why} at graph node '{node}' "
+            f"({call}); use {_GRAPH}")
+
+
+_CORRECTED_TRANSPOSE = _corrected("an operation without a squared map (not in the table of "
+                                  "linear operations)", "transpose", "call_method transpose")
+_CORRECTED_PARAMETRIZED = _corrected("ParametrizedLinear has parameters but no affine rule", "_0",
+                                     "call_module 0")
+
+
 def _row(**refused: str) -> dict[str, str]:
-    keys = {"BGLN_S": "BGLN-S", "BGLN_D": "BGLN-D", "BGLN_D_exact": "BGLN-D exact"}
+    keys = {"BGLN_S": "BGLN-S", "BGLN_D": "BGLN-D", "BGLN_D_exact": "BGLN-D exact",
+            "BGLN_D_corrected": "BGLN-D corrected"}
     row = {name: _ALL for name in zoo.ESTIMATORS}
     for key, cell in refused.items():
         row[keys.get(key, key)] = cell
@@ -118,20 +133,27 @@ EXPECTED: dict[str, dict[str, str]] = {
                                                "body_layer1_conv2"),
                              BGLN_D_exact=_flat("(3, 8, 8)")),
     "vit": _row(BGLN_D=_no_rule("flatten", "call_method", "ViT"),
-                BGLN_D_exact=_flat("(3, 8, 8)")),
+                BGLN_D_exact=_flat("(3, 8, 8)"), BGLN_D_corrected=_CORRECTED_TRANSPOSE),
     "transformer-encoder": _row(BGLN_D=_no_rule("mean", "call_method", "SequenceTransformer"),
-                                BGLN_D_exact=_flat("(5, 4)")),
+                                BGLN_D_exact=_flat("(5, 4)"),
+                                BGLN_D_corrected=_corrected(
+                                    "TransformerEncoder has parameters but no affine rule",
+                                    "encoder", "call_module encoder")),
     "mlp-mixer": _row(BGLN_D=_no_rule("flatten", "call_method", "Mixer"),
-                      BGLN_D_exact=_flat("(3, 8, 8)")),
+                      BGLN_D_exact=_flat("(3, 8, 8)"), BGLN_D_corrected=_CORRECTED_TRANSPOSE),
     "lstm-text": _row(BGLN_S=_TOKENS, BGLN_D=_no_rule("getitem", "call_function", "RNNClassifier"),
-                      BGLN_D_exact=_TOKENS),
+                      BGLN_D_exact=_TOKENS, BGLN_D_corrected=_TOKENS),
     "gru-text": _row(BGLN_S=_TOKENS, BGLN_D=_no_rule("getitem", "call_function", "RNNClassifier"),
-                     BGLN_D_exact=_TOKENS),
+                     BGLN_D_exact=_TOKENS, BGLN_D_corrected=_TOKENS),
     "conv1d": _row(BGLN_D=_no_rule("mean", "call_method", "Conv1dNet"),
-                   BGLN_D_exact=_flat("(2, 8)")),
+                   BGLN_D_exact=_flat("(2, 8)"),
+                   BGLN_D_corrected=_corrected("Conv1d has parameters but no affine rule",
+                                               "conv1", "call_module conv1")),
     "dict-output": _row(),
-    "weight-norm-mlp": _row(BGLN_D=_PARAMETRIZED, BGLN_D_exact=_PARAMETRIZED_EXACT),
-    "spectral-norm-mlp": _row(BGLN_D=_PARAMETRIZED, BGLN_D_exact=_PARAMETRIZED_EXACT),
+    "weight-norm-mlp": _row(BGLN_D=_PARAMETRIZED, BGLN_D_exact=_PARAMETRIZED_EXACT,
+                            BGLN_D_corrected=_CORRECTED_PARAMETRIZED),
+    "spectral-norm-mlp": _row(BGLN_D=_PARAMETRIZED, BGLN_D_exact=_PARAMETRIZED_EXACT,
+                              BGLN_D_corrected=_CORRECTED_PARAMETRIZED),
     "compiled-mlp": _row(),
     "ddp-cnn": _row(BGLN_D_exact=_EXACT_CNN),
 }
@@ -341,6 +363,8 @@ def _check_brute_force(name: str, estimator: str, est: fsd.Estimator, model: nn.
         with torch.no_grad():
             torch.testing.assert_close(value, _algorithm2(est, model, moved, x),
                                        rtol=1e-9, atol=0)
+    elif estimator == "BGLN-D corrected" and EXPECTED[name]["BGLN-S"] == _ALL:
+        _check_corrected(name, model, wrapped_moved, x, value)
     elif estimator in ("BGLN-S", "BGLN-D exact") and EXPECTED[name]["BGLN-D exact"] == _ALL \
             and EXPECTED[name]["BGLN-S"] == _ALL:
         other = "BGLN-D exact" if estimator == "BGLN-S" else "BGLN-S"
@@ -351,6 +375,24 @@ def _check_brute_force(name: str, estimator: str, est: fsd.Estimator, model: nn.
             draws = torch.stack([pair["BGLN-S"].distance(wrapped_moved) for _ in range(12)])
         mean, error = draws.mean(), draws.std() / math.sqrt(len(draws))
         assert float((mean - exact).abs()) < 5 * float(error), (float(mean), float(exact))
+
+
+#: BGLN-D corrected against BGLN-S's Monte Carlo mean: the corrected recursion's approximation
+#: (relative gaps measured at 12 × 1000 samples: mlp −0.6 %, resnet18 +1.7 %, preact-resnet
+#: −0.2 %, multihead-resnet +0.2 %), except where the two model different things: on the CNN a
+#: ReLU feeds a MaxPool2d, whose routing BGLN-D draws independently of the gates by the stored
+#: frequencies and BGLN-S takes at the argmax of the gated values (measured +71 %)
+CORRECTED_GAP = {"cnn": 0.8, "ddp-cnn": 0.8}
+
+
+def _check_corrected(name: str, model: nn.Module, wrapped_moved: nn.Module,
+                     x: torch.Tensor, value: torch.Tensor) -> None:
+    sampled = zoo.ESTIMATORS["BGLN-S"]().fit(model, x, **zoo.MODELS[name].call)
+    with torch.no_grad():
+        draws = torch.stack([sampled.distance(wrapped_moved) for _ in range(12)])
+    mean, error = float(draws.mean()), float(draws.std()) / math.sqrt(len(draws))
+    tolerance = CORRECTED_GAP.get(name, 0.10) * mean + 5 * error
+    assert abs(float(value) - mean) < tolerance, (float(value), mean, error)
 
 
 # ----------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Shared with ``benchmarks/model_zoo.py`` (the docs table) and ``benchmarks/model_
 (fit and distance cost against a training step), so the three cannot drift apart. Every
 model is tiny and float64; :data:`MODELS` maps a name to ``(build, inputs, call)`` where
 ``call`` holds the ``fit`` keyword arguments (``output=``, ``forward_kwargs=``) the model
-needs, and :data:`ESTIMATORS` maps the eight estimators of the README's table to factories.
+needs, and :data:`ESTIMATORS` maps the estimators of the docs table to factories.
 """
 
 from __future__ import annotations
@@ -400,6 +400,8 @@ ESTIMATORS: dict[str, Callable[[], fsd.Estimator]] = {
     "BGLN-S": lambda: fsd.BGLN(covariance="full", num_samples=64),
     "BGLN-D": lambda: fsd.BGLN(deterministic=True, covariance="full"),
     "BGLN-D exact": lambda: fsd.BGLN(deterministic=True, moments="exact", covariance="full"),
+    "BGLN-D corrected": lambda: fsd.BGLN(deterministic=True, moments="corrected",
+                                         covariance="full"),
     "NTK": lambda: fsd.NTK(coreset_size=None),
     "EWC": lambda: fsd.EWC(),
     "KFAC": lambda: fsd.KFAC(),

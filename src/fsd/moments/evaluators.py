@@ -11,7 +11,9 @@ E‖Δz‖² takes one of several walks of the model, each an :class:`Evaluator`
 - ``"corrected"``, ``"no-gate-variance"``, ``"no-cross-covariance"``: the corrected recursion
   and two ablations on chains of flat layers (:mod:`fsd.moments.corrected`, prototypes);
 - ``"corrected-conv"``, ``"no-gate-variance-conv"``: the first two on chains with convolutions
-  and pools (:mod:`fsd.moments.corrected_conv`, prototypes).
+  and pools (:mod:`fsd.moments.corrected_conv`, prototypes);
+- ``"corrected-graph"``: the corrected recursion on graphs — residual MLPs and CNNs
+  (:mod:`fsd.moments.corrected_graph`, a prototype).
 
 ``fit`` picks one (:func:`choose`) and the summary records its name (``meta["evaluator"]``);
 the estimator's distance and :class:`fsd.SummarySet`'s batching talk to the interface only.
@@ -36,7 +38,7 @@ from ..model import support
 from ..model.linearize import propagate_linearized
 from ..model.rules import TracedLayer, UnsupportedModuleError, is_affine
 from ..validation import SummaryFormatError
-from . import algorithm2_conv, corrected, corrected_conv
+from . import algorithm2_conv, corrected, corrected_conv, corrected_graph
 from .algorithm2 import affine_rule, check_moment_support, delta_moments, reference_moments
 from .exact import delta_second_moment_adjoint, reference_blocks
 from .exact_graph import graph_plan, graph_second_moment
@@ -159,7 +161,7 @@ def names() -> list[str]:
 
 
 # ----- the choice at fit -------------------------------------------------------------------
-_CHAIN_NAMES: dict[str, str] = {"paper": "algorithm2", "exact": "exact"}
+_CHAIN_NAMES: dict[str, str] = {"paper": "algorithm2", "exact": "exact", "corrected": "corrected"}
 #: the evaluator of each ``moments`` on a chain with convolutions or pools
 _CONV_NAMES: dict[str, str] = {"paper": "algorithm2-conv", "corrected": "corrected-conv",
                                "no-gate-variance": "no-gate-variance-conv"}
@@ -177,6 +179,8 @@ def choose(layers: list[TracedLayer] | None, config: Mapping[str, Any],
     """
     moments: str = config["moments"]
     if layers is None:
+        if moments == "corrected":
+            return get("corrected-graph")
         _check_flat_inputs(input_shape)
         return get("exact-graph")
     flat = check_moment_support(layers, input_shape, exact=moments == "exact",
@@ -222,7 +226,7 @@ def check_graph(config: Mapping[str, Any], error: UnsupportedModuleError) -> Non
         error: why the model is not a chain (:func:`fsd.trace`'s refusal), raised as it is
             where no graph evaluator applies: Algorithm 2 and the variants walk chains.
     """
-    if config["moments"] != "exact":
+    if config["moments"] not in ("exact", "corrected"):
         raise error
     if config.get("reference") == "layerwise":  # layer-wise statistics are a chain's
         raise UnsupportedModuleError(
@@ -247,7 +251,8 @@ def recorded(meta: Mapping[str, Any], config: Mapping[str, Any]) -> Evaluator:
         raise SummaryFormatError(f"{source}: unknown evaluator {name!r} (known: "
                                  f"{', '.join(sorted(_EVALUATORS))}; an evaluator of your "
                                  f"own is registered by importing its module)")
-    allowed = {"exact": ("exact", "exact-graph")}.get(
+    allowed = {"exact": ("exact", "exact-graph"),
+               "corrected": ("corrected", "corrected-conv", "corrected-graph")}.get(
         config["moments"], (_CHAIN_NAMES.get(config["moments"], config["moments"]),
                             _CONV_NAMES.get(config["moments"])))
     if name not in allowed:
@@ -485,6 +490,51 @@ class GraphExactMoments(Evaluator):
         return (parts["weights"] * per_group).sum()
 
 
+class CorrectedGraph(Evaluator):
+    """The corrected recursion on traced graphs: residual MLPs and CNNs (prototype).
+
+    :mod:`fsd.moments.corrected_graph`: the mean-gate network's rows by autograd, the
+    injections sized by factor images plus diagonally carried parts.
+    """
+
+    name = "corrected-graph"
+    walks = "graph"
+    statistics = frozenset({"routing"})
+
+    def check(self, walk: Walk, summary: MomentSummary) -> None:
+        """Read the graph (refusing what it cannot walk) and check the routing statistics."""
+        steps = corrected_graph.read_graph(walk, tuple(summary.input_shape),
+                                           summary.mean.dtype)
+        pools = [node.layer.path for node in steps.nodes
+                 if node.kind == "pool" and node.layer is not None]
+        missing = [p for p in pools if p not in summary.routing]
+        if missing:
+            raise ValueError(f"the statistics hold no max-pool routing for {missing} "
+                             f"(a collector made with gates=False?)")
+
+    def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
+        """The graph's steps, the reference side (θ0 and the statistics) and the output rows."""
+        steps = corrected_graph.read_graph(walk, tuple(summary.input_shape),
+                                           summary.mean.dtype)
+        statistics = {**summary.gate_means, **summary.routing}
+        with torch.no_grad():
+            reference = corrected_graph.reference(
+                steps, summary.params0, summary.mean, summary.covariance, statistics,
+                tuple(summary.input_shape), summary.config.get("injection_rank"))
+        return {"steps": steps, "statistics": statistics, "reference": reference,
+                "params0": summary.params0, "weights": summary.weights,
+                "output_rows": summary.output_rows(corrected_graph.output_size(steps))}
+
+    def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
+                 ) -> Tensor:
+        """½ E‖PΔz‖², mixed over components."""
+        value = corrected_graph.second_moment(
+            parts["steps"], parts["params0"], params1, parts["reference"], parts["statistics"],
+            parts["output_rows"])
+        assert isinstance(value, Tensor)
+        return (parts["weights"] * 0.5 * value.clamp_min(0)).sum()
+
+
 class _Variant(_ChainEvaluator):
     """The moment variants of :mod:`fsd.moments.corrected` (prototypes, MLP chains)."""
 
@@ -607,7 +657,7 @@ class ConvNoGateVariance(_ConvVariant):
 
 for _evaluator in (Algorithm2(), ExactMoments(), ConvAlgorithm2(), GraphExactMoments(),
                    Corrected(), NoGateVariance(), NoCrossCovariance(), ConvCorrected(),
-                   ConvNoGateVariance()):
+                   ConvNoGateVariance(), CorrectedGraph()):
     register(_evaluator)
 
 

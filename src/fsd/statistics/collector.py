@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from ..model.hooks import recording_hook
 from ..model.linearize import graph_gates
-from ..model.plan import trace
-from ..model.rules import TracedLayer, UnsupportedModuleError, is_gate
+from ..model.plan import read, trace
+from ..model.rules import RULES, TracedLayer, UnsupportedModuleError, is_gate, is_pool
 from ..model.tracing import unwrap
 from . import distributed
 
@@ -253,8 +253,8 @@ class StatisticsCollector:
                 if layer_moments:  # BGLN-D's layer-wise moments: chains only
                     raise
                 # a graph that is not a chain (BGLN-S): its activations wherever they are,
-                # one per call site
-                layers = graph_gates(model)
+                # one per call site, and its max-pools (BGLN-D's corrected graph walk)
+                layers = graph_gates(model) + graph_pools(model)
         # what each layer's rule collects (fsd.model.rules.Rule.collects)
         gate_layers = ([layer for layer in layers if layer.rule.collects == "gates"]
                        if gates else [])
@@ -555,3 +555,14 @@ def _pool_half(records: list[Tensor], half: int) -> Tensor:
     In that order on the last axis (:meth:`fsd.model.rules.MaxPoolRule.fit_statistics`).
     """
     return torch.stack(records).chunk(2, -1)[half].contiguous()
+
+
+def graph_pools(model: nn.Module) -> list[TracedLayer]:
+    """The max-pool module calls of a graph, one per call site, keyed as the walkers key them."""
+    pools = []
+    for step in read(unwrap(model)).nodes:
+        if step.kind == "module" and step.module is not None and step.path is not None:
+            rule = RULES.get(type(step.module))
+            if is_pool(rule):
+                pools.append(TracedLayer(step.path, step.module, rule))
+    return pools
