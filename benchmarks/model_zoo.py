@@ -2,7 +2,7 @@
 
 Run:  .venv/bin/python benchmarks/model_zoo.py [--markdown]
 
-Fits each of the eight estimators on each model of the zoo (``tests/zoo_models.py``: a
+Fits each of the nine estimator configurations on each model of the zoo (``tests/zoo_models.py``: a
 torchvision-style ResNet-18, a pre-activation ResNet, a multi-head CL ResNet, a ViT, an
 ``nn.TransformerEncoder``, an MLP-Mixer, LSTM and GRU text classifiers on token ids, a
 Conv1d net, a dict-output model, weight_norm / spectral_norm MLPs, a compiled MLP and a

@@ -475,14 +475,23 @@ def test_continual_regularizer_penalty_on_the_resnet_backpropagates_like_its_twi
 def test_bgln_d_refuses_the_resnet_at_fit_in_one_line_naming_what_takes_it():
     model, x = _resnet(), _images()
     with pytest.raises(fsd.UnsupportedModuleError,
-                       match=r"not a chain.*BGLN-S or LAFTR on any graph") as info:
+                       match=r"not a chain.*moments='corrected' on chains and residual graphs.*"
+                             r"BGLN-S or LAFTR on any graph") as info:
         fsd.BGLN(deterministic=True).fit(model, x)
     assert "\n" not in str(info.value)
     # exact moments: the reused ReLU is no longer the reason (it was, before)
     with pytest.raises(NotImplementedError,
-                       match=r"needs flat inputs.*use BGLN-S or LAFTR on any graph") as info:
+                       match=r"needs flat inputs.*use BGLN-D with moments='corrected'.*"
+                             r"BGLN-S or LAFTR on any graph") as info:
         fsd.BGLN(deterministic=True, moments="exact").fit(model, x)
     assert "\n" not in str(info.value)
+    # the walk both refusals name takes it, its ReLU called twice included
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    value = fsd.BGLN(deterministic=True, moments="corrected").fit(model, x).distance(moved)
+    assert torch.isfinite(value) and float(value.detach()) > 0
 
 
 # ----------------------------------------------------------------------------------------

@@ -62,6 +62,8 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "user-guide.md"
 _ALL = "✓"
 # the advice of fsd.model.support's table, as the refusals end
 _GRAPH = "BGLN-S or LAFTR on any graph torch.fx traces, or ExactFSD, NTK, EWC or KFAC on any model"
+_CORRECTED = ("BGLN-D with moments='corrected' on chains and residual graphs of layers with rules "
+              "(CNNs too), ")
 _TOKENS = ("refused: BGLN with inputs='gaussian' fits a Gaussian to the inputs, and these are "
            "discrete (torch.int64, e.g. token ids): use BGLN-S with inputs='coreset' or LAFTR "
            "with inputs='coreset' on any graph torch.fx traces, or ExactFSD, NTK, EWC or KFAC "
@@ -69,19 +71,20 @@ _TOKENS = ("refused: BGLN with inputs='gaussian' fits a Gaussian to the inputs, 
 _EXACT_CNN = ("refused: BGLN-D with moments='exact' is implemented for MLPs only: on layers "
               "over images or sequences (inputs that are not flat vectors) it would carry "
               "(C·H·W)² second moments; use BGLN-D with moments='paper' (Algorithm 2) on chains "
-              "of layers with rules (CNNs too), " + _GRAPH)
+              "of layers with rules (CNNs too), " + _CORRECTED + _GRAPH)
 
 
 def _flat(shape: str) -> str:
     return (f"refused: BGLN-D on a graph that is not a chain needs flat inputs (got examples of "
-            f"shape {shape}); use {_GRAPH}")
+            f"shape {shape}); use {_CORRECTED}{_GRAPH}")
 
 
 def _not_chain(model: str, reads: str, previous: str) -> str:
     return (f"refused: {model}.forward is not a chain of layers at graph node 'add' (add): it "
             f"reads {reads} instead of the previous step '{previous}'. BGLN-D with "
             f"moments='paper' (Algorithm 2) takes chains of layers with rules (CNNs too); use "
-            f"BGLN-D with moments='exact' on MLP chains and graphs of flat layers, {_GRAPH}")
+            f"BGLN-D with moments='exact' on MLP chains and graphs of flat layers, "
+            f"{_CORRECTED}{_GRAPH}")
 
 
 def _no_rule(operation: str, kind: str, model: str) -> str:

@@ -245,8 +245,10 @@ def test_ewc_warns_of_moved_buffers_with_the_tables_advice():
 
 def test_advice_groups_walkers_by_what_they_take_and_adds_the_options_a_feature_needs():
     assert support.advice(support.BGLN_D, Feature.BRANCH) == (
-        "use BGLN-D with moments='exact' on MLP chains and graphs of flat layers, BGLN-S or "
-        "LAFTR on any graph torch.fx traces, or ExactFSD, NTK, EWC or KFAC on any model")
+        "use BGLN-D with moments='exact' on MLP chains and graphs of flat layers, BGLN-D with "
+        "moments='corrected' on chains and residual graphs of layers with rules (CNNs too), "
+        "BGLN-S or LAFTR on any graph torch.fx traces, or ExactFSD, NTK, EWC or KFAC on any "
+        "model")
     assert support.advice(support.LAFTR, Feature.HOOK) == \
         "use ExactFSD, NTK, EWC or KFAC on any model"
     # the refusing walker is named when an option makes it take the feature
@@ -260,8 +262,12 @@ def test_walker_of_finds_an_estimators_row():
     assert support.walker_of(fsd.BGLN, fsd.BGLN(deterministic=True,
                                                  moments="exact").config) is support.BGLN_D_EXACT
     assert support.walker_of(fsd.LAFTR, fsd.LAFTR().config) is support.LAFTR
-    from fsd.estimators.variants import BGLNVariant  # a subclass: its base class's row
-    assert support.walker_of(BGLNVariant, BGLNVariant().config) is support.BGLN_D
+    assert support.walker_of(fsd.BGLN, fsd.BGLN(
+        deterministic=True, moments="corrected").config) is support.BGLN_D_CORRECTED
+    from fsd.estimators.variants import BGLNVariant  # a subclass: its base class's rows
+    assert support.walker_of(BGLNVariant, BGLNVariant().config) is support.BGLN_D_CORRECTED
+    assert support.walker_of(BGLNVariant, BGLNVariant(
+        moments="no-gate-variance").config) is support.BGLN_D
 
 
 def test_advice_says_so_when_no_other_walker_takes_the_features():

@@ -92,6 +92,10 @@ BGLN_D_LAYERWISE = Walker("BGLN-D with reference='layerwise'", "MLP chains", "BG
 BGLN_D_EXACT = Walker("BGLN-D with moments='exact'", "MLP chains and graphs of flat layers",
                       "BGLN", {"deterministic": True, "moments": "exact"},
                       frozenset({Feature.BRANCH, Feature.SHARED_WEIGHTS, Feature.MOVED_BUFFERS}))
+BGLN_D_CORRECTED = Walker("BGLN-D with moments='corrected'",
+                          "chains and residual graphs of layers with rules (CNNs too)", "BGLN",
+                          {"deterministic": True, "moments": "corrected"},
+                          frozenset({Feature.UNFLAT, Feature.BRANCH, Feature.MOVED_BUFFERS}))
 BGLN_S = Walker("BGLN-S", "any graph torch.fx traces", "BGLN", {"deterministic": False}, _TRACED,
                 {Feature.DISCRETE_INPUTS: {"inputs": "coreset"}})
 LAFTR = Walker("LAFTR", "any graph torch.fx traces", "LAFTR", {}, _TRACED,
@@ -103,8 +107,8 @@ EWC = Walker("EWC", "any model", "EWC", {},
 KFAC = Walker("KFAC", "any model", "KFAC", {},
               _ALL - {Feature.NO_PER_EXAMPLE_GRADIENTS, Feature.MOVED_BUFFERS})
 
-WALKERS: tuple[Walker, ...] = (BGLN_D, BGLN_D_LAYERWISE, BGLN_D_EXACT, BGLN_S, LAFTR, EXACT_FSD,
-                               NTK, EWC, KFAC)
+WALKERS: tuple[Walker, ...] = (BGLN_D, BGLN_D_LAYERWISE, BGLN_D_EXACT, BGLN_D_CORRECTED, BGLN_S,
+                               LAFTR, EXACT_FSD, NTK, EWC, KFAC)
 """The support table, in the order refusals name the walkers."""
 
 

@@ -266,6 +266,9 @@ def _module_node(node: fx.Node, module: nn.Module, path: str, inputs: list[fx.No
         return Node("linear", node.name, (source,),
                     apply=lambda xs: rule.apply(module, xs[0]),
                     squared=lambda xs: squared(module, xs[0]))
+    if isinstance(module, nn.Unflatten):  # a view: each output is one input
+        return Node("linear", node.name, (source,), apply=lambda xs: module(xs[0]),
+                    squared=lambda xs: module(xs[0]))
     if isinstance(module, (nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool1d)):
         spatial = 2 if isinstance(module, nn.AdaptiveAvgPool2d) else 1
         in_shape = tuple(value[inputs[0]].shape[1:])
