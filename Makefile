@@ -42,16 +42,16 @@ FSD_MODULES := $(sort $(subst /,.,$(patsubst src/%.py,%,$(filter-out src/fsd/__i
 docs: $(STAMP)
 	$(PY) -W error -m pdoc --docformat google -o docs/api fsd $(FSD_MODULES)
 
-# Split MNIST, fine-tuning vs the recommended penalty (BGLN-D with exact moments, its defaults:
-# the paper's λ, each task's head, rank-64 covariance), one seed, 2 epochs per task, one
-# thread each; then one table and one figure of both (docs/continual-learning.md, "make demo").
+# Split MNIST, fine-tuning vs the recommended penalty (BGLN-D with the corrected recursion, its
+# defaults: the paper's λ, each task's head, rank-64 covariance), one seed, 2 epochs per task,
+# one thread each; then one table and one figure of both (docs/continual-learning.md, "make demo").
 DEMO_OUT := runs/demo
 DEMO_RUN := $(VENV)/bin/fsd cl --benchmark split-mnist --seeds 20 --epochs 2 --threads 1 \
 	--no-progress $(DATA_OPTION)
 demo: $(STAMP)
 	$(DEMO_RUN) --method finetune --out $(DEMO_OUT)/finetune > /dev/null
-	$(DEMO_RUN) --method bgln-d-exact --out $(DEMO_OUT)/bgln-d-exact > /dev/null
-	$(VENV)/bin/fsd cl report $(DEMO_OUT)/finetune $(DEMO_OUT)/bgln-d-exact \
+	$(DEMO_RUN) --method bgln-d-corrected --out $(DEMO_OUT)/bgln-d-corrected > /dev/null
+	$(VENV)/bin/fsd cl report $(DEMO_OUT)/finetune $(DEMO_OUT)/bgln-d-corrected \
 		--plot $(DEMO_OUT)/comparison.png
 
 clean:

@@ -91,9 +91,12 @@ def _case(build: Callable[[], nn.Module], shape: tuple[int, ...], dtype: torch.d
 def cases() -> dict[str, dict[str, Any]]:
     """Every case, by name."""
     try:
-        from fsd.estimators.variants import BGLNVariant
-    except ImportError:  # the layout before fsd.moments.evaluators
-        from fsd.moments.corrected import BGLNVariant  # type: ignore[no-redef]
+        from fsd_experiments.ablations import BGLNVariant
+    except ImportError:  # the layouts before the ablations left the library
+        try:
+            from fsd.estimators.variants import BGLNVariant  # type: ignore[no-redef]
+        except ImportError:  # before fsd.moments.evaluators
+            from fsd.moments.corrected import BGLNVariant  # type: ignore[no-redef]
     results: dict[str, dict[str, Any]] = {}
     flat, image = (6,), (2, 8, 8)
     for dtype in (torch.float32, torch.float64):

@@ -49,8 +49,8 @@ import fsd
 from corrected_conv import sampled_bgln
 from fsd.estimators.base import Estimator, load
 from fsd.estimators.exact_fsd import ExactFSD
-from fsd.estimators.variants import BGLNVariant
 from fsd.model.rules import routing_statistics
+from fsd_experiments.ablations import BGLNVariant
 from fsd_experiments.benchmarks import Task, make_tasks
 from fsd_experiments.continual.reporting import _gap_checkpoint, _run_settings
 from fsd_experiments.continual.runner import build_model, checked_matrix, summary_outputs

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsd
-from fsd.estimators.variants import BGLNVariant
+from fsd_experiments.ablations import BGLNVariant
 from fsd_experiments.models import cifar_cnn, conv_net
 from fsd_experiments.result_tables import corrected_conv_table
 from penalty import median_ms, perturbed

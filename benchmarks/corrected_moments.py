@@ -32,8 +32,8 @@ from unittest import mock
 import torch
 
 import fsd
-from fsd.estimators.variants import BGLNVariant
 from fsd.moments import corrected
+from fsd_experiments.ablations import BGLNVariant
 from fsd_experiments.compare import mlp
 from fsd_experiments.data import TensorBatches
 from fsd_experiments.result_tables import penalty_timing_header, penalty_timing_row

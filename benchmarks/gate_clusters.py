@@ -38,7 +38,7 @@ from torch import nn
 import fsd
 from cnn_gap_chain import TrainedRun, run_arguments
 from fsd.estimators.exact_fsd import ExactFSD
-from fsd.estimators.variants import BGLNVariant
+from fsd_experiments.ablations import BGLNVariant
 from fsd_experiments.continual.runner import summary_outputs
 from fsd_experiments.data import TensorBatches
 from fsd_experiments.stats import kmeans_labels

@@ -922,7 +922,7 @@ def test_statistics_after_records_the_final_network_in_evaluation_mode():
     # ground truth: the library's own fit from the data (a traced pass, not the collector's
     # hooks) at the same parameters, which reads the network in evaluation mode
     from fsd import StatisticsCollector
-    from fsd.estimators.variants import BGLNVariant
+    from fsd_experiments.ablations import BGLNVariant
     from fsd_experiments.benchmarks import Task
     from fsd_experiments.continual.runner import _record_after
     from fsd_experiments.data import TensorBatches

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsd
-from fsd.estimators.variants import BGLNVariant
 from fsd.model.rules import RULES, FixedRule, register_rule
 from fsd.testing import dense_bgln_cnn, enumerated_gates
+from fsd_experiments.ablations import BGLNVariant
 
 SHAPE = (1, 6, 6)
 

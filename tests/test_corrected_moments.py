@@ -10,7 +10,6 @@ from torch import nn
 
 import fsd
 from fsd.covariance import low_rank_plus_diagonal
-from fsd.estimators.variants import BGLNVariant
 from fsd.model.signature import model_state
 from fsd.moments.corrected import (
     ablated_second_moment,
@@ -19,6 +18,7 @@ from fsd.moments.corrected import (
     truncated_input,
 )
 from fsd.moments.exact import input_factor
+from fsd_experiments.ablations import BGLNVariant
 
 
 def _mlp(hidden=2, seed=0, d=5, width=6, outputs=3):

@@ -15,8 +15,9 @@ from torch import nn
 
 import fsd
 from conftest import DTYPE, cnn, labelled_batches, mlp, perturbed
-from fsd.estimators.variants import BGLNVariant
 from fsd.moments import evaluators
+from fsd.moments.corrected import corrected_reference
+from fsd_experiments.ablations import BGLNVariant
 
 
 class Residual(nn.Module):
@@ -152,8 +153,8 @@ def test_names_that_left_their_module_forward_to_where_they_live():
     import fsd.model.plan
     with pytest.warns(DeprecationWarning, match="fsd.model.plan.chain"):
         assert fsd.graph.chain is fsd.model.plan.chain
-    with pytest.warns(DeprecationWarning, match="fsd.estimators.variants"):
-        assert fsd.corrected_moments.BGLNVariant is BGLNVariant
+    with pytest.warns(DeprecationWarning, match="fsd.moments.corrected"):
+        assert fsd.corrected_moments.corrected_reference is corrected_reference
     with pytest.warns(DeprecationWarning, match="fsd.model.linearize"):
         from fsd.interpreter import propagate_linearized
     assert propagate_linearized is fsd.model.linearize.propagate_linearized

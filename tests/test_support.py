@@ -264,7 +264,7 @@ def test_walker_of_finds_an_estimators_row():
     assert support.walker_of(fsd.LAFTR, fsd.LAFTR().config) is support.LAFTR
     assert support.walker_of(fsd.BGLN, fsd.BGLN(
         deterministic=True, moments="corrected").config) is support.BGLN_D_CORRECTED
-    from fsd.estimators.variants import BGLNVariant  # a subclass: its base class's rows
+    from fsd_experiments.ablations import BGLNVariant  # a subclass: its base class's rows
     assert support.walker_of(BGLNVariant, BGLNVariant().config) is support.BGLN_D_CORRECTED
     assert support.walker_of(BGLNVariant, BGLNVariant(
         moments="no-gate-variance").config) is support.BGLN_D

@@ -12,7 +12,6 @@ import sys
 import warnings
 from types import ModuleType
 
-from .estimators import variants  # noqa: F401  # registers BGLNVariant, so fsd.load reads it
 from .estimators.base import Estimator, NotFittedError, from_payload, load
 from .estimators.batches import iter_batches
 from .estimators.ewc import EWC
@@ -68,7 +67,6 @@ _OLD_PATHS = {
     "fsd.ewc": "fsd.estimators.ewc",
     "fsd.kfac": "fsd.estimators.kfac",
     "fsd.summary_set": "fsd.estimators.summary_set",
-    "fsd.moment_variants": "fsd.estimators.variants",
     "fsd.regularizer": "fsd.uses.regularizer",
     "fsd.calibration": "fsd.uses.calibration",
     "fsd.influence": "fsd.uses.influence",
@@ -81,7 +79,6 @@ _OLD_NAMES = {
         "trace": "fsd.model.plan", "TracedLayer": "fsd.model.rules", "GateFn": "fsd.model.rules"},
     "fsd.graph": {name: "fsd.model.plan" for name in (
         "chain", "traced_graph", "gate_nodes", "GateNode", "ChainStep")},
-    "fsd.corrected_moments": {"BGLNVariant": "fsd.estimators.variants"},
 }
 
 

@@ -19,7 +19,7 @@ from fsd.estimators.exact_fsd import ExactFSD
 from fsd.estimators.kfac import KFAC
 from fsd.estimators.linearized import BGLN, LAFTR
 from fsd.estimators.ntk import NTK
-from fsd.estimators.variants import BGLNVariant
+from fsd_experiments.ablations import BGLNVariant
 
 from .benchmarks import CIFAR_BENCHMARKS, CL_BENCHMARKS, default_model
 
@@ -84,9 +84,22 @@ class Preset:
             return self.options.get("moments") != "no-cross-covariance"
         if self.estimator is BGLN:
             return not self.options.get("deterministic", False) or (
-                self.options.get("moments", "paper") == "paper"
+                self.options.get("moments", "paper") in ("paper", "corrected")
                 and self.options.get("reference", "propagated") == "propagated")
         return True
+
+    @property
+    def residual(self) -> bool:
+        """Runs on residual networks (``fsd cl --model resnet``).
+
+        The convolutional methods but the BGLN-D walks of chains only (Algorithm 2 and the
+        ablations); the corrected recursion walks graphs (:mod:`fsd.moments.corrected_graph`).
+        """
+        if self.estimator is BGLNVariant:
+            return False
+        if self.estimator is BGLN and self.options.get("deterministic", False):
+            return self.options.get("moments") == "corrected"
+        return self.convolutional
 
     @property
     def needs_statistics(self) -> bool:
@@ -119,8 +132,9 @@ class Preset:
             options.update(covariance="lowrank", rank=hp["rank"])
         if self.metric_applies and hp.get("metric") is not None:
             options["metric"] = hp["metric"]
-        if hp.get("injection_rank") is not None:
-            options["injection_rank"] = hp["injection_rank"]
+        if hp.get("injection_rank") is not None:  # an ablation of the corrected recursion
+            return BGLNVariant(**{**self.options, **options,
+                                  "injection_rank": hp["injection_rank"]})
         return self.make(**options)
 
 
@@ -172,18 +186,19 @@ _ROWS: tuple[Preset, ...] = (
            {"deterministic": True, "moments": "exact", "reference": "layerwise",
             "covariance": "full"},
            family="bgln-d", layer_moments=True, **_FULL),
-    # prototypes (fsd.moments.corrected, corrected_conv on CNNs): exact moments without the
+    # ablations (fsd.moments.corrected, corrected_conv on CNNs): exact moments without the
     # gates' own variance / without Cov(a0, Δa) — Algorithm 2's two omissions, one at a
-    # time — and the mean-gate network plus the gate variance carried by the mean-gate rows
+    # time; then the corrected recursion (the mean-gate network plus the gate variance
+    # carried by the mean-gate rows: fsd.BGLN(deterministic=True, moments="corrected"))
     Preset("bgln-d-no-gate-variance", "BGLN-D (no gate variance)", BGLNVariant,
            {"moments": "no-gate-variance", "covariance": "full"}, family="bgln-d", **_FULL),
     Preset("bgln-d-no-cross-covariance", "BGLN-D (no cross-covariance)", BGLNVariant,
            {"moments": "no-cross-covariance", "covariance": "full"}, family="bgln-d", **_FULL),
     # (rank 64, as fsd cl stores it: with a full covariance and two hidden layers the
     # corrected recursion is exact moments, see fsd.moments.corrected)
-    Preset("bgln-d-corrected", "BGLN-D (corrected)", BGLNVariant,
-           {"moments": "corrected", "covariance": "lowrank", "rank": 64}, family="bgln-d",
-           **_FULL),
+    Preset("bgln-d-corrected", "BGLN-D (corrected)", BGLN,
+           {"deterministic": True, "moments": "corrected", "covariance": "lowrank", "rank": 64},
+           family="bgln-d", **_FULL),
     # the gates' injections sized from the covariance's top 8 directions plus the diagonal
     # they miss (the mean-gate term keeps all 64): the form whose penalty is within 2× of
     # Algorithm 2's for one summary (docs/moments.md)
@@ -192,8 +207,9 @@ _ROWS: tuple[Preset, ...] = (
            family="bgln-d", **_FULL),
     # one mixture component per class (moments and gate frequencies per class), as
     # bgln-d-cw is for Algorithm 2
-    Preset("bgln-d-corrected-cw", "BGLN-D-CW (corrected)", BGLNVariant,
-           {"moments": "corrected", "covariance": "lowrank", "rank": 64, "classwise": True},
+    Preset("bgln-d-corrected-cw", "BGLN-D-CW (corrected)", BGLN,
+           {"deterministic": True, "moments": "corrected", "covariance": "lowrank", "rank": 64,
+            "classwise": True},
            family="bgln-d-cw", classwise=True, **_FULL),
     # the same with each ReLU → max-pool pair as one draw per window (CNNs; on MLPs the same
     # as bgln-d-corrected)
@@ -208,6 +224,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in _ROWS}
 CL_METHODS: tuple[str, ...] = tuple(p.name for p in _ROWS if p.name != "bgln-d-exact-layerwise")
 #: the methods of ``fsd cl`` that run on the CNN (``--model cnn``)
 CNN_METHODS: tuple[str, ...] = tuple(m for m in CL_METHODS if PRESETS[m].convolutional)
+#: the methods of ``fsd cl`` that run on the residual CNN (``--model resnet``)
+RESIDUAL_METHODS: tuple[str, ...] = tuple(m for m in CL_METHODS if PRESETS[m].residual)
 _BY_TITLE: dict[str, Preset] = {p.title: p for p in _ROWS}
 
 
@@ -339,7 +357,7 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
         # parameters in evaluation mode (the function the penalty then guards)
         "statistics": "last-epoch",
     } | (_EXACT_MOMENTS if method.startswith("bgln-d-exact")
-         or PRESETS[method].estimator is BGLNVariant else {})
+         or PRESETS[method].options.get("moments") in _OURS else {})
 
 
 # BGLN-D with exact moments is ours, not the paper's: its defaults are the setting measured
@@ -347,3 +365,6 @@ def default_hyperparameters(benchmark: str, method: str) -> dict[str, Any]:
 # The authors' all-logit convention belongs to Algorithm 2, whose estimate collapses; with
 # exact moments it held the new head back (one seed: 53.9 % average, the last task unlearned).
 _EXACT_MOMENTS = {"penalty_outputs": "head", "rank": 64}
+# the moment recursions whose methods take those defaults (exact moments, the corrected
+# recursion and its ablations)
+_OURS = ("exact", "corrected", "no-gate-variance", "no-cross-covariance")

@@ -705,7 +705,9 @@ def from_payload(payload: Any, origin: str = "summary") -> Estimator:
     name = payload.get("estimator")
     cls = ESTIMATORS.get(name) if isinstance(name, str) else None
     if cls is None:
-        raise SummaryFormatError(f"unknown estimator {name!r} in {origin}")
+        raise SummaryFormatError(f"unknown estimator {name!r} in {origin} (an estimator class "
+                                 f"defined outside fsd is known once its module is imported, "
+                                 f"e.g. fsd_experiments.ablations for BGLNVariant)")
     # an entry of another name (a damaged "checksums" key among them) would otherwise pass
     # the file off as one written before checksums
     unexpected = sorted(map(repr, set(payload) - _PAYLOAD_ENTRIES))

@@ -8,12 +8,15 @@ E‖Δz‖² takes one of several walks of the model, each an :class:`Evaluator`
   (:mod:`fsd.moments.algorithm2_conv`);
 - ``"exact"``: exact moments on a chain of flat layers (:mod:`fsd.moments.exact`);
 - ``"exact-graph"``: exact moments on a graph of flat layers (:mod:`fsd.moments.exact_graph`);
-- ``"corrected"``, ``"no-gate-variance"``, ``"no-cross-covariance"``: the corrected recursion
-  and two ablations on chains of flat layers (:mod:`fsd.moments.corrected`, prototypes);
-- ``"corrected-conv"``, ``"no-gate-variance-conv"``: the first two on chains with convolutions
-  and pools (:mod:`fsd.moments.corrected_conv`, prototypes);
+- ``"corrected"``: the corrected recursion on chains of flat layers
+  (:mod:`fsd.moments.corrected`);
+- ``"corrected-conv"``: the corrected recursion on chains with convolutions and pools
+  (:mod:`fsd.moments.corrected_conv`);
 - ``"corrected-graph"``: the corrected recursion on graphs — residual MLPs and CNNs
-  (:mod:`fsd.moments.corrected_graph`, a prototype).
+  (:mod:`fsd.moments.corrected_graph`).
+
+The ablations of the corrected recursion (``"no-gate-variance"``, ``"no-cross-covariance"``,
+``"no-gate-variance-conv"``) are registered by ``fsd_experiments.ablations``.
 
 ``fit`` picks one (:func:`choose`) and the summary records its name (``meta["evaluator"]``);
 the estimator's distance and :class:`fsd.SummarySet`'s batching talk to the interface only.
@@ -163,8 +166,13 @@ def names() -> list[str]:
 # ----- the choice at fit -------------------------------------------------------------------
 _CHAIN_NAMES: dict[str, str] = {"paper": "algorithm2", "exact": "exact", "corrected": "corrected"}
 #: the evaluator of each ``moments`` on a chain with convolutions or pools
-_CONV_NAMES: dict[str, str] = {"paper": "algorithm2-conv", "corrected": "corrected-conv",
-                               "no-gate-variance": "no-gate-variance-conv"}
+_CONV_NAMES: dict[str, str] = {"paper": "algorithm2-conv"}
+
+
+def _conv_name(moments: str) -> str | None:
+    """The registered evaluator of ``moments`` on chains with convolutions (``<name>-conv``)."""
+    name = _CONV_NAMES.get(moments, f"{moments}-conv")
+    return name if name in _EVALUATORS else None
 
 
 def choose(layers: list[TracedLayer] | None, config: Mapping[str, Any],
@@ -188,8 +196,9 @@ def choose(layers: list[TracedLayer] | None, config: Mapping[str, Any],
     if moments == "paper":
         _check_affine_first(layers)
     if not flat:
-        if moments in _CONV_NAMES:
-            return get(_CONV_NAMES[moments])
+        conv = _conv_name(moments)
+        if conv is not None:
+            return get(conv)
         use = support.advice(support.BGLN_D, support.Feature.UNFLAT)
         raise NotImplementedError(f"BGLN-D with moments={moments!r} walks MLP chains "
                                   f"only; {use}")
@@ -254,7 +263,7 @@ def recorded(meta: Mapping[str, Any], config: Mapping[str, Any]) -> Evaluator:
     allowed = {"exact": ("exact", "exact-graph"),
                "corrected": ("corrected", "corrected-conv", "corrected-graph")}.get(
         config["moments"], (_CHAIN_NAMES.get(config["moments"], config["moments"]),
-                            _CONV_NAMES.get(config["moments"])))
+                            _conv_name(config["moments"])))
     if name not in allowed:
         raise SummaryFormatError(f"{source}: {name!r} does not evaluate moments="
                                  f"{config['moments']!r}")
@@ -314,7 +323,7 @@ class _ChainEvaluator(Evaluator):
 
     def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
         """The reference side (:attr:`reference_side`), the output rows and θ0."""
-        parts = self._common(walk, summary)
+        parts = self.shared_parts(walk, summary)
         with torch.no_grad():
             parts["reference"] = self.reference_side(walk, summary.params0, summary.mean,
                                                      summary.covariance, summary.gate_means,
@@ -322,7 +331,9 @@ class _ChainEvaluator(Evaluator):
         parts["params0"] = summary.params0
         return parts
 
-    def _common(self, layers: list[TracedLayer], summary: MomentSummary) -> dict[str, Any]:
+    def shared_parts(self, layers: list[TracedLayer], summary: MomentSummary
+                     ) -> dict[str, Any]:
+        """The gate statistics, the output rows and the components' weights."""
         return {"gate_means": summary.gate_means,
                 "output_rows": summary.output_rows(_chain_output_size(layers, summary.params0)),
                 "weights": summary.weights}
@@ -535,16 +546,25 @@ class CorrectedGraph(Evaluator):
         return (parts["weights"] * 0.5 * value.clamp_min(0)).sum()
 
 
-class _Variant(_ChainEvaluator):
-    """The moment variants of :mod:`fsd.moments.corrected` (prototypes, MLP chains)."""
+class Corrected(_ChainEvaluator):
+    """The corrected recursion on chains of flat layers (:mod:`fsd.moments.corrected`).
+
+    Algorithm 2's rows plus the gates' variance injected at every gate and carried to the
+    outputs. A subclass with :attr:`gate_variance` ``False`` is the mean-gate network alone
+    (an ablation, ``fsd_experiments.ablations``).
+    """
+
+    name = "corrected"
+    #: add the gates' injected variance (``False``: the mean-gate network alone)
+    gate_variance: ClassVar[bool] = True
 
     def stack_key(self, summary: MomentSummary) -> tuple | None:
         """One pass per covariance form and injection rank for one-component summaries.
 
-        The dense ablation, and class-wise summaries, go one by one: stacked, every class
-        would carry its own copy of ΔW (the hand-written pass takes one ΔW per component).
+        Class-wise summaries go one by one: stacked, every class would carry its own copy of
+        ΔW (the hand-written pass takes one ΔW per component).
         """
-        if self.name == "no-cross-covariance" or summary.weights.shape[0] > 1:
+        if summary.weights.shape[0] > 1:
             return None
         return (self.name, *_form(summary.covariance), summary.config.get("injection_rank"))
 
@@ -573,57 +593,41 @@ class _Variant(_ChainEvaluator):
         return stacked
 
     def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
-        """The corrected reference side (none for the dense ablation)."""
-        parts = self._common(walk, summary)
-        if self.name != "no-cross-covariance":
-            with torch.no_grad():
-                parts["reference"] = corrected.corrected_reference(
-                    walk, summary.params0, summary.mean, summary.covariance,
-                    summary.gate_means, summary.config.get("injection_rank"))
+        """The corrected reference side, the output rows and θ0."""
+        parts = self.shared_parts(walk, summary)
+        with torch.no_grad():
+            parts["reference"] = corrected.corrected_reference(
+                walk, summary.params0, summary.mean, summary.covariance,
+                summary.gate_means, summary.config.get("injection_rank"))
         parts.update(params0=summary.params0, mean=summary.mean,
                      covariance=summary.covariance)
         return parts
 
     def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
                  ) -> Tensor:
-        """½ of the variant's second moment, mixed over components."""
-        if self.name == "no-cross-covariance":
-            value = corrected.ablated_second_moment(
-                walk, parts["params0"], params1, parts["mean"], parts["covariance"],
-                parts["gate_means"], parts["output_rows"], cross_covariance=False)
-        else:  # without the gate variance: the mean-gate network, by the rows alone
-            value = corrected.corrected_second_moment(
-                walk, parts["params0"], params1, parts["reference"], parts["gate_means"],
-                parts["output_rows"], gate_variance=self.name == "corrected")
+        """½ E‖PΔz‖², mixed over components."""
+        value = corrected.corrected_second_moment(
+            walk, parts["params0"], params1, parts["reference"], parts["gate_means"],
+            parts["output_rows"], gate_variance=self.gate_variance)
         assert isinstance(value, Tensor)
         return (parts["weights"] * 0.5 * value.clamp_min(0)).sum()
 
 
-class Corrected(_Variant):
-    """Algorithm 2 with the gates' variance carried to the outputs (the corrected recursion)."""
+class ConvCorrected(_ConvEvaluator):
+    """The corrected recursion on chains with convolutions and pools (``corrected_conv``).
 
-    name = "corrected"
+    A subclass with :attr:`gate_variance` ``False`` is the mean-gate network alone (an
+    ablation, ``fsd_experiments.ablations``).
+    """
 
-
-class NoGateVariance(_Variant):
-    """The mean-gate network alone: the corrected recursion without its correction."""
-
-    name = "no-gate-variance"
-
-
-class NoCrossCovariance(_Variant):
-    """Exact moments without Cov(a0, Δa) (dense; an ablation)."""
-
-    name = "no-cross-covariance"
-
-
-class _ConvVariant(_ConvEvaluator):
-    """The corrected recursion on chains with convolutions and pools (prototype)."""
+    name = "corrected-conv"
+    #: add the injections at gates and max-pools (``False``: the mean-gate network alone)
+    gate_variance: ClassVar[bool] = True
 
     def check(self, walk: Walk, summary: MomentSummary) -> None:
         """The routing check, and refuse a parameter-free layer whose rule has no squared map."""
         super().check(walk, summary)
-        if self.name == "corrected-conv":
+        if self.gate_variance:
             corrected_conv.check_squared(walk)
 
     def _reference(self, steps: list, summary: MomentSummary,
@@ -631,33 +635,20 @@ class _ConvVariant(_ConvEvaluator):
         return corrected_conv.conv_reference(
             steps, summary.params0, summary.mean, summary.covariance, statistics,
             summary.input_shape, summary.config.get("injection_rank"),
-            injections=self.name == "corrected-conv")
+            injections=self.gate_variance)
 
     def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
                  ) -> Tensor:
         """½ E‖PΔz‖², mixed over components."""
         value = corrected_conv.conv_second_moment(
             parts["steps"], parts["params0"], params1, parts["reference"], parts["statistics"],
-            parts["output_rows"], gate_variance=self.name == "corrected-conv")
+            parts["output_rows"], gate_variance=self.gate_variance)
         assert isinstance(value, Tensor)
         return (parts["weights"] * 0.5 * value.clamp_min(0)).sum()
 
 
-class ConvCorrected(_ConvVariant):
-    """The corrected recursion on chains with convolutions and pools."""
-
-    name = "corrected-conv"
-
-
-class ConvNoGateVariance(_ConvVariant):
-    """The mean-gate network alone on chains with convolutions and pools."""
-
-    name = "no-gate-variance-conv"
-
-
 for _evaluator in (Algorithm2(), ExactMoments(), ConvAlgorithm2(), GraphExactMoments(),
-                   Corrected(), NoGateVariance(), NoCrossCovariance(), ConvCorrected(),
-                   ConvNoGateVariance(), CorrectedGraph()):
+                   CorrectedGraph(), Corrected(), ConvCorrected()):
     register(_evaluator)
 
 

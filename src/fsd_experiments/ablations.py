@@ -1,27 +1,43 @@
-"""BGLN-D with a moment recursion between Algorithm 2 and exact moments (prototypes).
+"""The corrected recursion's ablations: BGLN-D between Algorithm 2 and exact moments.
 
-The maths is :mod:`fsd.moments.corrected` (:mod:`fsd.moments.corrected_conv` on CNNs); the
-evaluators that run it are in :mod:`fsd.moments.evaluators`. Not part of the public API: the
-ablations and the corrected estimator, for the fidelity study and continual-learning
-experiments (``fsd_experiments.presets``).
+For the fidelity study and the continual-learning experiments (``fsd_experiments.presets``:
+``bgln-d-no-gate-variance``, ``bgln-d-no-cross-covariance``, ``bgln-d-corrected-cut``,
+``bgln-d-corrected-fired``), not recommended to users and so not in the library:
+
+- :class:`BGLNVariant`, BGLN-D with ``moments`` one of :data:`VARIANTS`, the injections sized
+  from a cut covariance (``injection_rank``) or fired max-pool routing (``pool_routing``);
+- the evaluators of the two omissions of Algorithm 2 taken one at a time, registered with
+  :mod:`fsd.moments.evaluators` when this module is imported: ``"no-gate-variance"`` and
+  ``"no-gate-variance-conv"`` (the mean-gate network: the corrected recursion without its
+  injections) and ``"no-cross-covariance"`` (exact moments without Cov(a0, Δa), dense).
+
+A summary of :class:`BGLNVariant` loads with :func:`fsd.load` once this module is imported.
+The maths is the library's (:mod:`fsd.moments.corrected`, :mod:`fsd.moments.corrected_conv`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
-from ..moments.corrected import VARIANTS
-from .linearized import BGLN
+from torch import Tensor
 
+from fsd import BGLN
+from fsd.moments import corrected
+from fsd.moments.evaluators import ConvCorrected, Corrected, MomentSummary, Walk, register
+
+#: the moment recursions of :class:`BGLNVariant` (``moments=``)
+VARIANTS: tuple[str, ...] = ("corrected", "no-gate-variance", "no-cross-covariance")
 #: the max-pool routing models of :class:`BGLNVariant` (``pool_routing=``)
 POOL_ROUTINGS: tuple[str, ...] = ("independent", "fired")
 
 
 class BGLNVariant(BGLN):
-    """BGLN-D whose moments are one of :data:`fsd.moments.corrected.VARIANTS` (prototype).
+    """BGLN-D whose moments are one of :data:`VARIANTS`: the corrected recursion's ablations.
 
-    Chains only (no graphs: ``fit`` refuses them). ``"corrected"`` and ``"no-gate-variance"``
-    also walk chains with convolutions and pools (:mod:`fsd.moments.corrected_conv`);
+    Chains only (no graphs: ``fit`` refuses them). ``moments="corrected"`` with the default
+    options is :class:`fsd.BGLN` with ``deterministic=True, moments="corrected"``.
+    ``"corrected"`` and ``"no-gate-variance"`` also walk chains with convolutions and pools
+    (:mod:`fsd.moments.corrected_conv`);
     ``"no-cross-covariance"`` (dense) MLP chains only. :func:`fsd.combine` stacks
     ``"corrected"`` and ``"no-gate-variance"`` summaries of MLP chains with one component
     (not class-wise) into one call per covariance form; the others go one by one.
@@ -72,3 +88,42 @@ class BGLNVariant(BGLN):
             self.config["injection_rank"] = injection_rank
         if pool_routing != "independent":  # likewise
             self.config["pool_routing"] = pool_routing
+
+class NoGateVariance(Corrected):
+    """The mean-gate network alone on MLP chains: the corrected recursion without injections."""
+
+    name = "no-gate-variance"
+    gate_variance = False
+
+class ConvNoGateVariance(ConvCorrected):
+    """The mean-gate network alone on chains with convolutions and pools."""
+
+    name = "no-gate-variance-conv"
+    gate_variance = False
+
+class NoCrossCovariance(Corrected):
+    """Exact moments without Cov(a0, Δa) on MLP chains (dense; Algorithm 2's other omission)."""
+
+    name = "no-cross-covariance"
+
+    def stack_key(self, summary: MomentSummary) -> tuple | None:
+        """Never stacked: the dense recursion goes summary by summary."""
+        return None
+
+    def prepare(self, walk: Walk, summary: MomentSummary) -> dict[str, Any]:
+        """The output rows, θ0 and the input moments (nothing else is fixed after fit)."""
+        parts = self.shared_parts(walk, summary)
+        parts.update(params0=summary.params0, mean=summary.mean,
+                     covariance=summary.covariance)
+        return parts
+
+    def distance(self, walk: Walk, parts: dict[str, Any], params1: Mapping[str, Tensor]
+                 ) -> Tensor:
+        """½ E‖PΔz‖² with Cov(a0, Δa) dropped after every gate, mixed over components."""
+        value = corrected.ablated_second_moment(
+            walk, parts["params0"], params1, parts["mean"], parts["covariance"],
+            parts["gate_means"], parts["output_rows"], cross_covariance=False)
+        return (parts["weights"] * 0.5 * value.clamp_min(0)).sum()
+
+for _evaluator in (NoGateVariance(), ConvNoGateVariance(), NoCrossCovariance()):
+    register(_evaluator)
