@@ -251,3 +251,29 @@ def test_checkpoint_older_than_the_model_setting_resumes(tmp_path, fashion_dir, 
     again = json.loads((tmp_path / "results.json").read_text())
     assert again["accuracy_matrix"] == first["accuracy_matrix"]
     assert again["hyperparameters"]["model"] == "mlp"
+
+
+@pytest.mark.parametrize("method", ["finetune", "osla", "bgln-d-corrected"])
+def test_split_fashion_mnist_with_the_residual_cnn(tmp_path, fashion_dir, capsys, method):
+    # the small ResNet (residual additions, a conv1×1 shortcut, adaptive pooling) trains,
+    # resumes, reports as a ResNet, and fsd cl gap walks its checkpoints
+    extra = ["--rank", "8"] if method.startswith("bgln-d") else []
+    res = _run_and_resume(tmp_path, fashion_dir, "split-fashion-mnist", method, "--model",
+                          "resnet", "--tasks", "2", "--batch-size", "8", *extra, capsys=capsys)
+    assert len(res["accuracy_matrix"]["3"]) == 2 and res["hyperparameters"]["model"] == "resnet"
+    state = torch.load(tmp_path / "checkpoints" / "seed3" / "state.pt", weights_only=True)
+    assert state["model"]["layer2.downsample.weight"].shape == (32, 16, 1, 1)
+    assert "ResNet" in continual.report([str(tmp_path)])
+    if method != "finetune":
+        rows = penalty_gap(tmp_path, str(fashion_dir), examples=20)
+        assert [r["task"] for r in rows] == [1] and rows[0]["true_fsd"] > 0
+
+
+def test_a_method_that_walks_chains_only_is_refused_on_the_residual_cnn(tmp_path, fashion_dir,
+                                                                        capsys):
+    # before any training, in one line naming the methods that run on it
+    assert _cl(tmp_path / "run", fashion_dir, "split-fashion-mnist", "bgln-d", "--model",
+               "resnet") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bgln-d does not run on the residual CNN" in err[0]
+    assert "bgln-d-corrected" in err[0] and not (tmp_path / "run" / "results.json").exists()

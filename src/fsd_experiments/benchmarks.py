@@ -26,10 +26,10 @@ CL_BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist", "split-fashio
 #: CIFAR-100 classes each (classes 0–9, 10–19, … in order)
 CIFAR_BENCHMARKS: dict[str, int] = {"split-cifar100": 6, "split-cifar100-11": 11}
 #: the networks ``fsd cl --model`` trains (:mod:`fsd_experiments.models`): the MLP, the CNN,
-#: and the CNN with average pools in place of its max-pools
-MODELS: tuple[str, ...] = ("mlp", "cnn", "cnn-avgpool")
+#: the CNN with average pools in place of its max-pools, and a small ResNet
+MODELS: tuple[str, ...] = ("mlp", "cnn", "cnn-avgpool", "resnet")
 #: the convolutional ones among :data:`MODELS`
-CNN_MODELS: tuple[str, ...] = ("cnn", "cnn-avgpool")
+CNN_MODELS: tuple[str, ...] = ("cnn", "cnn-avgpool", "resnet")
 #: the benchmarks whose first two tasks ``fsd fidelity`` uses
 FIDELITY_BENCHMARKS: tuple[str, ...] = ("split-mnist", "permuted-mnist")
 #: Split MNIST's tasks: digit pairs, in order

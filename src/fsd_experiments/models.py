@@ -1,4 +1,4 @@
-"""The networks the studies train: the ReLU MLP and the paper's Split CIFAR100 CNN."""
+"""The networks the studies train: the ReLU MLP, the paper's Split CIFAR100 CNN, a small ResNet."""
 
 from __future__ import annotations
 
@@ -62,3 +62,51 @@ def cifar_cnn(heads: int = 6, classes_per_head: int = 10, *,
     parameter count); dropout holds no parameters.
     """
     return conv_net((3, 32, 32), heads * classes_per_head, dropout=dropout)
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet block without BatchNorm: conv3×3, ReLU, conv3×3, + shortcut, ReLU.
+
+    The shortcut is the identity, or a strided conv1×1 where the shape changes (torchvision's
+    ``downsample``).
+    """
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride=stride, padding=1)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1)
+        self.relu2 = nn.ReLU()
+        self.downsample = (nn.Conv2d(inplanes, planes, 1, stride=stride)
+                           if stride != 1 or inplanes != planes else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """relu(conv2(relu(conv1(x))) + shortcut(x))."""
+        return self.relu2(self.conv2(self.relu1(self.conv1(x))) + self.downsample(x))
+
+
+class ResidualNet(nn.Module):
+    """A small torchvision-style ResNet for any image shape: the residual CNN of ``fsd cl``.
+
+    Stem conv3×3 16 + ReLU + max-pool 2, a block of 16, a block of 32 at stride 2 with a conv1×1
+    shortcut, adaptive average pooling to 1×1, and one Linear of ``outputs`` units (all heads
+    side by side). No BatchNorm: while later tasks train, its running statistics would move
+    under the summaries of earlier tasks, which model the network at their own task's end.
+    P = 19,562 + 33·(outputs − 10) on one-channel images.
+    """
+
+    def __init__(self, input_shape: tuple[int, int, int], outputs: int) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(input_shape[0], 16, 3, padding=1)
+        self.relu = nn.ReLU()
+        self.pool = nn.MaxPool2d(2)
+        self.layer1 = BasicBlock(16, 16)
+        self.layer2 = BasicBlock(16, 32, stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.flatten = nn.Flatten()
+        self.fc = nn.Linear(32, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of all heads."""
+        x = self.pool(self.relu(self.stem(x)))
+        return self.fc(self.flatten(self.avgpool(self.layer2(self.layer1(x)))))

@@ -21,7 +21,7 @@ from ..argtypes import (
 from ..benchmarks import MODELS
 from ..data import add_data_options
 from ..io import DirectoryInUseError, atomic_write_text
-from ..presets import CNN_METHODS
+from ..presets import CNN_METHODS, RESIDUAL_METHODS
 from .reporting import (
     UNFINISHED_LINE,
     comparison_plot,
@@ -201,7 +201,10 @@ def _add_run_options(parser: argparse.ArgumentParser, *, enforce_required: bool)
                         help="the network: mlp (2 hidden ReLU layers), cnn (the paper's "
                              "Split CIFAR-100 CNN, 4 conv + 2 dense layers, for any image "
                              "shape; runs " + ", ".join(CNN_METHODS) + ") or cnn-avgpool "
-                             "(the same with average pools in place of its max-pools) "
+                             "(the same with average pools in place of its max-pools) or "
+                             "resnet (a small ResNet: stem, two residual blocks, one with a "
+                             "conv1×1 shortcut, adaptive average pooling; runs "
+                             + ", ".join(RESIDUAL_METHODS) + ") "
                              "(default: cnn on Split CIFAR-100, else mlp)")
     parser.add_argument("--optimizer", choices=OPTIMIZER_MODES, default=None,
                     help="shared: one Adam for the whole stream (default, the authors' code); "

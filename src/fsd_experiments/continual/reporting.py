@@ -241,7 +241,8 @@ def _protocol(hp: Hyperparameters, benchmark: str, method: str, device: str = "c
     paper = default_hyperparameters(benchmark, method)
     epochs = f"{hp.epochs} ep" if hp.first_epochs is None else \
         f"{hp.first_epochs}+{hp.epochs} ep"
-    network = {"mlp": f"w {hp.width}", "cnn": "CNN"}.get(hp.model, "CNN, average pools")
+    network = {"mlp": f"w {hp.width}", "cnn": "CNN", "resnet": "ResNet"}.get(
+        hp.model, "CNN, average pools")
     parts = [epochs, f"bs {hp.batch_size}", f"λ {hp.fsd_scale:g}", f"lr {hp.lr:g}", network]
     settings = hp.to_dict()
     changed = [k for k in SETTINGS if settings[k] != paper[k]]

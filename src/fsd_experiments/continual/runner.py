@@ -41,7 +41,7 @@ from ..io import (
     refuse_nested,
     remove_stale_temporaries,
 )
-from ..models import conv_net, mlp
+from ..models import ResidualNet, conv_net, mlp
 from ..presets import CL_METHODS, PRESETS, Preset
 from ..training import LossFn, train
 from .results import RunResults, SeedResult, write_results
@@ -167,13 +167,16 @@ def penalty_weights(num_previous: int, mode: str) -> list[float]:
     return ContinualRegularizer.reduction_weights(num_previous, mode)
 
 
-def build_model(hp: Hyperparameters, input_shape: Sequence[int], outputs: int) -> nn.Sequential:
+def build_model(hp: Hyperparameters, input_shape: Sequence[int], outputs: int) -> nn.Module:
     """The network of ``hp.model`` for inputs of ``input_shape`` (C, H, W) and ``outputs`` units.
 
     ``"mlp"``: :func:`~fsd_experiments.models.mlp` of ``hp.width`` and ``hp.depth`` on the
     flattened input; ``"cnn"``: :func:`~fsd_experiments.models.conv_net`; ``"cnn-avgpool"``:
-    the same with average pools.
+    the same with average pools; ``"resnet"``: :class:`~fsd_experiments.models.ResidualNet`.
     """
+    if hp.model == "resnet":
+        channels, height, width = (int(d) for d in input_shape)
+        return ResidualNet((channels, height, width), outputs)
     if hp.model in CNN_MODELS:
         channels, height, width = (int(d) for d in input_shape)
         return conv_net((channels, height, width), outputs,

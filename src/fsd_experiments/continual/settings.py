@@ -12,7 +12,7 @@ from typing import Any
 from fsd.metrics import check_metric
 
 from ..benchmarks import CNN_MODELS, MODELS, check_validation
-from ..presets import CL_METHODS, CNN_METHODS, PRESETS, default_hyperparameters
+from ..presets import CL_METHODS, CNN_METHODS, PRESETS, RESIDUAL_METHODS, default_hyperparameters
 
 OPTIMIZER_MODES: tuple[str, ...] = ("shared", "per-task")
 PENALTY_MODES: tuple[str, ...] = ("mean", "sum")
@@ -102,6 +102,9 @@ class Hyperparameters:
         paper = default_hyperparameters(benchmark, method)
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+        if self.model == "resnet" and method not in RESIDUAL_METHODS:
+            raise ValueError(f"{method} does not run on the residual CNN; the methods that do: "
+                             f"{', '.join(RESIDUAL_METHODS)}")
         if self.model in CNN_MODELS and method not in CNN_METHODS:
             raise ValueError(f"{method} does not run on the CNN; the methods that do: "
                              f"{', '.join(CNN_METHODS)}")
