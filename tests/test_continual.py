@@ -974,3 +974,22 @@ def test_statistics_option_reaches_the_run_and_its_report(tmp_path):
             ("bgln-s", {"statistics": "later"}, "statistics must be one of")):
         with pytest.raises(ValueError, match=message):
             continual.run_continual("split-mnist", method, [0], tmp_path / "x", **options)
+
+
+def test_keep_freed_memory_applies_under_glibc():
+    import platform
+
+    from fsd_experiments.training import keep_freed_memory
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's mallopt only")
+    assert keep_freed_memory() is True
+    assert keep_freed_memory() is True  # again: the same settings, no error
+
+
+@needs_mnist
+def test_a_run_keeps_freed_memory_mapped(tmp_path, monkeypatch):
+    from fsd_experiments.continual import runner
+    calls = []
+    monkeypatch.setattr(runner, "keep_freed_memory", lambda: calls.append(1) or True)
+    _run(tmp_path, "split-mnist", "finetune", "--tasks", "2", "--width", "32")
+    assert calls == [1]

@@ -81,6 +81,35 @@ def test_summary_set_checks_architecture():
     raise AssertionError("a summary set accepted a model of another architecture")
 
 
+def test_summary_set_checks_every_batched_member_against_the_model(monkeypatch):
+    """The model's signature is read once per call, but every member's is compared with it."""
+    import fsd.estimators.summary_set as summary_set
+    model, data = _mlp(), _data()
+    other = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 7), nn.ReLU(),
+                          nn.Linear(7, 4)).double()
+    fitted = fsd.BGLN(deterministic=True).fit(model, data)
+    stranger = fsd.BGLN(deterministic=True).fit(other, data)
+    twin = fsd.BGLN(deterministic=True).fit(model, data)
+    assert summary_set._batch_key(fitted) == summary_set._batch_key(stranger)  # one batch
+    reads = []
+    real = fsd.BGLN._full_signature
+
+    def counting(self, module):
+        reads.append(module)
+        return real(self, module)
+
+    monkeypatch.setattr(fsd.BGLN, "_full_signature", counting)
+    moved = _moved(model, 0.3, seed=5)
+    fsd.combine([fitted, twin]).distance(moved)
+    assert len(reads) == 1
+    for members in ([fitted, stranger], [stranger, fitted]):
+        try:
+            fsd.combine(members).distance(moved)
+        except fsd.ArchitectureMismatchError:
+            continue
+        raise AssertionError("a summary set accepted a member fitted on another architecture")
+
+
 def _record_stacked_params(monkeypatch, name):
     """Patch fsd.moments.evaluators' ``name`` to record the stacked params0 of every call."""
     import fsd.moments.evaluators as evaluators

@@ -10,6 +10,8 @@ penalty(model)``, ``backward``, ``optimizer.step``, then the step hook.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Literal
 
@@ -19,6 +21,37 @@ from tqdm.auto import tqdm
 
 #: a data loss: ``loss(model, x, y)`` → scalar tensor (it runs the forward pass itself)
 LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
+
+#: glibc's ``mallopt`` parameters (``<malloc.h>``)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: what :func:`keep_freed_memory` keeps: freed memory at the heap's top up to 256 MiB, and
+#: blocks up to 32 MiB (glibc's largest mmap threshold) served from the heap
+KEEP_FREED_BYTES, HEAP_BLOCK_BYTES = 256 << 20, 32 << 20
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc's malloc reuse freed memory instead of handing it back to the system.
+
+    A penalised step allocates and frees buffers of a few MB (e.g. one first-layer matrix per
+    stored summary). By default glibc returns such memory to the kernel, and every step
+    then pays a page fault per 4 KiB page to get it back: with four corrected BGLN-D
+    summaries of the 784-256-256-10 MLP some 2,300 faults a step, and a quarter of its median
+    time on a 2-core VM. This sets a fixed mmap threshold (32 MiB) and a trim threshold of
+    256 MiB for the whole process, so memory stays mapped between steps. The numbers are
+    unchanged: only where the buffers live.
+
+    Returns whether it applied: ``False`` off Linux or without glibc's ``mallopt``.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # musl's mallopt exists and does nothing (returns 0)
+    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCK_BYTES)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BYTES))
 
 
 def cross_entropy(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:

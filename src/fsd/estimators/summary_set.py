@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from ..model.calls import call_key
 from ..model.plan import trace
-from ..model.signature import model_state
+from ..model.signature import check_signature, model_state
 from ..model.tracing import unwrap
 from ..precision import float32_view
 from .base import Estimator, evaluation_mode, model_dtype_device
@@ -116,9 +116,15 @@ class SummarySet:
         assert isinstance(first, BGLN)  # _batch_key batches BGLN-D summaries only
         evaluator = first._evaluator
         layers = trace(first.bind(model))
+        # the members call the model alike: its signature is read once, not once per member
+        # (what Estimator.check_architecture reads for each; a step with K summaries paid K)
+        signatures: dict[type, Any] = {}
         for i in members:
             estimator = self.estimators[i]
-            estimator.check_architecture(model)
+            kind = type(estimator)
+            if kind not in signatures:
+                signatures[kind] = estimator._full_signature(estimator.bind(model))
+            check_signature(estimator._meta["signature"], signatures[kind])
             estimator.place(dtype, device)
         # a member fitted again holds new tensors (a new dict): its parts are stacked again
         key = (tuple(members), tuple(id(self.estimators[i]._stored) for i in members),

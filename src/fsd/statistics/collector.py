@@ -73,7 +73,9 @@ class MomentAccumulator:
         total = self.count + n
         delta = (mean - self.mean).to(self.mean.device)
         correction = delta.pow(2) if self.diagonal else torch.outer(delta, delta)
-        self._m2 = self._m2 + m2.to(self._m2.device) + correction * (self.count * n / total)
+        # in place (the first merge cloned _m2): a fresh d×d buffer per batch cost page faults;
+        # the same additions in the same order, so the same bits
+        self._m2.add_(m2.to(self._m2.device)).add_(correction.mul_(self.count * n / total))
         self.mean = self.mean + delta * (n / total)
         self.count = total
 

@@ -43,7 +43,7 @@ from ..io import (
 )
 from ..models import ResidualNet, conv_net, mlp
 from ..presets import CL_METHODS, PRESETS, Preset
-from ..training import LossFn, train
+from ..training import LossFn, keep_freed_memory, train
 from .results import RunResults, SeedResult, write_results
 from .settings import PENALTY_MODES, Hyperparameters, RunSettings
 
@@ -564,6 +564,8 @@ def run(settings: RunSettings) -> RunResults:
     out = Path(settings.out)
     done: list[SeedResult] = []
     results: RunResults | None = None
+    # the penalised steps allocate and free MB-sized buffers: kept mapped, not faulted in anew
+    keep_freed_memory()
     refuse_nested(out, is_checkpoint_folder, CHECKPOINT_FOLDER)
     # fsd writes, locks and cleans only a folder that is new, empty or its own
     claim_directory(out, RUN_FOLDER, earlier=_earlier_run_folder)
