@@ -1,6 +1,8 @@
-"""BGLN-D variants between Algorithm 2 and exact moments: ablations and a corrected estimator.
+"""The corrected recursion for BGLN-D on MLP chains, and the dense ablations it came from.
 
-A prototype (not exported from :mod:`fsd`; :class:`BGLNVariant` is built by name). Algorithm 2
+``fsd.BGLN(deterministic=True, moments="corrected")`` walks MLP chains by
+:func:`corrected_second_moment` (the evaluator ``"corrected"``); the ablations below are run
+by ``fsd_experiments.ablations``. Algorithm 2
 (:func:`fsd.moments.algorithm2.delta_moments`) differs from exact moments
 (:mod:`fsd.moments.exact`) in two places: it gates second moments by μμᵀ instead of
 Q = μμᵀ + diag(μ(1−μ)) (it drops the gates' own variance), and it drops Cov(a0, Δa).
@@ -71,9 +73,6 @@ from .exact import (
     input_factor,
     input_offsets,
 )
-
-#: the variants :class:`fsd.estimators.variants.BGLNVariant` computes (``moments=``)
-VARIANTS: tuple[str, ...] = ("corrected", "no-gate-variance", "no-cross-covariance")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The corrected recursion (:mod:`fsd.moments.corrected`) on chains with convolutions and pools.
 
-A prototype, like the MLP version. BGLN on a chain of affine runs (Conv2d, BatchNorm in
+``fsd.BGLN(deterministic=True, moments="corrected")`` on CNN chains (the evaluator
+``"corrected-conv"``). BGLN on a chain of affine runs (Conv2d, BatchNorm in
 evaluation, Linear, with parameter-free linear layers between them), gates and max-pools is
 the *mean-gate network* — every gate replaced by its mean, every max-pool routed by its
 expected routing (:func:`fsd.model.rules.expected_routing`), as

@@ -1,6 +1,7 @@
 """The corrected recursion (:mod:`fsd.moments.corrected_conv`) on graphs: residual networks.
 
-A prototype, like the chain versions. BGLN on a traced graph of affine layers (Linear, Conv2d
+``fsd.BGLN(deterministic=True, moments="corrected")`` on models that are not chains (the
+evaluator ``"corrected-graph"``). BGLN on a traced graph of affine layers (Linear, Conv2d
 with zero padding, BatchNorm in evaluation), gates, max-pools and parameter-free linear
 operations (``+``, ``-``, ``torch.cat``, flattening and views, slicing, ``mean``, average
 pools, scaling by a constant, Identity and Dropout) is, as on a chain, the *mean-gate network*

@@ -502,7 +502,7 @@ class GraphExactMoments(Evaluator):
 
 
 class CorrectedGraph(Evaluator):
-    """The corrected recursion on traced graphs: residual MLPs and CNNs (prototype).
+    """The corrected recursion on traced graphs: residual MLPs and CNNs.
 
     :mod:`fsd.moments.corrected_graph`: the mean-gate network's rows by autograd, the
     injections sized by factor images plus diagonally carried parts.

@@ -3,7 +3,7 @@
 :class:`ContinualRegularizer` keeps one fitted summary per finished task and returns the
 paper's penalty (eq. 3) for the current parameters::
 
-    reg = fsd.ContinualRegularizer(lambda: fsd.BGLN(deterministic=True, moments="exact"),
+    reg = fsd.ContinualRegularizer(lambda: fsd.BGLN(deterministic=True, moments="corrected"),
                                    strength=1.0)
     for task in tasks:
         for x, y in task.loader:
@@ -66,7 +66,7 @@ class ContinualRegularizer:
 
     Args:
         estimator: builds a fresh, unfitted estimator for each task (e.g.
-            ``lambda: fsd.BGLN(deterministic=True, moments="exact")``). Not needed to
+            ``lambda: fsd.BGLN(deterministic=True, moments="corrected")``). Not needed to
             evaluate loaded summaries, only to fit new ones.
         strength: λ, the penalty's weight.
         reduction: ``"sum"`` — Σ_t D_t, the paper's eq. 3 — or ``"mean"`` — (1/T) Σ_t D_t,
