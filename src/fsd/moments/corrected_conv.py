@@ -87,6 +87,27 @@ def _fixed_squared(layer: TracedLayer, x: Tensor) -> Tensor:
     return _batched(lambda v: squared(layer.module, v), x)
 
 
+def image_input(cov: Covariance, groups: int, input_shape: tuple[int, ...],
+                injection_rank: int | None) -> tuple[Tensor, Tensor | None, Tensor,
+                                                     Tensor | None]:
+    """The input's factor and diagonal that size the injections, and the whole ones as images.
+
+    The factor (G, r, d) and diagonal (G, d) are cut to ``injection_rank`` directions plus the
+    diagonal they miss (:func:`fsd.moments.corrected.truncated_input`) when it is given; the
+    whole factor and diagonal, as images (G, r, *input_shape) and (G, 1, *input_shape), give
+    the mean-gate network's term.
+    """
+    factor, residual = input_factor(cov, groups)
+    signal_factor = factor.reshape(groups, factor.shape[1], *input_shape)
+    signal_residual = None if residual is None else residual.reshape(groups, 1, *input_shape)
+    if injection_rank is not None:
+        phi = torch.cat([factor.transpose(-1, -2), factor.new_zeros(groups, factor.shape[-1], 1)],
+                        -1)
+        phi, residual = truncated_input(phi, residual, injection_rank)
+        factor = phi[..., :-1].transpose(-1, -2)
+    return factor, residual, signal_factor, signal_residual
+
+
 def check_squared(layers: list[TracedLayer]) -> None:
     """Refuse a layer whose variances the squared coefficients do not carry.
 
@@ -256,14 +277,8 @@ def conv_reference(steps: list[Step], params0: Mapping[str, Tensor], mean: Tenso
         network alone) leaves the carried parts and injections out.
     """
     groups = mean.shape[0]
-    factor, residual = input_factor(cov, groups)  # (G, r, d), (G, d)
-    signal_factor = factor.reshape(groups, factor.shape[1], *input_shape)
-    signal_residual = None if residual is None else residual.reshape(groups, 1, *input_shape)
-    if injection_rank is not None:
-        phi = torch.cat([factor.transpose(-1, -2), factor.new_zeros(groups, factor.shape[-1], 1)],
-                        -1)
-        phi, residual = truncated_input(phi, residual, injection_rank)
-        factor = phi[..., :-1].transpose(-1, -2)
+    factor, residual, signal_factor, signal_residual = image_input(cov, groups, input_shape,
+                                                                   injection_rank)
     columns = torch.cat([mean.reshape(groups, 1, *input_shape),
                          factor.reshape(groups, factor.shape[1], *input_shape)], 1)
     carried = None if residual is None or not injections else \

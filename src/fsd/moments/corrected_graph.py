@@ -68,8 +68,6 @@ from ..model import rules, support
 from ..model.plan import read
 from ..model.rules import TracedLayer, is_affine, is_fixed, is_pool
 from ..model.tracing import evaluate, unwrap
-from .algorithm2_conv import input_factor
-from .corrected import truncated_input
 from .corrected_conv import (
     _carry_delta,
     _carry_reference,
@@ -80,6 +78,7 @@ from .corrected_conv import (
     _run_reference,
     _square_routed,
     check_squared,
+    image_input,
 )
 
 Op = Callable[[list[Tensor]], Tensor]
@@ -430,14 +429,8 @@ def reference(steps: GraphSteps, params0: Mapping[str, Tensor], mean: Tensor, co
         :func:`fsd.moments.corrected_conv.conv_reference`.
     """
     groups = mean.shape[0]
-    factor, residual = input_factor(cov, groups)
-    signal_factor = factor.reshape(groups, factor.shape[1], *input_shape)
-    signal_residual = None if residual is None else residual.reshape(groups, 1, *input_shape)
-    if injection_rank is not None:
-        phi = torch.cat([factor.transpose(-1, -2), factor.new_zeros(groups, factor.shape[-1], 1)],
-                        -1)
-        phi, residual = truncated_input(phi, residual, injection_rank)
-        factor = phi[..., :-1].transpose(-1, -2)
+    factor, residual, signal_factor, signal_residual = image_input(cov, groups, input_shape,
+                                                                   injection_rank)
     columns: dict[str, Tensor] = {}
     carried: dict[str, Tensor | None] = {}
     n00: dict[str, Tensor] = {}
