@@ -21,7 +21,7 @@ TOY = ["toy", "--out", "{out}"]
 BAD = {
     **{f"cl {option} {value}": [*CL, option, value] for option, value in [
         ("--tasks", "-1"), ("--tasks", "0"), ("--train-subset", "-5"), ("--test-subset", "0"),
-        ("--epochs", "0"), ("--first-epochs", "0"), ("--model", "resnet"), ("--width", "0"),
+        ("--epochs", "0"), ("--first-epochs", "0"), ("--model", "vgg"), ("--width", "0"),
         ("--batch-size", "0"), ("--lr", "0"),
         ("--lr", "inf"), ("--fsd-scale", "nan"), ("--fsd-scale", "-5"), ("--momentum", "1"),
         ("--coreset-size", "0"), ("--num-samples", "0"), ("--rank", "0"), ("--injection-rank", "0"),
