@@ -654,3 +654,77 @@ def test_an_in_place_write_seen_through_an_earlier_view_is_refused_in_one_line()
         assert "\n" not in str(info.value)
     # the estimators that run the forward take it
     assert float(fsd.ExactFSD().fit(model, x).distance(perturbed(model, 0.3))) > 0
+
+
+# ----------------------------------------------------------------------------------------
+# copies and views that keep every value (Avalanche's SimpleMLP calls x.contiguous() and
+# x.view(x.size(0), input_size))
+# ----------------------------------------------------------------------------------------
+class CopyingMLP(nn.Module):
+    """An MLP on images whose forward copies and views its input as frameworks write it."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.style = style
+        self.fc1, self.relu, self.fc2 = nn.Linear(12, 6), nn.ReLU(inplace=True), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.style == "avalanche":  # avalanche.models.SimpleMLP's first two lines
+            x = x.contiguous()
+            x = x.view(x.size(0), 12)
+        elif self.style == "copies":
+            x = torch.clone(x.detach()).reshape(x.shape[0], 12)
+            x = self.relu(self.fc1(x)).clone()
+            return self.fc2(x.contiguous())
+        else:  # the twin: nn.Flatten, as every walker has always taken it
+            x = x.flatten(1)
+        return self.fc2(self.relu(self.fc1(x)))
+
+
+COPY_ESTIMATORS = {
+    **ESTIMATORS,
+    "bgln-d-paper": lambda: fsd.BGLN(deterministic=True, covariance="full"),
+    "bgln-d-corrected": lambda: fsd.BGLN(deterministic=True, moments="corrected",
+                                         covariance="full"),
+    "exact-fsd": lambda: fsd.ExactFSD(), "ntk": lambda: fsd.NTK(), "ewc": lambda: fsd.EWC(),
+    "kfac": lambda: fsd.KFAC(),
+}
+
+
+@pytest.mark.parametrize("name", list(COPY_ESTIMATORS))
+@pytest.mark.parametrize("style", ["avalanche", "copies"])
+def test_copies_and_flattening_views_get_the_value_and_gradient_of_the_twin(name, style):
+    twin = CopyingMLP("twin").to(DTYPE)
+    model = CopyingMLP(style).to(DTYPE)
+    model.load_state_dict(twin.state_dict())
+    x = _vectors(120, 12).reshape(120, 3, 2, 2)
+    y = torch.randint(0, 3, (120,), generator=torch.Generator().manual_seed(0))
+    data = [(x[i:i + 40], y[i:i + 40]) for i in range(0, 120, 40)]
+    torch.manual_seed(0)
+    est = COPY_ESTIMATORS[name]().fit(model, data)
+    torch.manual_seed(0)
+    est_twin = COPY_ESTIMATORS[name]().fit(twin, data)
+    moved, moved_twin = _moved_pair(model, twin, 0.3)
+    _assert_same(_value_and_gradients(est, moved), _value_and_gradients(est_twin, moved_twin))
+    assert float(est.distance(moved)) > 0
+
+
+def test_a_detach_inside_the_network_stays_and_stops_the_gradient():
+    # only a detach of the forward's input is dropped: one after a layer stops its gradient
+    class Stopped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 5), nn.Linear(5, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(torch.relu(self.fc1(x)).detach())
+
+    model = Stopped().to(DTYPE)
+    assert [n.target for n in traced_graph(model).nodes if n.op == "call_method"] == ["detach"]
+    est = fsd.LAFTR(coreset_size=None).fit(model, _vectors(30))
+    moved = perturbed(model, 0.3)
+    value = est.distance(moved)
+    grads = torch.autograd.grad(value, [moved.fc1.weight, moved.fc2.weight],
+                                allow_unused=True)
+    assert grads[0] is None or float(grads[0].abs().max()) == 0
+    assert float(grads[1].abs().max()) > 0

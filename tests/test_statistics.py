@@ -223,6 +223,44 @@ def test_collector_records_per_class_gate_fractions():
     assert stats.covariances.shape == (3, 5)  # diagonal
 
 
+def test_start_and_stop_record_what_the_record_block_records():
+    # a framework callback's two hooks (before and after the forward) instead of a with-block
+    model = mlp([5, 7, 3], seed=8)
+    data = labelled_batches(40, (5,), classes=3, batch=7, seed=9)
+    with StatisticsCollector(model, moments="full") as block, \
+            StatisticsCollector(model, moments="full") as hooks:
+        for x, y in data:
+            with block.record(labels=y):
+                assert block.recording and not hooks.recording
+                model(x)
+            hooks.start(labels=y)
+            assert hooks.recording
+            model(x)
+            hooks.stop()
+            model(x)  # after stop: not recorded
+        hooks.stop()  # a second stop does nothing
+        assert not hooks.recording and hooks.count == block.count == 40
+        want, got = block.finalize(True), hooks.finalize(True)
+    torch.testing.assert_close(got.covariances, want.covariances, rtol=0, atol=0)
+    torch.testing.assert_close(got.means, want.means, rtol=0, atol=0)
+    for path, value in want.gate_means.items():
+        torch.testing.assert_close(got.gate_means[path], value, rtol=0, atol=0)
+
+
+def test_the_training_batch_norm_warning_points_at_the_callers_line():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
+    for begin in ("record", "start"):
+        collector = StatisticsCollector(model.train())
+        with pytest.warns(UserWarning, match="training mode") as caught:
+            if begin == "record":
+                with collector.record():
+                    pass
+            else:
+                collector.start()
+        assert caught[0].filename == __file__, begin
+        collector.remove()
+
+
 def test_collector_records_a_relu_used_twice_per_position():
     relu = nn.ReLU()
     model = nn.Sequential(nn.Linear(3, 4), relu, nn.Linear(4, 4), relu,

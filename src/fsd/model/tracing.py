@@ -118,7 +118,36 @@ def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
             f"({type(error).__name__}: {first}); LAFTR and BGLN need a forward without "
             f"data-dependent control flow — or {_untraceable()}") from None
     _functionalize(graph, dict(model.named_modules()))
+    _drop_copies(graph)
     return fx.GraphModule(model, graph, type(model).__name__)
+
+
+# copies that keep every value (and dtype, and gradient): ``x.contiguous()``, ``x.clone()``
+_COPY_METHODS = frozenset({"contiguous", "clone"})
+_COPY_FUNCTIONS = frozenset({torch.clone})
+
+
+def _drop_copies(graph: fx.Graph) -> None:
+    """Remove the operations that return their input's values unchanged (in place).
+
+    ``contiguous`` and ``clone`` anywhere, and ``detach`` of the forward's input (which has no
+    gradient to stop): each reader reads the operation's input instead. A ``detach`` inside the
+    network stays (it stops gradients to the layers before it). Run after
+    :func:`_functionalize`, so no in-place write can reach a tensor through a removed copy.
+    """
+    for node in list(graph.nodes):
+        source = node.args[0] if node.args else None
+        if not isinstance(source, fx.Node):
+            continue
+        copy = ((node.op == "call_method" and node.target in _COPY_METHODS)
+                or (node.op == "call_function" and node.target in _COPY_FUNCTIONS))
+        detach = source.op == "placeholder" and (
+            (node.op == "call_method" and node.target == "detach")
+            or (node.op == "call_function" and node.target is torch.detach))
+        extra = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, fx.Node)]
+        if (copy or detach) and not extra:
+            node.replace_all_uses_with(source)
+            graph.erase_node(node)
 
 
 # augmented assignments, should fx record them (for tensors Python falls back to ``+``)
@@ -470,8 +499,11 @@ def _flatten_start(node: fx.Node) -> int | None:
         return 1 if end == -1 and start == 1 else None
     if node.op == "call_method" and node.target in ("view", "reshape"):
         shape = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
-        if (len(shape) == 2 and shape[1] == -1 and isinstance(shape[0], fx.Node)
-                and _is_batch_size(shape[0])):
+        # (N, -1), or (N, k) with k a number: a forward that runs has k = the features per
+        # example, so both flatten everything after the batch dimension
+        if (len(shape) == 2 and isinstance(shape[0], fx.Node) and _is_batch_size(shape[0])
+                and isinstance(shape[1], int) and not isinstance(shape[1], bool)
+                and (shape[1] == -1 or shape[1] > 0)):
             return 1
     return None
 

@@ -320,15 +320,40 @@ class StatisticsCollector:
         another function than the one the estimators evaluate (:meth:`fsd.Estimator.fit`
         and ``distance`` read the model in eval mode, with the running statistics).
         """
-        if not self._warned_batch_norm:
-            self._warn_training_batch_norm()
-        self._active, self._labels = True, labels
+        self._begin(labels, stacklevel=5)  # the warning points at the caller's with-statement
         try:
             yield
         finally:
-            self._active, self._labels = False, None
+            self.stop()
 
-    def _warn_training_batch_norm(self) -> None:
+    def start(self, labels: Tensor | None = None) -> None:
+        """Record the forward passes from now until :meth:`stop`: :meth:`record` unrolled.
+
+        For callbacks that see a forward pass from two hooks (a framework's
+        ``before_forward`` and ``after_forward``) rather than around it. A second ``start``
+        before ``stop`` only replaces the labels.
+
+        Args:
+            labels: class labels of the batch(es) that follow (for class-conditional
+                summaries); one start per batch when they change.
+        """
+        self._begin(labels, stacklevel=4)
+
+    def _begin(self, labels: Tensor | None, stacklevel: int) -> None:
+        if not self._warned_batch_norm:
+            self._warn_training_batch_norm(stacklevel)
+        self._active, self._labels = True, labels
+
+    def stop(self) -> None:
+        """Stop recording (what :meth:`start` began); nothing happens if it was not recording."""
+        self._active, self._labels = False, None
+
+    @property
+    def recording(self) -> bool:
+        """Whether forward passes are recorded now (in :meth:`record`, or after :meth:`start`)."""
+        return self._active
+
+    def _warn_training_batch_norm(self, stacklevel: int) -> None:
         training = [name or type(m).__name__ for name, m in unwrap(self._model).named_modules()
                     if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
                     and m.track_running_stats]
@@ -341,7 +366,7 @@ class StatisticsCollector:
                           f"batch-normalised passes, not of the model in eval mode that the "
                           f"estimators measure; "
                           f"record under model.eval() (a pass over the data after training) or "
-                          f"fit(model, data)", stacklevel=4)
+                          f"fit(model, data)", stacklevel=stacklevel)
 
     def remove(self) -> None:
         """Remove the hooks from the model (statistics are kept)."""
