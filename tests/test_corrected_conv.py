@@ -16,20 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsd
+from conftest import perturbed
 from fsd.model.rules import RULES, FixedRule, register_rule
 from fsd.testing import dense_bgln_cnn, enumerated_gates
 from fsd_experiments.ablations import BGLNVariant
 
 SHAPE = (1, 6, 6)
-
-
-def _moved(model: nn.Module, scale: float = 0.3, seed: int = 1) -> nn.Module:
-    moved = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in moved.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return moved
 
 
 def _images(n: int = 300, seed: int = 0) -> torch.Tensor:
@@ -82,7 +74,7 @@ def test_dense_reference_is_gate_enumeration_on_mlps():
 def test_dense_reference_is_the_sampled_bgln_with_random_routing():
     # Monte-Carlo over Gaussian inputs, Bernoulli gates and one-hot routing per window
     m0 = _pool_model()
-    m1 = _moved(m0)
+    m1 = perturbed(m0, 0.3)
     x = _images()
     mu, pi = _firing_and_routing(m0, x)
     mean, cov = _flat_moments(x)
@@ -96,7 +88,7 @@ def test_dense_reference_is_the_sampled_bgln_with_random_routing():
 @pytest.mark.parametrize("moved_scale", [0.1, 0.5])
 def test_corrected_conv_is_exact_for_one_gate_and_a_pool(moved_scale):
     m0 = _pool_model()
-    m1 = _moved(m0, moved_scale)
+    m1 = perturbed(m0, moved_scale)
     x = _images()
     mu, pi = _firing_and_routing(m0, x)
     mean, cov = _flat_moments(x)
@@ -124,7 +116,7 @@ def test_corrected_conv_is_exact_for_a_chain_that_starts_with_a_gate_or_pool(fir
     size = 2 * 6 * 6 if first == "relu" else 2 * 3 * 3
     m0 = nn.Sequential(head, nn.Conv2d(1, 2, 3, padding=1), nn.Flatten(),
                        nn.Linear(size, 3)).double()
-    m1 = _moved(m0)
+    m1 = perturbed(m0, 0.3)
     x = _images()
     mean, cov = _flat_moments(x)
     if first == "relu":
@@ -186,7 +178,7 @@ def test_fired_routing_is_exact_for_a_relu_and_a_pool():
     # one draw per window with P(argmax = p, maximum > 0), no gate: against the dense moments
     # of that model (value and gradient) and a Monte-Carlo run of it
     m0 = _pool_model()
-    m1 = _moved(m0, 0.3)
+    m1 = perturbed(m0, 0.3)
     x = _images()
     fired = _fired_routing(m0, x)
     assert float(fired.sum(-1).max()) < 1  # some windows do not fire: the test can fail
@@ -212,7 +204,7 @@ def test_fired_routing_leaves_a_pool_without_a_relu_before_it_alone():
     torch.manual_seed(2)
     model = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.MaxPool2d(2), nn.ReLU(),
                           nn.Flatten(), nn.Linear(18, 3)).double()
-    moved = _moved(model)
+    moved = perturbed(model, 0.3)
     x = _images()
     fired = BGLNVariant(moments="corrected", covariance="full", pool_routing="fired").fit(model, x)
     default = BGLNVariant(moments="corrected", covariance="full").fit(model, x)
@@ -226,7 +218,7 @@ def test_fired_routing_summaries_save_and_bad_options_are_refused(tmp_path):
     est.save(tmp_path / "fired.fsd")
     back = fsd.load(tmp_path / "fired.fsd")
     assert back.config["pool_routing"] == "fired"
-    m1 = _moved(m0)
+    m1 = perturbed(m0, 0.3)
     torch.testing.assert_close(back.distance(m1), est.distance(m1), rtol=0, atol=0)
     with pytest.raises(ValueError, match="pool_routing must be one of"):
         BGLNVariant(pool_routing="argmax")
@@ -286,7 +278,7 @@ def test_corrected_conv_equals_the_mlp_recursion_on_the_same_network(activation,
     # every layer written as a dense Linear, the MLP corrected recursion walks the same
     # approximation (diagonal carrying per affine layer): the two agree to round-off
     m0 = _conv_chain(activation)
-    m1 = _moved(m0, 0.2)
+    m1 = perturbed(m0, 0.2)
     images = _images()
     labels = torch.arange(3).repeat_interleave(len(images) // 3)
     x = [(images, labels)]
@@ -337,7 +329,7 @@ def test_corrected_conv_is_exact_across_a_pool_between_two_gates():
     m0 = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                        nn.Conv2d(2, 2, 3, padding=1), nn.ReLU(), nn.Flatten(),
                        nn.Linear(18, 3)).double()
-    m1 = _moved(m0, 0.5)
+    m1 = perturbed(m0, 0.5)
     x = _images()
     gates, routings = _statistics(m0, x)
     exact = dense_bgln_cnn(m0, m1, SHAPE, *_flat_moments(x), gates, routings)
@@ -350,7 +342,7 @@ def test_corrected_conv_against_exact_moments_where_it_is_approximate(scale):
     # a second convolution between a gate and a pool correlates the carried injections
     # within a window, which the recursion takes as 0: measured 0.08 % and 1.6 % off
     m0 = _deep()
-    m1 = _moved(m0, scale)
+    m1 = perturbed(m0, scale)
     x = _images()
     gates, routings = _statistics(m0, x)
     exact = float(dense_bgln_cnn(m0, m1, SHAPE, *_flat_moments(x), gates, routings).detach())
@@ -404,4 +396,4 @@ def _refuses_and_falls_back(halve: type[nn.Module]) -> None:
     with pytest.raises(fsd.UnsupportedModuleError, match="squared"):
         BGLNVariant(moments="corrected").fit(model, x)
     # Algorithm 2 and the mean-gate network need no squared map
-    BGLNVariant(moments="no-gate-variance").fit(model, x).distance(_moved(model))
+    BGLNVariant(moments="no-gate-variance").fit(model, x).distance(perturbed(model, 0.3))

@@ -19,7 +19,6 @@ Ground truth, in float64:
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import TypeVar
 
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsd
+from conftest import perturbed
 from fsd.model.linearize import linearized_outputs
 from fsd.model.rules import TracedLayer
 from fsd.model.signature import model_state
@@ -174,15 +174,6 @@ def _built(model: M, seed: int = 0) -> M:
     return model.eval()
 
 
-def _moved(model: nn.Module, scale: float = 0.2, seed: int = 1) -> nn.Module:
-    other = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return other
-
-
 def _input(shape: tuple[int, ...], seed: int = 2, diagonal: float = 0.0
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """A mean (1, d) and a full covariance (1, d, d) (+ ``diagonal`` on its diagonal)."""
@@ -282,7 +273,7 @@ def _dense_call(model0, model1, mean, cov, stats, rows, shape):
 def test_a_chain_mlp_as_a_graph_is_the_chain_recursion():
     shape = (4,)
     model0 = _built(ChainMLP())
-    model1 = _moved(model0)
+    model1 = perturbed(model0, 0.2)
     params0, params1 = _params(model0), _params(model1)
     mean, cov = _input(shape, diagonal=0.1)
     stats = _statistics(model0, shape)
@@ -301,7 +292,7 @@ def test_a_chain_mlp_as_a_graph_is_the_chain_recursion():
 def test_a_chain_cnn_as_a_graph_is_the_conv_recursion():
     shape = (2, 6, 6)
     model0 = _built(ChainCNN())
-    model1 = _moved(model0)
+    model1 = perturbed(model0, 0.2)
     params0, params1 = _params(model0), _params(model1)
     mean, cov = _input(shape, diagonal=0.05)
     stats = _statistics(model0, shape)
@@ -324,7 +315,7 @@ def _exact_graph(model0, params0, params1, mean, cov, stats, rows):
 def test_binary_gates_on_a_residual_mlp_are_exact_moments(model):
     shape = (4,)
     model0 = _built(model())
-    model1 = _moved(model0)
+    model1 = perturbed(model0, 0.2)
     params0, params1 = _params(model0), _params(model1)
     mean, cov = _input(shape, diagonal=0.2)
     stats = _statistics(model0, shape, binary=True)
@@ -337,7 +328,7 @@ def test_binary_gates_on_a_residual_mlp_are_exact_moments(model):
 def test_binary_gates_on_a_resnet_are_the_dense_linear_network_and_its_gradient():
     shape = (2, 4, 4)
     model0 = _built(TinyResNet())
-    model1 = _moved(model0)
+    model1 = perturbed(model0, 0.2)
     params0 = _params(model0)
     mean, cov = _input(shape, diagonal=0.05)
     stats = _statistics(model0, shape, binary=True)
@@ -357,7 +348,7 @@ def test_binary_gates_on_a_resnet_are_the_dense_linear_network_and_its_gradient(
 def test_the_mean_gate_term_is_the_dense_mean_gate_network():
     shape = (2, 4, 4)
     model0 = _built(TinyResNet())
-    model1 = _moved(model0)
+    model1 = perturbed(model0, 0.2)
     mean, cov = _input(shape, diagonal=0.05)
     stats = _statistics(model0, shape)
     rows = _rows(3)
@@ -371,7 +362,7 @@ def test_the_mean_gate_term_is_the_dense_mean_gate_network():
 def test_the_gradient_matches_finite_differences():
     shape = (4,)
     model0 = _built(ResMLP())
-    model1 = _moved(model0)
+    model1 = perturbed(model0, 0.2)
     params0 = _params(model0)
     mean, cov = _input(shape, diagonal=0.2)
     stats = _statistics(model0, shape)
@@ -401,7 +392,7 @@ def test_the_squared_maps_of_the_linear_operations_are_exact_before_one_gate():
     # exactly (Σ J² D), so one gate's injection is sized exactly: equal to exact moments
     shape = (5,)
     model0 = _built(Operations())
-    model1 = _moved(model0)
+    model1 = perturbed(model0, 0.2)
     params0, params1 = _params(model0), _params(model1)
     mean, cov = _input(shape)
     cov = torch.diagonal(cov, dim1=-2, dim2=-1) + 0.3  # the diagonal form
@@ -415,7 +406,7 @@ def test_the_squared_maps_of_the_linear_operations_are_exact_before_one_gate():
 def test_views_means_and_slices_with_binary_gates_are_the_dense_linear_network():
     shape = (4,)
     model0 = _built(Views())
-    model1 = _moved(model0)
+    model1 = perturbed(model0, 0.2)
     mean, cov = _input(shape, diagonal=0.1)
     stats = _statistics(model0, shape, binary=True)
     rows = _rows(2)
@@ -437,7 +428,7 @@ def test_general_means_on_a_residual_mlp_are_near_exact_moments():
     gaps = []
     for seed in range(20):
         model0 = _built(ResMLP(), seed=seed)
-        model1 = _moved(model0, seed=seed + 10)
+        model1 = perturbed(model0, 0.2, seed=seed + 10)
         params0, params1 = _params(model0), _params(model1)
         mean, cov = _input(shape, seed=seed + 20, diagonal=0.2)
         stats = _statistics(model0, shape, seed=seed + 30)
@@ -454,7 +445,7 @@ def test_general_means_on_a_residual_mlp_are_near_exact_moments():
 def test_one_gated_layer_feeding_a_residual_addition_is_exact():
     shape = (4,)
     model0 = _built(OneGate())
-    model1 = _moved(model0)
+    model1 = perturbed(model0, 0.2)
     params0, params1 = _params(model0), _params(model1)
     mean, cov = _input(shape)  # full covariance, no diagonal part: nothing is carried
     stats = _statistics(model0, shape)
@@ -486,7 +477,7 @@ def _monte_carlo(model0, model1, mean, cov, stats, rows, shape, n: int = 20000, 
 def test_a_small_resnet_is_near_the_monte_carlo_of_bgln():
     shape = (2, 4, 4)
     model0 = _built(TinyResNet())
-    model1 = _moved(model0)
+    model1 = perturbed(model0, 0.2)
     mean, cov = _input(shape, diagonal=0.05)
     stats = _statistics(model0, shape)
     rows = _rows(3)
@@ -504,7 +495,7 @@ def test_bgln_d_corrected_fits_a_resnet_saves_and_refuses_a_transformer(tmp_path
     x = torch.randn(64, 2, 6, 6, dtype=DTYPE)
     est = fsd.BGLN(deterministic=True, moments="corrected", covariance="full").fit(model, x)
     assert est._meta["evaluator"] == "corrected-graph"
-    moved = _moved(model, 0.05)
+    moved = perturbed(model, 0.05)
     distance = est.distance(moved)
     assert float(distance.detach()) > 0 and float(est.distance(model).detach()) < 1e-12
     # BGLN-S on the same data: a max-pool routes by its argmax there, by its stored routing
