@@ -19,7 +19,9 @@ shared ``MaxPool2d``). Ground truth:
 from __future__ import annotations
 
 import copy
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -728,3 +730,44 @@ def test_a_detach_inside_the_network_stays_and_stops_the_gradient():
                                 allow_unused=True)
     assert grads[0] is None or float(grads[0].abs().max()) == 0
     assert float(grads[1].abs().max()) > 0
+
+
+GRAPH_FILES = Path(__file__).resolve().parent / "data" / "summaries_fitted_on_graphs"
+
+
+class Copying(nn.Module):
+    """The model of tests/data/summaries_fitted_on_graphs (its README writes them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.relu, self.fc2 = nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        x = x.view(x.size(0), 6)
+        return self.fc2(self.relu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("name", ["LAFTR", "BGLN-S", "BGLN-D-exact", "BGLN-D-corrected"])
+def test_summaries_fitted_when_the_model_was_a_graph_walk_it_and_give_their_distances(name):
+    torch.manual_seed(0)
+    model = Copying().to(DTYPE)
+    moved = Copying().to(DTYPE)
+    moved.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(2)
+        for p in moved.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    want = json.loads((GRAPH_FILES / "distances.json").read_text())[name]
+    old = fsd.load(GRAPH_FILES / f"{name}.fsd")
+    # the last bits may differ: written on another CPU (float64 reductions ordered otherwise)
+    assert float(old.distance(moved)) == pytest.approx(want, rel=1e-12)
+    if name != "BGLN-S":  # the deterministic walks: the chain a fresh fit now takes agrees
+        x = torch.randn(40, 6, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
+        fresh = {"LAFTR": lambda: fsd.LAFTR(coreset_size=None),
+                 "BGLN-D-exact": lambda: fsd.BGLN(deterministic=True, moments="exact",
+                                                  covariance="full"),
+                 "BGLN-D-corrected": lambda: fsd.BGLN(deterministic=True, moments="corrected",
+                                                      covariance="full")}[name]().fit(model, x)
+        assert isinstance(fresh._meta["signature"][0], dict)  # read as a chain now
+        assert float(fresh.distance(moved)) == pytest.approx(want, rel=1e-10)

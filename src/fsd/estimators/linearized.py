@@ -109,20 +109,31 @@ class _LinearizedEstimator(Estimator):
 
         LAFTR and BGLN-S take any graph torch.fx traces; BGLN-D re-raises the chain's error.
         """
-        try:
-            return trace(model)
-        except UnsupportedModuleError as error:
-            if self._deterministic:  # raises unless an evaluator walks graphs
-                evaluators.check_graph(self.config, error)
-            hooks = forward_hooks(model)
-            if hooks:
-                raise UnsupportedModuleError(
-                    f"the model has a {hooks[0]}: {self._name} evaluates the traced graph and "
-                    f"would ignore what the hook changes; remove it or "
-                    f"{support.advice(self._walker, support.Feature.HOOK)}") from None
-            if self.bernoulli:
-                graph_gates(model)  # refuses a forward fx cannot trace
-            return None
+        if not self._fitted_by_graph_walk():
+            try:
+                return trace(model)
+            except UnsupportedModuleError as error:
+                if self._deterministic:  # raises unless an evaluator walks graphs
+                    evaluators.check_graph(self.config, error)
+        hooks = forward_hooks(model)
+        if hooks:
+            raise UnsupportedModuleError(
+                f"the model has a {hooks[0]}: {self._name} evaluates the traced graph and "
+                f"would ignore what the hook changes; remove it or "
+                f"{support.advice(self._walker, support.Feature.HOOK)}") from None
+        if self.bernoulli:
+            graph_gates(model)  # refuses a forward fx cannot trace
+        return None
+
+    def _fitted_by_graph_walk(self) -> bool:
+        """Whether this summary was fitted by the graph walk: its signature lists parameters.
+
+        A chain's signature is one entry (a dict) per layer. A model read as a graph when the
+        summary was fitted (e.g. one whose ``x.contiguous()`` earlier versions did not drop)
+        is walked as a graph again, as its summary and signature were made.
+        """
+        signature = self._meta.get("signature")
+        return bool(signature) and not isinstance(signature[0], dict)
 
     @property
     def _name(self) -> str:
