@@ -663,7 +663,7 @@ def test_an_in_place_write_seen_through_an_earlier_view_is_refused_in_one_line()
 # x.view(x.size(0), input_size))
 # ----------------------------------------------------------------------------------------
 class CopyingMLP(nn.Module):
-    """An MLP on images whose forward copies and views its input as frameworks write it."""
+    """An MLP on images whose forward copies, casts and views its input as frameworks do."""
 
     def __init__(self, style: str) -> None:
         super().__init__()
@@ -678,6 +678,9 @@ class CopyingMLP(nn.Module):
             x = torch.clone(x.detach()).reshape(x.shape[0], 12)
             x = self.relu(self.fc1(x)).clone()
             return self.fc2(x.contiguous())
+        elif self.style == "casts":  # to the model's own dtype (float64 here): no-op casts
+            x = x.double().to(torch.float64).detach().flatten(1)
+            return self.fc2(self.relu(self.fc1(x).to(dtype=torch.float64)).double())
         else:  # the twin: nn.Flatten, as every walker has always taken it
             x = x.flatten(1)
         return self.fc2(self.relu(self.fc1(x)))
@@ -694,7 +697,7 @@ COPY_ESTIMATORS = {
 
 
 @pytest.mark.parametrize("name", list(COPY_ESTIMATORS))
-@pytest.mark.parametrize("style", ["avalanche", "copies"])
+@pytest.mark.parametrize("style", ["avalanche", "copies", "casts"])
 def test_copies_and_flattening_views_get_the_value_and_gradient_of_the_twin(name, style):
     twin = CopyingMLP("twin").to(DTYPE)
     model = CopyingMLP(style).to(DTYPE)
@@ -771,3 +774,32 @@ def test_summaries_fitted_when_the_model_was_a_graph_walk_it_and_give_their_dist
                                                       covariance="full")}[name]().fit(model, x)
         assert isinstance(fresh._meta["signature"][0], dict)  # read as a chain now
         assert float(fresh.distance(moved)) == pytest.approx(want, rel=1e-10)
+
+
+class CastsItsInput(nn.Module):
+    """A float32 MLP whose forward casts its input (float64 data from numpy, say)."""
+
+    def __init__(self, cast: bool = True) -> None:
+        super().__init__()
+        self.cast = cast
+        self.fc1, self.relu, self.fc2 = nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cast:
+            x = x.float()
+        return self.fc2(self.relu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("name", ["laftr", "bgln-d-paper", "bgln-d-corrected"])
+def test_a_cast_of_float64_data_in_a_float32_model_is_a_chain_step(name):
+    make = COPY_ESTIMATORS[name]
+    model, twin = CastsItsInput(), CastsItsInput(cast=False)
+    twin.load_state_dict(model.state_dict())
+    assert type(fsd.trace(model)[0].module).__name__ == "Cast"
+    x = _vectors(80)  # float64
+    est, est_twin = make().fit(model, x), make().fit(twin, x.float())
+    moved, moved_twin = perturbed(model, 0.3, seed=5), CastsItsInput(cast=False)
+    moved_twin.load_state_dict(moved.state_dict())
+    value, value_twin = est.distance(moved), est_twin.distance(moved_twin)
+    assert value.dtype == torch.float32
+    torch.testing.assert_close(value, value_twin, rtol=1e-5, atol=0)

@@ -17,7 +17,7 @@ from fsd.model import rules
 # BatchNorm's rule is checked against the module and hand-folded twins in test_batch_norm.py
 SUPPORTED = {nn.Linear, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.ReLU, nn.LeakyReLU,
              nn.MaxPool2d, nn.AvgPool2d, nn.Flatten, nn.Dropout, nn.Identity,
-             nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.ELU, nn.Softplus}
+             nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.ELU, nn.Softplus, rules.Cast}
 
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -287,6 +287,19 @@ def test_dropout_and_identity_are_the_identity_even_in_training_mode(module):
     rule = rules.rule_for(module, "")
     assert isinstance(rule, fsd.FixedRule) and rule.flat_moments(module)
     assert torch.equal(rule.apply(module, x), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_a_cast_is_the_tensor_cast_and_its_own_squared_map(dtype):
+    # what plans hold for x.float() / x.to(dtype); BGLN-D's flat path takes it as the identity
+    module = rules.Cast(dtype)
+    x = _randn(6, 5, seed=12)
+    rule = rules.rule_for(module, "")
+    assert isinstance(rule, fsd.FixedRule) and rule.flat_moments(module)
+    assert rule.hyper(module) == {"dtype": str(dtype)}
+    assert rule.squared is not None
+    for out in (rule.apply(module, x), rule.squared(module, x), module(x)):
+        assert out.dtype == dtype and torch.equal(out, x.to(dtype))
 
 
 def test_unsupported_module_error_names_class_path_and_the_supported_types():

@@ -21,7 +21,7 @@ from torch import fx, nn
 
 from . import rules, support
 from .hooks import forward_hooks
-from .rules import TracedLayer, UnsupportedModuleError, rule_for
+from .rules import Cast, TracedLayer, UnsupportedModuleError, rule_for
 from .tracing import (
     UNGATED_FUNCTIONS,
     UNGATED_METHODS,
@@ -30,6 +30,7 @@ from .tracing import (
     _replacement,
     _symbolic_trace,
     call_site_paths,
+    cast_dtype,
     unwrap,
 )
 
@@ -349,6 +350,9 @@ def _step(name: str, node: fx.Node, modules: dict[str, nn.Module],
     if node.op == "call_module":
         return ChainStep(sites[node], modules[str(node.target)], False)
     module = _replacement(node)
+    if module is None:
+        dtype = cast_dtype(node)  # x.float(), x.to(torch.float32): a layer with a rule
+        module = None if dtype is None else Cast(dtype)
     if module is not None:
         return ChainStep(node.name, module, True)
     what = getattr(node.target, "__name__", str(node.target))

@@ -887,6 +887,30 @@ register_rule(nn.Flatten, FixedRule(
 register_rule(nn.Dropout, FixedRule(apply=_identity, flat_moments=_always, squared=_identity))
 register_rule(nn.Identity, FixedRule(apply=_identity, flat_moments=_always, squared=_identity))
 
+
+class Cast(nn.Module):
+    """``x.to(dtype)`` as a layer: what a chain holds for ``x.float()`` or ``x.to(torch.float32)``.
+
+    The identity on values: the moment walks, which run in the model's dtype, take it as such.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x`` in this layer's dtype."""
+        return x.to(self.dtype)
+
+
+def _cast(m: nn.Module, x: Tensor) -> Tensor:
+    assert isinstance(m, Cast)  # the rule is registered for Cast only
+    return x.to(m.dtype)
+
+
+register_rule(Cast, FixedRule(apply=_cast, hyper=lambda m: {"dtype": str(m.dtype)},
+                              flat_moments=_always, squared=_cast))
+
 # Smooth activations: elementwise, so flat moments hold; the hyper-parameters that change φ
 # are part of the signature
 for _smooth_type, _smooth_apply, _smooth_hyper in (

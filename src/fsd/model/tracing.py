@@ -130,9 +130,9 @@ _COPY_FUNCTIONS = frozenset({torch.clone})
 def _drop_copies(graph: fx.Graph) -> None:
     """Remove the operations that return their input's values unchanged (in place).
 
-    ``contiguous`` and ``clone`` anywhere, and ``detach`` of the forward's input (which has no
-    gradient to stop): each reader reads the operation's input instead. A ``detach`` inside the
-    network stays (it stops gradients to the layers before it). Run after
+    ``contiguous`` and ``clone`` anywhere, and ``detach`` of the forward's input or of what
+    is computed from it alone (no gradient to stop): each reader reads the operation's input
+    instead. A ``detach`` after a layer stays (it stops gradients to that layer). Run after
     :func:`_functionalize`, so no in-place write can reach a tensor through a removed copy.
     """
     for node in list(graph.nodes):
@@ -141,7 +141,7 @@ def _drop_copies(graph: fx.Graph) -> None:
             continue
         copy = ((node.op == "call_method" and node.target in _COPY_METHODS)
                 or (node.op == "call_function" and node.target in _COPY_FUNCTIONS))
-        detach = source.op == "placeholder" and (
+        detach = _from_input_alone(source) and (
             (node.op == "call_method" and node.target == "detach")
             or (node.op == "call_function" and node.target is torch.detach))
         extra = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, fx.Node)]
@@ -326,6 +326,21 @@ def _functionalize(graph: fx.Graph, modules: dict[str, nn.Module]) -> None:
         join(node, written)
 
 
+def _from_input_alone(node: fx.Node) -> bool:
+    """Whether ``node`` is computed from the forward's inputs without a module or parameter."""
+    seen: set[fx.Node] = set()
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op in ("call_module", "get_attr"):
+            return False
+        pending.extend(current.all_input_nodes)
+    return True
+
+
 def call_site_paths(graph: fx.Graph, modules: dict[str, nn.Module]) -> dict[fx.Node, str]:
     """The key of every module call of a traced graph: what its statistics are stored under.
 
@@ -464,6 +479,27 @@ def _replacement(node: fx.Node) -> nn.Module | None:
         return module
     flatten = _flatten_start(node)
     return None if flatten is None else nn.Flatten(flatten)
+
+
+_CAST_METHODS = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
+                 "bfloat16": torch.bfloat16}
+
+
+def cast_dtype(node: fx.Node) -> torch.dtype | None:
+    """The floating dtype ``node`` casts to: ``x.float()``, ``x.to(torch.float32)``, …; else None.
+
+    Only a cast to a floating dtype and nothing else (no device, no other tensor's dtype).
+    """
+    if node.op != "call_method" or len(node.args) < 1:
+        return None
+    if node.target in _CAST_METHODS and len(node.args) == 1 and not node.kwargs:
+        return _CAST_METHODS[str(node.target)]
+    if node.target == "to":
+        given = [*node.args[1:], *node.kwargs.values()]
+        if (len(given) == 1 and isinstance(given[0], torch.dtype)
+                and given[0].is_floating_point and set(node.kwargs) <= {"dtype"}):
+            return given[0]
+    return None
 
 
 def _inplace(node: fx.Node) -> bool:

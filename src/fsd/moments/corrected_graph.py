@@ -67,7 +67,7 @@ from ..covariance import Covariance
 from ..model import rules, support
 from ..model.plan import read
 from ..model.rules import TracedLayer, is_affine, is_fixed, is_pool
-from ..model.tracing import evaluate, unwrap
+from ..model.tracing import cast_dtype, evaluate, unwrap
 from .corrected_conv import (
     _carry_delta,
     _carry_reference,
@@ -324,6 +324,11 @@ def _operation_node(node: fx.Node, inputs: list[fx.Node], value: dict[fx.Node, A
     if _in(key, _NEG) and len(inputs) == 1:
         return Node("linear", node.name, names, apply=lambda xs: -xs[0],
                     squared=lambda xs: xs[0])
+    dtype = cast_dtype(node)
+    if dtype is not None and len(inputs) == 1:  # x.float(), x.to(torch.float32)
+        def cast(xs: list[Tensor]) -> Tensor:
+            return xs[0].to(dtype)
+        return Node("linear", node.name, names, apply=cast, squared=cast)
     if _in(key, _CAT) and len(inputs) == len(node.all_input_nodes):
         tensors = given[0] if given else node.kwargs.get("tensors")
         dim = node.kwargs.get("dim", given[1] if len(given) > 1 else 0)
