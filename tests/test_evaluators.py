@@ -68,8 +68,13 @@ def test_fit_records_the_evaluator_it_chose_and_load_uses_it(build, shape, make,
     assert torch.equal(loaded.distance(other), value)
 
 
-@pytest.mark.parametrize("build,shape,make,name", [c for c in CASES if c[3] in (
-    "algorithm2", "algorithm2-conv", "exact", "exact-graph")], ids=lambda c: str(c))
+_BEFORE_NAMES = [c for c in CASES if c[3] in ("algorithm2", "algorithm2-conv", "exact",
+                                               "exact-graph")]
+
+
+# ids that do not print functions (their addresses differ between pytest-xdist's workers)
+@pytest.mark.parametrize("build,shape,make,name", _BEFORE_NAMES,
+                         ids=[f"{c[3]}-{i}" for i, c in enumerate(_BEFORE_NAMES)])
 def test_a_summary_written_before_evaluator_names_reads_its_flags(build, shape, make, name):
     model = build()
     estimator = make().fit(model, labelled_batches(48, shape, seed=3))

@@ -714,7 +714,8 @@ def rule_for(module: nn.Module, path: str) -> Rule:
     rule = RULES.get(type(module))
     if rule is None:
         where = path or "<root>"
-        supported = ", ".join(sorted(t.__name__ for t in RULES)) + ", Sequential"
+        # the layers a user writes: not Cast, which plans make of x.float()
+        supported = ", ".join(sorted(t.__name__ for t in RULES if t is not Cast)) + ", Sequential"
         raise UnsupportedModuleError(
             f"module {type(module).__name__} at '{where}' has no rule, so BGLN-D cannot walk "
             f"it (rules: {supported}); add a rule with fsd.register_rule, or "
