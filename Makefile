@@ -26,8 +26,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps backpack-for-pytorch==1.7.1 einops unfoldNd
 	touch $(STAMP)
 
+# the suite in parallel: one pytest worker per core (TEST_WORKERS=0: one process), each with
+# one torch thread (tests/conftest.py), tests handed to whichever worker is free
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 # ruff (pyflakes, import order, bugbear, docstrings of public names) and pyright on the sources
 lint: $(STAMP)

@@ -7,12 +7,20 @@ precision and each test file stays well under a minute on two shared CPU cores.
 from __future__ import annotations
 
 import copy
+import fcntl
 import itertools
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one worker per core: a second torch thread per worker would only
+    # compete with the other workers for the same cores
+    torch.set_num_threads(1)
 
 DTYPE = torch.float64
 
@@ -184,8 +192,12 @@ def real_data() -> Path:
     from datafiles import REAL_DATA_DIR
     from fsd_experiments.data import fetch
 
-    fetch("mnist", REAL_DATA_DIR)
-    fetch("uci", REAL_DATA_DIR)
+    # parallel workers (make test) each ask for the data: one fetches, the others then verify
+    lock_path = Path(tempfile.gettempdir()) / f"fsd-tests-data-{os.getuid()}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        fetch("mnist", REAL_DATA_DIR)
+        fetch("uci", REAL_DATA_DIR)
     return REAL_DATA_DIR
 
 
