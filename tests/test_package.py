@@ -7,7 +7,8 @@ import sys
 
 import fsd
 
-HEAVY = ("matplotlib", "scipy", "fsd_experiments")
+# the framework integrations (fsd.integrations) are imported by their users only
+HEAVY = ("matplotlib", "scipy", "fsd_experiments", "lightning", "fsd.integrations.lightning")
 
 
 def test_importing_fsd_loads_neither_matplotlib_nor_scipy():
