@@ -2,9 +2,14 @@
 
 Three tasks arrive one after another: points in the plane, each task a different region,
 each labelled by a different rule, all learned by one two-class network. Trained task after
-task without a penalty, the network forgets the earlier rules; with the BGLN-D penalty (exact
-moments) it keeps them. LAFTR and BGLN read ``nn.Sequential`` models of the layers listed in
-the README; ExactFSD, NTK, EWC and KFAC take any module. Runs in seconds on a CPU::
+task without a penalty, the network forgets the earlier rules. Over five seeds the BGLN-D
+penalty keeps them on one seed only: on the others the third task's training moves an
+earlier task's outputs while that task's summary reads a small fraction of the move (the
+under-reading the user guide measures on Split MNIST's heads). The exact FSD on each task's
+stored inputs, as large as the data, keeps every task on every seed.
+LAFTR and BGLN read
+``nn.Sequential`` models of the layers listed in the README; ExactFSD, NTK, EWC and KFAC take
+any module. About a minute on a CPU::
 
     python examples/continual_regularizer.py
 """
@@ -44,18 +49,30 @@ def accuracy(model: nn.Module, data: TensorDataset) -> float:
         return 100.0 * float((model(x).argmax(-1) == y).float().mean())
 
 
-def train(penalty_strength: float | None, epochs: int = 10, seed: int = 0) -> list[float]:
-    """Train on the three tasks in order; return the final accuracy on each."""
+PENALTIES = {
+    # the recommended compact summary: a Gaussian of each task's inputs and its gate frequencies
+    "BGLN-D": lambda: fsd.BGLN(deterministic=True, moments="corrected"),
+    # the exact FSD on each task's stored training inputs: the oracle, as large as the data
+    "ExactFSD": lambda: fsd.ExactFSD(),
+}
+
+
+def train(penalty: str | None, strength: float = 1.0, epochs: int = 10,
+          seed: int = 0) -> tuple[list[float], list[float]]:
+    """Train on the three tasks in order, with the penalty named (``None``: fine-tuning).
+
+    Returns each task's test accuracy right after its own training and after all three.
+    """
     torch.manual_seed(seed)
     train_sets = [make_task(c, a, 512, seed + i) for i, (c, a) in enumerate(TASKS)]
     test_sets = [make_task(c, a, 512, 100 + seed + i) for i, (c, a) in enumerate(TASKS)]
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     regularizer = None
-    if penalty_strength is not None:
-        regularizer = fsd.ContinualRegularizer(
-            lambda: fsd.BGLN(deterministic=True, moments="exact"), strength=penalty_strength)
-    for data in train_sets:
+    if penalty is not None:
+        regularizer = fsd.ContinualRegularizer(PENALTIES[penalty], strength=strength)
+    own = []
+    for task, data in enumerate(train_sets):
         loader = DataLoader(data, batch_size=64, shuffle=True,
                             generator=torch.Generator().manual_seed(seed))
         for _ in range(epochs):
@@ -66,20 +83,23 @@ def train(penalty_strength: float | None, epochs: int = 10, seed: int = 0) -> li
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
+        own.append(accuracy(model, test_sets[task]))
         if regularizer is not None:
             regularizer.end_task(model, loader)  # summary of this task at θ_t
-    return [accuracy(model, data) for data in test_sets]
+    return own, [accuracy(model, data) for data in test_sets]
 
 
-def main() -> None:
-    """Print each task's final accuracy with and without the penalty."""
-    plain = train(None)
-    kept = train(penalty_strength=1.0)
-    print("task accuracies after all three tasks (%)")
-    print("fine-tuning:    " + "  ".join(f"{a:6.2f}" for a in plain)
-          + f"   mean {sum(plain) / 3:6.2f}")
-    print("BGLN-D penalty: " + "  ".join(f"{a:6.2f}" for a in kept)
-          + f"   mean {sum(kept) / 3:6.2f}")
+def main(seeds: range = range(5)) -> None:
+    """Each method over ``seeds``: mean final accuracy and the largest loss of an old task."""
+    print("after all three tasks: mean accuracy (%) and the most an earlier task lost "
+          "(points), per seed")
+    for penalty in (None, "BGLN-D", "ExactFSD"):
+        cells = []
+        for seed in seeds:
+            own, final = train(penalty, seed=seed)
+            lost = max(o - f for o, f in zip(own[:-1], final[:-1], strict=True))
+            cells.append(f"{sum(final) / 3:5.1f} (−{max(lost, 0.0):4.1f})")
+        print(f"{penalty or 'fine-tuning':12s} " + "  ".join(cells))
 
 
 if __name__ == "__main__":
