@@ -137,3 +137,25 @@ def test_end_task_fits_the_network_and_a_distributed_run_is_refused_in_one_line(
     assert "\n" not in str(info.value)
     with pytest.raises(TypeError, match="ContinualRegularizer"):
         FSDCallback(object())  # type: ignore[arg-type]
+
+
+def test_the_lightning_example_keeps_the_tasks_with_the_exact_fsd():
+    # examples/lightning_continual.py: the plain-loop example's tasks, trained by Lightning
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    sys.path.insert(0, str(examples))  # it imports the plain example's tasks
+    try:
+        spec = importlib.util.spec_from_file_location("lightning_example",
+                                                      examples / "lightning_continual.py")
+        assert spec is not None and spec.loader is not None
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+        for penalty, keeps in ((None, False), ("ExactFSD", True)):
+            own, final = example.train(penalty, seed=0)
+            lost = max(o - f for o, f in zip(own[:2], final[:2], strict=True))
+            assert (lost < 5) is keeps, (penalty, own, final)
+    finally:
+        sys.path.remove(str(examples))
