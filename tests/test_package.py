@@ -8,7 +8,8 @@ import sys
 import fsd
 
 # the framework integrations (fsd.integrations) are imported by their users only
-HEAVY = ("matplotlib", "scipy", "fsd_experiments", "lightning", "fsd.integrations.lightning")
+HEAVY = ("matplotlib", "scipy", "fsd_experiments", "lightning", "transformers",
+         "fsd.integrations.lightning", "fsd.integrations.transformers")
 
 
 def test_importing_fsd_loads_neither_matplotlib_nor_scipy():
