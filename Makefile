@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[test,lint,docs]"
+	# the pin again: the extras (Lightning, transformers, accelerate) may not move torch
+	$(PY) -m pip install --quiet -e ".[test,lint,docs]" "$(TORCH_PIN)"
 	# BackPACK cross-checks fsd.KFAC in tests/test_kfac.py; its own requirements pull a CUDA
 	# torch and torchvision, so it comes without them (it runs beside the pinned CPU wheel)
 	$(PY) -m pip install --quiet --no-deps backpack-for-pytorch==1.7.1 einops unfoldNd
