@@ -139,13 +139,13 @@ def _drop_copies(graph: fx.Graph) -> None:
         source = node.args[0] if node.args else None
         if not isinstance(source, fx.Node):
             continue
-        copy = ((node.op == "call_method" and node.target in _COPY_METHODS)
-                or (node.op == "call_function" and node.target in _COPY_FUNCTIONS))
+        copies = ((node.op == "call_method" and node.target in _COPY_METHODS)
+                  or (node.op == "call_function" and node.target in _COPY_FUNCTIONS))
         detach = _from_input_alone(source) and (
             (node.op == "call_method" and node.target == "detach")
             or (node.op == "call_function" and node.target is torch.detach))
         extra = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, fx.Node)]
-        if (copy or detach) and not extra:
+        if (copies or detach) and not extra:
             node.replace_all_uses_with(source)
             graph.erase_node(node)
 
