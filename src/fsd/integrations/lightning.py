@@ -75,10 +75,7 @@ class FSDCallback(pl.Callback):
         """Backpropagate λ·Σ D_t / accumulate_grad_batches (scaled as the loss was)."""
         if len(self.regularizer) == 0 or not torch.is_grad_enabled():
             return
-        network = self._network(pl_module)
-        device_type = next(network.parameters()).device.type
-        with torch.autocast(device_type, enabled=False):  # in the parameters' dtype
-            penalty = self.regularizer.penalty(network)
+        penalty = self.regularizer.penalty(self._network(pl_module))  # fsd runs it outside autocast
         scaled = penalty / trainer.accumulate_grad_batches
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:  # 16-mixed: the loss was scaled before its backward

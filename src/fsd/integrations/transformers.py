@@ -78,9 +78,7 @@ class FSDTrainer(Trainer):
         if len(self.regularizer) and model.training and torch.is_grad_enabled():
             unwrapped = self.accelerator.unwrap_model(model)
             network = unwrapped if self.network is None else self.network(unwrapped)
-            device_type = next(network.parameters()).device.type
-            with torch.autocast(device_type, enabled=False):  # in the parameters' dtype
-                penalty = self.regularizer.penalty(network)
+            penalty = self.regularizer.penalty(network)  # fsd runs it outside autocast
             self.last_penalty = penalty.detach()
             if self._scaled_for_accumulation(num_items_in_batch):
                 penalty = penalty / self.current_gradient_accumulation_steps
